@@ -1,0 +1,4 @@
+# Kernels: one translation unit per instruction set, each with its own flags.
+list(APPEND NUMA_MOE_SOURCES
+  native/kernels/kernel_bindings.cpp
+)

@@ -1,0 +1,4 @@
+# Placement: syscalls (mmap/mbind/move_pages/get_mempolicy), CPU features, affinity.
+list(APPEND NUMA_MOE_SOURCES
+  native/placement/placement_bindings.cpp
+)

@@ -1,0 +1,4 @@
+# Per-node pinned workers and the cross-node reduction.
+list(APPEND NUMA_MOE_SOURCES
+  native/workers/worker_bindings.cpp
+)

@@ -1,0 +1,13 @@
+"""numa-moe: NUMA-aware placement toolkit and CPU kernels for Mixture-of-Experts inference.
+
+Layers, bottom up (each imports only from the layers below it):
+
+* ``topology``  - nodes, CPUs, memory, page sizes, CPU features (real or virtual)
+* ``memory``    - interleaved allocation, measured page maps, page migration
+* ``segments``  - the periodic page-to-node segment table (pure math, no syscalls)
+* ``kernels``   - expert FFN kernels over segment lists (AMX, AVX-512, AVX2, reference)
+* ``checkpoint``/``store`` - routed experts of a safetensors checkpoint, loaded interleaved
+* ``moe``       - the NUMA-partitioned MoE layer (per-node workers + reduction)
+"""
+
+__version__ = "0.1.0"
