@@ -1,0 +1,94 @@
+#include "common/cpu_features.hpp"
+
+#include <cerrno>
+#include <cpuid.h>
+#include <cstring>
+#include <mutex>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace numa_moe {
+namespace {
+
+constexpr int kArchGetXcompPerm = 0x1022;
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+unsigned long long read_xcr0() {
+    unsigned int eax = 0, edx = 0;
+    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+    return (static_cast<unsigned long long>(edx) << 32) | eax;
+}
+
+CpuFeatures detect() {
+    CpuFeatures f;
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
+    const bool osxsave = ecx & (1u << 27);
+    f.fma = ecx & (1u << 12);
+    if (osxsave) {
+        const unsigned long long xcr0 = read_xcr0();
+        f.os_avx = (xcr0 & 0x6) == 0x6;
+        f.os_avx512 = f.os_avx && (xcr0 & 0xe0) == 0xe0;
+    }
+    if (__get_cpuid_max(0, nullptr) < 7) return f;
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    f.avx2 = ebx & (1u << 5);
+    f.avx512f = ebx & (1u << 16);
+    f.avx512dq = ebx & (1u << 17);
+    f.avx512bw = ebx & (1u << 30);
+    f.avx512vl = ebx & (1u << 31);
+    f.avx512_vnni = ecx & (1u << 11);
+    f.amx_bf16 = edx & (1u << 22);
+    f.amx_tile = edx & (1u << 24);
+    f.amx_int8 = edx & (1u << 25);
+    __cpuid_count(7, 1, eax, ebx, ecx, edx);
+    f.avx512_bf16 = eax & (1u << 5);
+    return f;
+}
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+    static const CpuFeatures features = detect();
+    return features;
+}
+
+bool has_avx512_bf16_kernels() {
+    const CpuFeatures& f = cpu_features();
+    return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
+}
+
+bool has_avx2_kernels() {
+    const CpuFeatures& f = cpu_features();
+    return f.os_avx && f.avx2 && f.fma;
+}
+
+bool request_amx_permission(std::string* error) {
+    static std::once_flag once;
+    static bool granted = false;
+    static std::string reason;
+    std::call_once(once, [] {
+        const CpuFeatures& f = cpu_features();
+        if (!(f.amx_tile && f.amx_bf16)) {
+            reason = "CPU has no AMX-TILE/AMX-BF16";
+            return;
+        }
+        if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+            reason = std::string("arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: ") +
+                     std::strerror(errno);
+            return;
+        }
+        unsigned long long bitmask = 0;
+        if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &bitmask) != 0 ||
+            !(bitmask & (1ull << kXfeatureXtiledata))) {
+            reason = "arch_prctl granted no XTILEDATA permission";
+            return;
+        }
+        granted = true;
+    });
+    if (!granted && error) *error = reason;
+    return granted;
+}
+
+}  // namespace numa_moe

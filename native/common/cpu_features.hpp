@@ -1,0 +1,39 @@
+// CPU features from cpuid/xgetbv, and the Linux permission for AMX tile state.
+// Baseline x86-64 code: safe to call on any CPU.
+#pragma once
+
+#include <string>
+
+namespace numa_moe {
+
+struct CpuFeatures {
+    bool avx2 = false;
+    bool fma = false;
+    bool avx512f = false;
+    bool avx512bw = false;
+    bool avx512vl = false;
+    bool avx512dq = false;
+    bool avx512_bf16 = false;
+    bool avx512_vnni = false;
+    bool amx_tile = false;
+    bool amx_bf16 = false;
+    bool amx_int8 = false;
+    // The OS saves the register state (XCR0): AVX (ymm), AVX-512 (opmask/zmm).
+    bool os_avx = false;
+    bool os_avx512 = false;
+};
+
+// Detected once, cached.
+const CpuFeatures& cpu_features();
+
+// AVX-512 with the BF16 dot product and OS support: what the avx512 kernels need.
+bool has_avx512_bf16_kernels();
+// AVX2 + FMA with OS support: the portable SIMD path.
+bool has_avx2_kernels();
+
+// Asks Linux for AMX tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM) once per
+// process; returns whether AMX instructions may be executed. `error` receives the reason
+// when it may not (no AMX in cpuid, or the errno of arch_prctl).
+bool request_amx_permission(std::string* error = nullptr);
+
+}  // namespace numa_moe
