@@ -22,5 +22,5 @@ ubsan=$(g++ -print-file-name=libubsan.so)
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export NUMA_MOE_SANITIZED=1
-LD_PRELOAD="$asan:$ubsan" PYTHONPATH="$site" "$python" -m pytest -q -p no:cacheprovider \
+LD_PRELOAD="$asan:$ubsan" PYTHONPATH="$site" "$python" -P -m pytest -q -p no:cacheprovider \
   --ignore=tests/multinode -m "not slow" "$@" tests
