@@ -18,8 +18,9 @@ so a node's share of the matrix is a short list of strided segments
 
 Canonical form (what makes two tables comparable): the table's ``period_rows`` is the
 smallest ``p`` such that row ``r`` and row ``r + p`` have the same (k0, k1, node) runs for
-every ``r + p < rows``; ``None`` when no ``p < rows`` works (the segments are then
-explicit, one row each). Adjacent ranges of the same node inside a row are merged.
+every ``r + p < rows``, provided the pattern repeats at least twice in full
+(``2 p <= rows``); otherwise it is ``None`` and the segments are explicit, one row each
+(``nrows = 1``). Adjacent ranges of the same node inside a row are merged.
 A segment with ``nrows == 1`` always has ``row_stride == 1``. Segments of a node are
 sorted by ``(row0, k0)``. With the same canonical form everywhere, the table computed
 from the interleave rule and the one detected from the measured map of the same buffer
@@ -357,6 +358,8 @@ def _compress(rows: int, runs: _ClassRuns, row_class: np.ndarray, nodes: tuple[i
     ``row_class[r]``."""
     class_ids = _pattern_ids(runs)
     period = _smallest_period(class_ids[row_class])
+    if 2 * period > rows:
+        period = rows
     row0, k0, k1, node = _gather_class_runs(runs, row_class[:period])
     nrows = (rows - row0 + period - 1) // period
     stride = np.where(nrows == 1, 1, period)
@@ -366,6 +369,8 @@ def _compress(rows: int, runs: _ClassRuns, row_class: np.ndarray, nodes: tuple[i
     for n, r0, st, nr, a, b in zip(*columns):
         by_node[n].append(Segment(r0, st, nr, a, b))
     segments = {n: tuple(by_node[n]) for n in sorted(nodes)}
+    # A pattern that does not repeat at least twice in full is not worth calling
+    # periodic (a single moved page would otherwise give e.g. p = rows - 1000).
     return (period if period < rows else None), segments
 
 
@@ -685,8 +690,8 @@ class SegmentTable:
             raise
         except ValueError as exc:
             fail(str(exc))
-        if period is not None and any(s.nrows > 1 and s.row_stride != period
-                                      for segs in table.segments.values() for s in segs):
+        if any(s.nrows > 1 and s.row_stride != period
+               for segs in table.segments.values() for s in segs):
             fail(f"a multi-row segment has a stride other than period_rows={period}")
         return table
 
