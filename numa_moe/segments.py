@@ -695,8 +695,21 @@ class SegmentTable:
             fail(f"a multi-row segment has a stride other than period_rows={period}")
         return table
 
-    def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+    def to_json(self, pretty: bool = False) -> str:
+        """JSON text of :meth:`to_dict`; ``pretty`` puts each field and each segment on
+        its own line (the form :meth:`save` writes)."""
+        data = self.to_dict()
+        if not pretty:
+            return json.dumps(data, separators=(",", ":"))
+        segments = data.pop("segments")
+        lines = [f' {json.dumps(key)}: {json.dumps(value)},' for key, value in data.items()]
+        node_blocks = []
+        for node, segs in segments.items():
+            body = ",\n".join(f"   {json.dumps(seg)}" for seg in segs)
+            node_blocks.append(f'  {json.dumps(node)}: [\n{body}\n  ]' if segs
+                               else f'  {json.dumps(node)}: []')
+        lines.append(' "segments": {\n' + ",\n".join(node_blocks) + "\n }")
+        return "{\n" + "\n".join(lines) + "\n}"
 
     @classmethod
     def from_json(cls, text: str) -> "SegmentTable":
@@ -713,7 +726,7 @@ class SegmentTable:
         fd, tmp = tempfile.mkstemp(prefix=".segment-table-", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(self.to_json(indent=1))
+                out.write(self.to_json(pretty=True))
                 out.write("\n")
                 out.flush()
                 os.fsync(out.fileno())

@@ -254,6 +254,7 @@ def test_json_round_trip(m, data):
                                            nodes=m["nodes"])
     back = SegmentTable.from_json(table.to_json())
     assert back == table
+    assert SegmentTable.from_json(table.to_json(pretty=True)).to_dict() == table.to_dict()
     assert back.to_dict() == table.to_dict()
     assert (back.source, back.page_bytes, back.pages_not_present) == \
         (table.source, table.page_bytes, table.pages_not_present)

@@ -123,7 +123,7 @@ def table(rows, cols, dtype, group, scale_dtype, n_nodes, page, phase, offset_by
         if scales is not None:
             out["scales"] = _summary(scales, page_bytes, n_nodes, scale_phase, 0)
             out["scales"]["group"] = group
-        click.echo(json.dumps(out, indent=1))
+        click.echo(json.dumps(out))
         return
     limit = None if show_all else 16
     _print_table("weights", weights, page, phase, offset_bytes, limit)
