@@ -281,13 +281,53 @@ def _runs_from_page_nodes(rows: int, row_bytes: int, fmt: WeightFormat, page_byt
     change_bytes = change_pages.astype(np.int64) * page_bytes - offset_bytes
     run_nodes = page_node[np.concatenate(([0], change_pages))].astype(np.int64)
     row_bounds = np.arange(rows + 1, dtype=np.int64) * row_bytes
-    cuts = np.union1d(row_bounds, change_bytes)
+    cuts = _sorted_union(row_bounds, change_bytes)
     starts, ends = cuts[:-1], cuts[1:]
     row = starts // row_bytes
     node = run_nodes[np.searchsorted(change_bytes, starts, side="right")]
     row_start = row * row_bytes
     return _ClassRuns(row, fmt.elements_in(starts - row_start),
                       fmt.elements_in(ends - row_start), node, rows)
+
+
+def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted distinct values of two int64 arrays (np.union1d is slow on millions)."""
+    merged = np.concatenate((a, b))
+    merged.sort(kind="stable")
+    keep = np.ones(len(merged), dtype=bool)
+    keep[1:] = merged[1:] != merged[:-1]
+    return merged[keep]
+
+
+# Odd 64-bit multipliers for the row-pattern hash (fixed: results must be reproducible).
+_HASH_MULTIPLIERS = np.random.default_rng(0x6E756D61).integers(
+    1, 2**63, size=4096, dtype=np.int64).astype(np.uint64) | np.uint64(1)
+
+
+def _group_ids(key: np.ndarray) -> np.ndarray:
+    """Exact ids of the rows of an int64 matrix: equal ids <=> equal rows.
+
+    A multiplicative hash groups the rows (one int64 sort instead of a lexicographic
+    sort of the whole matrix); every row is then compared with its group's first row,
+    and on a collision the exact np.unique(axis=0) decides.
+    """
+    m, width = key.shape
+    if width > len(_HASH_MULTIPLIERS) or m < 2:
+        return np.unique(key, axis=0, return_inverse=True)[1].reshape(-1)
+    with np.errstate(over="ignore"):
+        h = (key.astype(np.uint64) * _HASH_MULTIPLIERS[:width]).sum(axis=1, dtype=np.uint64)
+        h ^= h >> np.uint64(31)
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    new_group = np.ones(m, dtype=bool)
+    new_group[1:] = hs[1:] != hs[:-1]
+    group_of_sorted = np.cumsum(new_group) - 1
+    first_of_group = order[np.flatnonzero(new_group)]
+    ids = np.empty(m, dtype=np.int64)
+    ids[order] = group_of_sorted
+    if not np.array_equal(key, key[first_of_group[ids]]):
+        return np.unique(key, axis=0, return_inverse=True)[1].reshape(-1)
+    return ids
 
 
 def _pattern_ids(runs: _ClassRuns) -> np.ndarray:
@@ -301,8 +341,7 @@ def _pattern_ids(runs: _ClassRuns) -> np.ndarray:
         idx = offsets[members][:, None] + np.arange(count)
         # k0 of each run is k1 of the previous one, so (k1, node) pairs identify the list.
         key = np.concatenate((runs.k1[idx], runs.node[idx]), axis=1)
-        _, inverse = np.unique(key, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
+        inverse = _group_ids(key)
         ids[members] = inverse + next_id
         next_id += int(inverse.max()) + 1
     return ids

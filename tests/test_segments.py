@@ -592,3 +592,13 @@ def test_node_array_empty_node_and_int4_bytes():
     assert table.node_array(1).shape == (0, 5)
     assert table.bytes_per_node() == {0: 64, 1: 0}
     assert table.balance() == 2.0
+
+
+def test_pattern_ids_stay_exact_when_the_hash_collides(monkeypatch, rng):
+    key = rng.integers(0, 3, size=(500, 6)).astype(np.int64)
+    expect = np.unique(key, axis=0, return_inverse=True)[1].reshape(-1)
+    # Every row hashes to the same value: the exact comparison must catch it.
+    monkeypatch.setattr(sg, "_HASH_MULTIPLIERS", np.zeros(4096, dtype=np.uint64))
+    got = sg._group_ids(key)
+    same = got[:, None] == got[None, :]
+    np.testing.assert_array_equal(same, expect[:, None] == expect[None, :])
