@@ -15,6 +15,9 @@ const KernelOps& avx512_ops();     // avx512_bf16.cpp (-mavx512f/bw/vl/bf16 -mfm
 const KernelOps& amx_ops();        // amx_bf16.cpp    (real AMX instructions)
 const KernelOps& amx_model_ops();  // amx_bf16.cpp built with -DNUMA_MOE_AMX_MODEL
 
+// The AMX software model on its own (tests): see amx_bf16.cpp.
+void amx_model_tile_dot(const void* config, bool int8, void* c, const void* a, const void* b);
+
 // Benchmark helpers (avx512_bf16.cpp; call only when has_avx512_bf16_kernels()).
 // Reads `bytes` bytes at `data` with 512-bit loads (the streaming-read ceiling);
 // returns a checksum so the loads cannot be elided.

@@ -315,6 +315,17 @@ double py_dpbf16ps_peak(int64_t iterations, int threads) {
     return flops * threads;
 }
 
+// One model instruction on 16 x 64-byte tiles given as uint8 [16, 64] arrays; the
+// model's faults (std::runtime_error) surface as RuntimeError.
+void py_amx_model_tile_dot(const py::array& config, bool int8, py::array& c, const py::array& a, const py::array& b) {
+    if (!has_avx512_bf16_kernels()) fail("amx_model_tile_dot: the model build needs AVX-512-BF16");
+    if (config.nbytes() != 64 || !(config.flags() & py::array::c_style)) fail("config: expected 64 contiguous bytes");
+    for (const py::array* t : std::initializer_list<const py::array*>{&c, &a, &b})
+        if (t->nbytes() != 16 * 64 || !((*t).flags() & py::array::c_style)) fail("tiles: expected 1024 contiguous bytes each");
+    if (!c.writeable()) fail("c: must be writable");
+    kernels::amx_model_tile_dot(config.data(), int8, c.mutable_data(), a.data(), b.data());
+}
+
 }  // namespace
 
 void register_kernels(py::module_& m) {
@@ -343,6 +354,8 @@ void register_kernels(py::module_& m) {
           "Reads the buffers with AVX-512 loads on `threads` threads (bandwidth ceiling); returns a checksum.");
     m.def("dpbf16ps_peak", &py_dpbf16ps_peak, py::arg("iterations"), py::arg("threads") = 1,
           "Register-only vdpbf16ps loop on `threads` threads; returns the flops executed.");
+    m.def("amx_model_tile_dot", &py_amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"),
+          py::arg("a"), py::arg("b"), "Test hook: one TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
     m.def("affinity_cpu_count", &default_threads, "CPUs in this process's affinity mask.");
 }
 
