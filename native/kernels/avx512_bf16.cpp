@@ -200,22 +200,26 @@ uint64_t stream_read_avx512(const void* data, size_t bytes) {
 }
 
 double dpbf16ps_peak_loop(int64_t iterations) {
-    __m512 acc[24];
-    for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);  // 1.0
-    const __m512bh b = (__m512bh)_mm512_set1_epi16(0x0000);
-    for (int64_t it = 0; it < iterations; ++it) {
-        for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-        __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]), "+v"(acc[5]),
-                         "+v"(acc[6]), "+v"(acc[7]), "+v"(acc[8]), "+v"(acc[9]), "+v"(acc[10]), "+v"(acc[11]));
-        __asm__ volatile("" : "+v"(acc[12]), "+v"(acc[13]), "+v"(acc[14]), "+v"(acc[15]), "+v"(acc[16]),
-                         "+v"(acc[17]), "+v"(acc[18]), "+v"(acc[19]), "+v"(acc[20]), "+v"(acc[21]), "+v"(acc[22]),
-                         "+v"(acc[23]));
-    }
-    __m512 total = acc[0];
-    for (int i = 1; i < 24; ++i) total = _mm512_add_ps(total, acc[i]);
-    volatile float sink = _mm512_reduce_add_ps(total);
-    (void)sink;
+    // Written in assembly: with intrinsics gcc kept the 24 accumulators in memory.
+    // 24 independent chains hide the instruction latency; operands are zeros.
+    if (iterations <= 0) return 0.0;
+    int64_t n = iterations;
+#define NUMA_MOE_DP(i) "vdpbf16ps %%zmm30, %%zmm31, %%zmm" #i "\n\t"
+    __asm__ volatile(
+        "vpxord %%zmm30, %%zmm30, %%zmm30\n\t"
+        "vpxord %%zmm31, %%zmm31, %%zmm31\n\t"
+        "1:\n\t" NUMA_MOE_DP(0) NUMA_MOE_DP(1) NUMA_MOE_DP(2) NUMA_MOE_DP(3) NUMA_MOE_DP(4) NUMA_MOE_DP(5)
+        NUMA_MOE_DP(6) NUMA_MOE_DP(7) NUMA_MOE_DP(8) NUMA_MOE_DP(9) NUMA_MOE_DP(10) NUMA_MOE_DP(11) NUMA_MOE_DP(12)
+        NUMA_MOE_DP(13) NUMA_MOE_DP(14) NUMA_MOE_DP(15) NUMA_MOE_DP(16) NUMA_MOE_DP(17) NUMA_MOE_DP(18)
+        NUMA_MOE_DP(19) NUMA_MOE_DP(20) NUMA_MOE_DP(21) NUMA_MOE_DP(22) NUMA_MOE_DP(23)
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        : "+r"(n)
+        :
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm30",
+          "xmm31", "cc");
+#undef NUMA_MOE_DP
     return static_cast<double>(iterations) * 24.0 * 64.0;
 }
 

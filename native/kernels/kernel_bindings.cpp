@@ -5,7 +5,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -326,6 +329,88 @@ void py_amx_model_tile_dot(const py::array& config, bool int8, py::array& c, con
     kernels::amx_model_tile_dot(config.data(), int8, c.mutable_data(), a.data(), b.data());
 }
 
+// Benchmark loop in native code (no Python or argument-checking overhead per call):
+// runs expert_ffn `repeats` times, rotating over `experts` (tuples (w_gate, w_up, w_down),
+// validated once), and returns the seconds of each call.
+std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index,
+                                        const py::list& experts, int threads, int repeats, bool out_bf16) {
+    const KernelOps& ops = ops_for(isa);
+    check_array(x, "x", Kind::bf16, 2);
+    check_token_index(token_index, x.shape(0), "token_index");
+    if (experts.empty()) fail("experts: empty");
+    const int64_t hidden = x.shape(1), m = token_index.shape(0);
+    std::vector<kernels::ExpertFfnArgs> calls;
+    std::vector<py::array> keep;
+    for (size_t e = 0; e < experts.size(); ++e) {
+        const py::tuple triple = experts[e].cast<py::tuple>();
+        if (triple.size() != 3) fail("experts: expected (w_gate, w_up, w_down) tuples");
+        const py::array wg = py::array::ensure(triple[0]), wu = py::array::ensure(triple[1]), wd = py::array::ensure(triple[2]);
+        check_array(wg, "w_gate", Kind::bf16, 2);
+        check_array(wu, "w_up", Kind::bf16, 2);
+        check_array(wd, "w_down", Kind::bf16, 2);
+        const int64_t inter = wg.shape(0);
+        if (wg.shape(1) != hidden || wu.shape(0) != inter || wu.shape(1) != hidden || wd.shape(0) != hidden ||
+            wd.shape(1) != inter)
+            fail("experts[" + std::to_string(e) + "]: shapes do not match x [T, H] and each other");
+        kernels::ExpertFfnArgs args;
+        args.x = static_cast<const bf16*>(x.data());
+        args.ldx = hidden;
+        args.token_index = static_cast<const int64_t*>(token_index.data());
+        args.m = m;
+        args.hidden = hidden;
+        args.intermediate = inter;
+        args.w_gate = static_cast<const bf16*>(wg.data());
+        args.w_up = static_cast<const bf16*>(wu.data());
+        args.w_down = static_cast<const bf16*>(wd.data());
+        args.out_bf16 = out_bf16;
+        args.threads = threads > 0 ? threads : default_threads();
+        calls.push_back(args);
+        keep.push_back(wg);
+    }
+    std::vector<double> seconds;
+    py::gil_scoped_release release;
+    std::vector<float> out(static_cast<size_t>(m * hidden) + 16);
+    for (auto& c : calls) c.out = out.data();
+    for (int r = 0; r < repeats; ++r) {
+        const auto start = std::chrono::steady_clock::now();
+        kernels::expert_ffn(ops, calls[r % calls.size()]);
+        seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return seconds;
+}
+
+// The read ceiling: `threads` threads each read their share of every buffer in turn,
+// `repeats` passes over the list, with no per-call overhead; returns the elapsed seconds.
+double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
+    require_avx512("bench_stream_read");
+    std::vector<std::pair<const char*, size_t>> spans;
+    for (const auto& item : buffers) {
+        const py::array a = py::array::ensure(item);
+        if (!a || !(a.flags() & py::array::c_style)) fail("bench_stream_read: buffers must be C-contiguous arrays");
+        spans.emplace_back(static_cast<const char*>(a.data()), static_cast<size_t>(a.nbytes()));
+    }
+    threads = std::max(1, threads);
+    py::gil_scoped_release release;
+    std::vector<uint64_t> sums(threads, 0);
+    auto body = [&](int id) {
+        for (int r = 0; r < repeats; ++r) {
+            const auto& [data, bytes] = spans[r % spans.size()];
+            const size_t share = (bytes / threads + 255) / 256 * 256;
+            const size_t begin = std::min(bytes, share * id), end = id == threads - 1 ? bytes : std::min(bytes, begin + share);
+            sums[id] += kernels::stream_read_avx512(data + begin, end - begin);
+        }
+    };
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (int id = 1; id < threads; ++id) pool.emplace_back(body, id);
+    body(0);
+    for (auto& t : pool) t.join();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    volatile uint64_t sink = 0;
+    for (uint64_t v : sums) sink = sink + v;
+    return elapsed;
+}
+
 }  // namespace
 
 void register_kernels(py::module_& m) {
@@ -356,6 +441,11 @@ void register_kernels(py::module_& m) {
           "Register-only vdpbf16ps loop on `threads` threads; returns the flops executed.");
     m.def("amx_model_tile_dot", &py_amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"),
           py::arg("a"), py::arg("b"), "Test hook: one TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
+    m.def("bench_expert_ffn", &py_bench_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"),
+          py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true,
+          "Benchmark: seconds of each of `repeats` expert_ffn calls rotating over `experts`.");
+    m.def("bench_stream_read", &py_bench_stream_read, py::arg("buffers"), py::arg("threads"), py::arg("repeats"),
+          "Benchmark: seconds to stream-read `repeats` buffers (rotating) with `threads` threads.");
     m.def("affinity_cpu_count", &default_threads, "CPUs in this process's affinity mask.");
 }
 
