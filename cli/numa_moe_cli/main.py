@@ -16,6 +16,7 @@ from numa_moe import __version__
 # does not pay for torch.
 _COMMANDS = {
     "table": ("table", "table"),
+    "bench": ("bench", "bench"),
 }
 
 
