@@ -19,6 +19,13 @@ the ``k``-th node of the mask (ascending node ids), ``k = ilx % len(nodes)`` wit
 ``ilx = (vm_pgoff >> o) + ((a - vm_start) >> (PAGE_SHIFT + o))``. For an anonymous
 mapping ``vm_pgoff = vm_start >> PAGE_SHIFT``, so with a 2 MiB-aligned ``vm_start`` the
 index is simply the virtual page number (4 KB) or 2 MiB frame number (THP) of ``a``.
+
+Kernel-version detail, verified in numa-vm (Debian 6.1, 3 of 4 nodes): before Linux 6.7
+``offset_il_node`` computes ``(unsigned int)ilx % nnodes``, i.e. the index is truncated to
+32 bits first; from 6.7 on (``interleave_nid(pol, ilx)``) it is ``ilx % nnodes`` in 64
+bits. With a power-of-two node count both agree; with 3 nodes and user addresses above
+16 TiB (0x7f... is ~127 TiB) they differ by ``2**32 % 3``. :func:`interleave_position`
+applies the running kernel's rule.
 """
 
 from __future__ import annotations
@@ -338,6 +345,27 @@ def interleave_index(address: int, vm_start: int, vm_pgoff: int, page_bytes: int
     return vm_pgoff // order_pages + (page_address - vm_start) // page_bytes
 
 
+def _kernel_version(release: str | None = None) -> tuple[int, int]:
+    release = release if release is not None else os.uname().release
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def kernel_truncates_interleave_index(release: str | None = None) -> bool:
+    """True on kernels before 6.7, whose interleave index is cast to 32 bits before ``% N``."""
+    return _kernel_version(release) < (6, 7)
+
+
+def interleave_position(ilx: int, n_nodes: int, truncate_32: bool | None = None) -> int:
+    """Index into the (ascending) node cycle of the page with interleave index `ilx`."""
+    if truncate_32 is None:
+        truncate_32 = kernel_truncates_interleave_index()
+    return (ilx & 0xFFFFFFFF if truncate_32 else ilx) % n_nodes
+
+
 def _vma_of(address: int) -> dict | None:
     """start, pgoff (in base pages), anonymous?, VmFlags of the mapping holding `address`."""
     base = int(_native.base_page_bytes())
@@ -376,7 +404,7 @@ def interleave_info(array: Any) -> InterleaveInfo | None:
         nodes = tuple(mapping.nodes)
         page_bytes = int(mapping.page_bytes)
         # Our mappings start on a page_bytes boundary and vm_pgoff = vm_start >> PAGE_SHIFT.
-        phase = (address // page_bytes) % len(nodes)
+        phase = interleave_position(address // page_bytes, len(nodes))
         return InterleaveInfo(nodes, page_bytes, phase, address, nbytes)
     mode, nodes = _call(_native.get_mempolicy, address)
     if mode == _native.MPOL_DEFAULT:
@@ -391,5 +419,5 @@ def interleave_info(array: Any) -> InterleaveInfo | None:
     thp = _thp_mode()
     huge = "nh" not in flags and (thp == "always" or (thp == "madvise" and "hg" in flags))
     page_bytes = int(_native.HUGE_PAGE_BYTES) if huge else base
-    phase = interleave_index(address, vma["start"], vma["pgoff"], page_bytes, base) % len(nodes)
+    phase = interleave_position(interleave_index(address, vma["start"], vma["pgoff"], page_bytes, base), len(nodes))
     return InterleaveInfo(tuple(nodes), page_bytes, phase, address, nbytes)

@@ -3,7 +3,9 @@ for 4 KB and 2 MB pages at many phases and offsets; page migration; CPUs per nod
 
 Expected nodes come from the kernel's rule written out here (not from numa_moe), so this
 tier stands alone: an anonymous MPOL_INTERLEAVE mapping with 2 MiB-aligned vm_start puts
-the page at address a on nodes[(a // page_bytes) % len(nodes)] (ascending node ids).
+the page at address a on nodes[ilx % len(nodes)] (ascending node ids) with
+ilx = a // page_bytes, truncated to 32 bits on kernels before 6.7 (offset_il_node's
+`(unsigned int)n % nnodes`; 6.7+ interleave_nid uses the 64-bit ilx).
 No torch in this file: the emulated guest takes 45 s to import it.
 """
 
@@ -24,12 +26,22 @@ BASE = 4096
 HUGE = 2 << 20
 
 
+def _truncating_kernel() -> bool:
+    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in os.uname().release.split(".")[:2])
+    return (major, minor) < (6, 7)
+
+
+ILX_MASK = 0xFFFFFFFF if _truncating_kernel() else ~0
+
+
 def expected_page_nodes(address: int, nbytes: int, nodes, page_bytes: int) -> np.ndarray:
     """Node of each 4 KB page covering [address, address+nbytes) by the interleave rule."""
     cycle = sorted(nodes)
     first = address // BASE
     last = (address + max(nbytes, 1) - 1) // BASE
-    return np.array([cycle[(p * BASE // page_bytes) % len(cycle)] for p in range(first, last + 1)], dtype=np.int32)
+    return np.array(
+        [cycle[((p * BASE // page_bytes) & ILX_MASK) % len(cycle)] for p in range(first, last + 1)], dtype=np.int32
+    )
 
 
 def node_subsets(real_nodes):
