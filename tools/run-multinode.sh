@@ -10,6 +10,8 @@ if [ ! -x "$numa_vm" ]; then
 fi
 for nodes in 2 4; do
   echo "== multinode tier on a ${nodes}-node VM"
+  # .venv/bin/pytest, not `python -m pytest`: -m would put the source tree (which has no
+  # compiled numa_moe/_native*.so after a plain `pip install .`) ahead of the installed package.
   "$numa_vm" -n "$nodes" -c "$nodes" -m 1024 --timeout 600 -- \
-    .venv/bin/python -m pytest -q -p no:cacheprovider --rootdir=. tests/multinode
+    .venv/bin/pytest -q -p no:cacheprovider --rootdir=. tests/multinode
 done
