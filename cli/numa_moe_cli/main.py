@@ -15,6 +15,9 @@ from numa_moe import __version__
 # (module, attribute) of each sub-command; imported lazily so that `numa-moe topo`
 # does not pay for torch.
 _COMMANDS = {
+    "make-checkpoint": ("checkpoint_commands", "make_checkpoint_command"),
+    "tables": ("checkpoint_commands", "tables_command"),
+    "inspect": ("checkpoint_commands", "inspect_command"),
 }
 
 
