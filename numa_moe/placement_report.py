@@ -465,9 +465,9 @@ def plot_placement(report: PlacementReport, path: str | os.PathLike, max_tensors
     ax.set_xlabel("position in tensor (pages, left to right)")
     handles = [Patch(color=colours[index_of[n]], label=f"node {n}") for n in nodes]
     handles.append(Patch(color=colours[0], label="not present"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 if len(tensors) > 4 else -0.3),
-              ncol=len(handles), fontsize=8, frameon=False)
-    ax.set_title(title or f"page placement: {_short(report.source, 80)}", fontsize=9)
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+              fontsize=7, frameon=False, borderaxespad=0.2)
+    ax.set_title(title or f"page placement: {_short(report.source, 50)}", fontsize=8, loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

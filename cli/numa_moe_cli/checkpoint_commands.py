@@ -48,6 +48,9 @@ def _write_atomic(path: Path, text: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would surprise a user sharing the file
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(text)
             out.flush()
