@@ -36,6 +36,7 @@ _DTYPE_CODES = {
     np.dtype(ml_dtypes.bfloat16): "BF16",
     np.dtype(np.float16): "F16",
     np.dtype(np.float32): "F32",
+    np.dtype(np.int8): "I8",
 }
 
 # One random block is generated at most this many elements at a time (memory bound).
