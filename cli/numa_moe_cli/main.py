@@ -18,6 +18,7 @@ _COMMANDS = {
     "make-checkpoint": ("checkpoint_commands", "make_checkpoint_command"),
     "tables": ("checkpoint_commands", "tables_command"),
     "inspect": ("checkpoint_commands", "inspect_command"),
+    "table": ("table", "table"),
 }
 
 
