@@ -17,6 +17,9 @@ from numa_moe import __version__
 _COMMANDS = {
     "topo": ("topo", "topo"),
     "table": ("table", "table"),
+    "make-checkpoint": ("checkpoint_commands", "make_checkpoint_command"),
+    "tables": ("checkpoint_commands", "tables_command"),
+    "inspect": ("checkpoint_commands", "inspect_command"),
     "bench": ("bench", "bench"),
 }
 
