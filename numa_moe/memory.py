@@ -299,6 +299,15 @@ def page_nodes(buffer: Any) -> np.ndarray:
     return _call(_native.page_nodes, address, nbytes)
 
 
+def resident_pages(buffer: Any) -> np.ndarray:
+    """Whether each base page covering `buffer` is resident (in RAM or the page cache),
+    from mincore(2), as a bool array; no page is touched, so no disk I/O happens."""
+    address, nbytes = buffer_extent(buffer)
+    if address == 0:
+        return np.empty(0, dtype=bool)
+    return _call(_native.resident_pages, address, nbytes).astype(bool)
+
+
 def page_map(buffer: Any) -> PageMap:
     address, nbytes = buffer_extent(buffer)
     base = int(_native.base_page_bytes())

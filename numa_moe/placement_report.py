@@ -18,8 +18,6 @@ or in node-sized chunks: a naive split then reads (N - 1) / N of the bytes remot
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import fnmatch
 import mmap
 import os
@@ -283,25 +281,6 @@ def analyse_map(name: str, rows: int, cols: int, fmt: str, page_nodes: np.ndarra
 
 # ------------------------------------------------------------------ checkpoint mmap
 
-_libc = None
-
-
-def _resident_pages(address: int, length: int) -> np.ndarray:
-    """Per page of ``[address, address + length)`` (page-aligned address): in the page
-    cache or not (mincore(2)); touching no page."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    n_pages = (length + BASE_PAGE_BYTES - 1) // BASE_PAGE_BYTES
-    vec = np.zeros(max(n_pages, 1), dtype=np.uint8)
-    if length and _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length),
-                                vec.ctypes.data_as(ctypes.c_void_p)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mincore: {os.strerror(err)}")
-    return (vec[:n_pages] & 1).astype(bool)
-
-
 def _matches(name: str, pattern: str | None) -> bool:
     if pattern is None:
         return True
@@ -365,7 +344,7 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
         try:
             whole = np.frombuffer(mm, dtype=np.uint8)
             if touch == "resident":
-                resident = _resident_pages(whole.ctypes.data, size)
+                resident = memory.resident_pages(whole)
                 idx = np.flatnonzero(resident) * BASE_PAGE_BYTES
                 int(whole[idx].sum())  # reading maps the cached pages into this process
             elif touch == "all":

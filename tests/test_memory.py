@@ -250,3 +250,36 @@ def test_interleave_rule_helpers():
     # a VMA not aligned to 2 MiB shifts the huge-page index
     odd = start - BASE
     assert memory.interleave_index(start + HUGE, odd, odd >> 12, HUGE) == (odd >> 21) + 1
+
+
+def test_resident_pages_of_a_file_mapping_without_touching(tmp_path):
+    import mmap
+
+    page = 4096
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng().integers(0, 255, 8 * page, dtype=np.uint8).tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 8 * page, prot=mmap.PROT_READ)
+    try:
+        view = np.frombuffer(mm, dtype=np.uint8)
+        resident = memory.resident_pages(view)
+        assert resident.dtype == bool and resident.shape == (8,)
+        # just written, so the file sits in the page cache: mincore reports it resident
+        # even though this process never touched the mapping.
+        assert resident.all()
+        assert (memory.page_nodes(view) < 0).all()  # not mapped into this process yet
+        del view
+    finally:
+        mm.close()
+
+
+def test_resident_pages_of_untouched_anonymous_memory():
+    import mmap
+
+    mm = mmap.mmap(-1, 4 * 4096)
+    view = np.frombuffer(mm, dtype=np.uint8)
+    assert not memory.resident_pages(view).any()
+    view[4096] = 1
+    assert memory.resident_pages(view).tolist() == [False, True, False, False]
+    del view
+    mm.close()

@@ -140,6 +140,23 @@ which numpy/torch views prevent while they are alive.)doc")
         "node id, or negative errno (-ENOENT not present, -EFAULT unmapped or zero page).");
 
     m.def(
+        "resident_pages",
+        [](std::uintptr_t address, std::size_t nbytes) {
+            const std::size_t page = placement::base_page_bytes();
+            const std::uintptr_t first = address & ~(static_cast<std::uintptr_t>(page) - 1);
+            const std::size_t length = nbytes == 0 ? 0 : address + nbytes - first;
+            py::array_t<uint8_t> resident(static_cast<py::ssize_t>((length + page - 1) / page));
+            unsigned char* out = resident.mutable_data();
+            {
+                py::gil_scoped_release release;
+                placement::query_resident_pages(reinterpret_cast<const void*>(first), length, out);
+            }
+            return resident;
+        },
+        py::arg("address"), py::arg("nbytes"),
+        "mincore(2) of each base page covering [address, address+nbytes): 1 if resident, else 0.");
+
+    m.def(
         "move_pages",
         [](std::uintptr_t address, std::size_t nbytes, py::array_t<int32_t, py::array::c_style | py::array::forcecast> targets) {
             std::vector<std::uintptr_t> pages = pages_of(address, nbytes);

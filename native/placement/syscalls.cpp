@@ -99,6 +99,15 @@ std::vector<int> mems_allowed() {
     return node_mask_to_list(mask);
 }
 
+void query_resident_pages(const void* address, std::size_t length, unsigned char* resident_out) {
+    if (length == 0) return;
+    if (::mincore(const_cast<void*>(address), length, resident_out) != 0) {
+        throw SyscallError("mincore", errno, "");
+    }
+    const std::size_t pages = (length + base_page_bytes() - 1) / base_page_bytes();
+    for (std::size_t i = 0; i < pages; ++i) resident_out[i] &= 1;
+}
+
 void query_page_nodes(const std::uintptr_t* pages, std::size_t count, int* status_out) {
     if (count == 0) return;
     if (syscall(SYS_move_pages, 0, count, pages, nullptr, status_out, 0) < 0) {

@@ -69,6 +69,10 @@ void query_page_nodes(const std::uintptr_t* pages, std::size_t count, int* statu
 long move_pages_to(const std::uintptr_t* pages, const int* target_nodes, std::size_t count,
                    int* status_out);
 
+// mincore(2) over [address, address + length) (address page-aligned): per base page,
+// whether it is resident (in RAM or the page cache), without touching it.
+void query_resident_pages(const void* address, std::size_t length, unsigned char* resident_out);
+
 std::vector<int> get_affinity(int pid);
 void set_affinity(int pid, const std::vector<int>& cpus);
 
