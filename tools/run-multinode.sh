@@ -11,5 +11,5 @@ fi
 for nodes in 2 4; do
   echo "== multinode tier on a ${nodes}-node VM"
   "$numa_vm" -n "$nodes" -c "$nodes" -m 1024 --timeout 600 -- \
-    .venv/bin/python -m pytest -q -p no:cacheprovider --rootdir=. tests/multinode
+    .venv/bin/python -P -m pytest -q -p no:cacheprovider --rootdir=. tests/multinode
 done

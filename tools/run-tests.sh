@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 bash tools/setup.sh
 # Run from outside the source tree so the installed package (with its compiled
 # extension) is the one imported, not the source directory.
-.venv/bin/python -m pytest -q -p no:cacheprovider --rootdir=. tests --ignore=tests/multinode "$@"
+.venv/bin/python -P -m pytest -q -p no:cacheprovider --rootdir=. tests --ignore=tests/multinode "$@"
 bash tools/run-multinode.sh
