@@ -249,13 +249,16 @@ class MoELayer:
         return cls.from_stacked(dst_gate_up, dst_down, t_gu, t_d, topology=topology, **kwargs)
 
     @classmethod
-    def from_store(cls, store, layer: int, **kwargs) -> "MoELayer":
-        """From one layer of a loaded numa_moe.store.ExpertStore (its interleaved buffers
-        and the tables it measured)."""
-        kwargs.setdefault("topology", getattr(store, "topology", None))
-        if kwargs["topology"] is None:
-            kwargs.pop("topology")
-        return _from_store(cls, store, layer, **kwargs)
+    def from_store(cls, store, layer: int, *, topology=None, **kwargs) -> "MoELayer":
+        """From one layer of a loaded numa_moe.store.ExpertStore: its interleaved buffers
+        (no copy) and the tables it measured. Under a virtual topology (node ids the
+        store's memory is not really on) the tables are the interleave rule over the
+        virtual nodes instead, so the partitioned code path runs as it would on a real
+        machine with that many nodes."""
+        topology = topology if topology is not None else _default_topology()
+        experts, tables, keep = store_layer_experts(store, layer, topology)
+        kwargs.setdefault("keep_alive", keep)
+        return cls(experts, tables, topology=topology, **kwargs)
 
     # ---- forward --------------------------------------------------------------------
 
@@ -416,14 +419,29 @@ def _measured_table(buffer, rows, cols, SegmentTable, memory):
     return SegmentTable.from_page_map(rows, cols, "bf16", pm.nodes, pm.page_bytes, offset_bytes=pm.offset_bytes)
 
 
-def _from_store(cls, store, layer, **kwargs):
-    """Adapter over numa_moe.store.ExpertStore (see from_store)."""
-    experts, tables, keep = store_layer_experts(store, layer)
-    kwargs.setdefault("keep_alive", keep)
-    return cls(experts, tables, **kwargs)
+def store_layer_experts(store, layer, topology):
+    """(experts, tables, keep_alive) of one ExpertStore layer (stacked buffers gate/up
+    [E*I, H], down [E*H, I]; expert e = rows [e*I, (e+1)*I) resp. [e*H, (e+1)*H))."""
+    from numa_moe.segments import SegmentTable
 
-
-def store_layer_experts(store, layer):
-    """(experts, tables, keep_alive) of one ExpertStore layer; implemented against the
-    store's per-layer buffers and tables."""
-    raise NotImplementedError("ExpertStore support arrives with numa_moe.store")
+    n_experts = store.n_experts
+    experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
+    node_ids = tuple(topology.node_ids)
+    store_nodes = {int(n) for kind in MATRIX_KINDS for n in store.table(layer, kind).nodes}
+    if store_nodes <= set(node_ids):
+        tables = [store.expert_tables(layer, e) for e in range(n_experts)]
+    else:
+        if not getattr(topology, "is_virtual", False):
+            raise ValueError(f"layer {layer}: the store's memory is on nodes {sorted(store_nodes)}, "
+                             f"the topology has nodes {list(node_ids)}")
+        stacked = {}
+        for kind in MATRIX_KINDS:
+            rows, cols = store.weights(layer, kind).shape
+            stacked[kind] = SegmentTable.theoretical(rows, cols, "bf16", store.page_bytes, node_ids, phase=0)
+        H, I = store.hidden_size, store.intermediate_size
+        tables = []
+        for e in range(n_experts):
+            per = {"gate": I, "up": I, "down": H}
+            tables.append({k: stacked[k].slice_rows(e * per[k], (e + 1) * per[k]) for k in MATRIX_KINDS})
+    keep = tuple(store.weights(layer, kind) for kind in MATRIX_KINDS)
+    return experts, tables, keep

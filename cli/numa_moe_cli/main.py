@@ -15,6 +15,7 @@ from numa_moe import __version__
 # (module, attribute) of each sub-command; imported lazily so that `numa-moe topo`
 # does not pay for torch.
 _COMMANDS = {
+    "run": ("run", "run_command"),
 }
 
 
