@@ -267,6 +267,7 @@ bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const i
     stats_.n_slots = n_slots;
     stats_.node_bytes.assign(n_nodes, 0);
     stats_.thread_busy_ns.assign(n_threads, 0);
+    stats_.phase_ns.assign(static_cast<size_t>(n_threads) * 5, 0);
     for (const ActiveExpert& a : active_) {
         const ExpertParts& p = experts_[a.expert];
         for (int n = 0; n < n_nodes; ++n)
@@ -298,6 +299,13 @@ bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const i
         const size_t a_begin = group_begin[g], a_end = group_begin[g + 1];
         const bool first = g == 0, last = g + 1 == n_groups;
         auto job = [&](const ThreadInfo& ti) {
+            int64_t* phase_ns = &stats_.phase_ns[static_cast<size_t>(ti.global) * 5];
+            int64_t mark = now_ns();
+            auto lap = [&](int phase) {
+                const int64_t now = now_ns();
+                phase_ns[phase] += now - mark;
+                mark = now;
+            };
             // A: gather each expert's tokens once (experts spread over all threads).
             if (!pool.aborted())
                 for (size_t a = a_begin + ti.global; a < a_end; a += n_threads) {
@@ -305,6 +313,7 @@ bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const i
                     ae.ops->gather(x, ldx, slot_token_.data() + ae.slot0, ae.m, H, packed + ae.packed_x_offset);
                 }
             pool.barrier();
+            lap(0);
             // B: gate and up partials, node-local segments only, this thread's rows.
             int64_t busy = now_ns();
             if (!pool.aborted())
@@ -324,6 +333,7 @@ bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const i
                 }
             busy = now_ns() - busy;
             pool.barrier();
+            lap(1);
             // C: reduce gate/up over nodes (fixed order), activation, pack for down.
             if (!pool.aborted()) {
                 const RowRange ir = silu_ranges[ti.global];
@@ -335,6 +345,7 @@ bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const i
                     }
             }
             pool.barrier();
+            lap(2);
             // D: down partials per node.
             int64_t busy_down = now_ns();
             if (!pool.aborted())
@@ -352,7 +363,12 @@ bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const i
             busy += now_ns() - busy_down;
             stats_.thread_busy_ns[ti.global] += busy;
             pool.barrier();
+            lap(3);
             // E: reduce down over nodes and combine with the routing weights into y.
+            struct LapOnExit {
+                std::function<void()> f;
+                ~LapOnExit() { f(); }
+            } lap_e{[&] { lap(4); }};
             if (pool.aborted()) return;
             const RowRange hr = h_ranges[ti.global];
             if (hr.begin >= hr.end) return;

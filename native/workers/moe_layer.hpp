@@ -63,6 +63,7 @@ struct StepStats {
     int64_t n_slots = 0;
     std::vector<int64_t> node_bytes;        // weight bytes read per node
     std::vector<int64_t> thread_busy_ns;    // time in phases B + D per thread
+    std::vector<int64_t> phase_ns;          // [thread * 5 + phase]: time in phases A..E (incl. barrier waits)
     std::vector<std::string> expert_isa;    // per active expert, ascending id
 };
 

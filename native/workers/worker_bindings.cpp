@@ -266,6 +266,7 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
             d["node_bytes"] = s.node_bytes;
             d["thread_busy_ns"] = s.thread_busy_ns;
             d["expert_isa"] = s.expert_isa;
+            d["phase_ns"] = s.phase_ns;
             return d;
         });
 }
