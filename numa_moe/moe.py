@@ -428,12 +428,12 @@ def store_layer_experts(store, layer, topology):
     experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
     node_ids = tuple(topology.node_ids)
     store_nodes = {int(n) for kind in MATRIX_KINDS for n in store.table(layer, kind).nodes}
-    if store_nodes <= set(node_ids):
-        tables = [store.expert_tables(layer, e) for e in range(n_experts)]
-    else:
-        if not getattr(topology, "is_virtual", False):
+    if not getattr(topology, "is_virtual", False):
+        if not store_nodes <= set(node_ids):
             raise ValueError(f"layer {layer}: the store's memory is on nodes {sorted(store_nodes)}, "
                              f"the topology has nodes {list(node_ids)}")
+        tables = [store.expert_tables(layer, e) for e in range(n_experts)]
+    else:
         stacked = {}
         for kind in MATRIX_KINDS:
             rows, cols = store.weights(layer, kind).shape
