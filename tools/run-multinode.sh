@@ -10,6 +10,7 @@ if [ ! -x "$numa_vm" ]; then
 fi
 for nodes in 2 4; do
   echo "== multinode tier on a ${nodes}-node VM"
+  # python -P keeps the source tree (no compiled extension after `pip install .`) off sys.path.
   "$numa_vm" -n "$nodes" -c "$nodes" -m 1024 --timeout 600 -- \
     .venv/bin/python -P -m pytest -q -p no:cacheprovider --rootdir=. tests/multinode
 done

@@ -15,6 +15,12 @@ from numa_moe import __version__
 # (module, attribute) of each sub-command; imported lazily so that `numa-moe topo`
 # does not pay for torch.
 _COMMANDS = {
+    "topo": ("topo", "topo"),
+    "table": ("table", "table"),
+    "make-checkpoint": ("checkpoint_commands", "make_checkpoint_command"),
+    "tables": ("checkpoint_commands", "tables_command"),
+    "inspect": ("checkpoint_commands", "inspect_command"),
+    "bench": ("bench", "bench"),
     "run": ("run", "run_command"),
 }
 

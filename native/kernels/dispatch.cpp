@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/cpu_features.hpp"
+#include "kernels/isa_tables.hpp"
 #include "kernels/kernel_api.hpp"
 
 namespace numa_moe::kernels {
@@ -33,8 +34,13 @@ bool parse_isa(const char* name, Isa* isa) {
 const KernelOps* kernel_ops(Isa isa) {
     switch (isa) {
         case Isa::ref: return &ref_ops();
-        default: return nullptr;  // the SIMD and AMX tables are registered by their own TUs
+        case Isa::avx2: return has_avx2_kernels() ? &avx2_ops() : nullptr;
+        case Isa::avx512: return has_avx512_bf16_kernels() ? &avx512_ops() : nullptr;
+        // The model's epilogues are AVX-512 code; its tiles are plain C++.
+        case Isa::amx_model: return has_avx512_bf16_kernels() ? &amx_model_ops() : nullptr;
+        case Isa::amx: return has_avx512_bf16_kernels() && request_amx_permission() ? &amx_ops() : nullptr;
     }
+    return nullptr;
 }
 
 Isa default_isa() {
@@ -47,6 +53,7 @@ Isa default_isa() {
             throw std::runtime_error(std::string("NUMA_MOE_ISA=") + forced + " is not available on this CPU");
         return isa;
     }
+    // amx_model is never a default: it is a test vehicle, orders of magnitude slower.
     for (Isa isa : {Isa::amx, Isa::avx512, Isa::avx2}) {
         if (kernel_ops(isa)) return isa;
     }

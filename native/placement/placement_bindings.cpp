@@ -1,5 +1,181 @@
+// Python bindings of the placement layer: syscall wrappers, the interleaved mapping (a
+// Python buffer exporter: 1-D, bytes, writable), CPU features. Addresses cross the
+// boundary as Python ints; page status arrays as numpy int32, one entry per base page.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <thread>
+
+#include "common/cpu_features.hpp"
+#include "placement/syscalls.hpp"
+
+namespace py = pybind11;
 
 namespace numa_moe {
-void register_placement(pybind11::module_& m) { (void)m; }
+namespace {
+
+using placement::SyscallError;
+
+// The native syscall error: an OSError subclass with errno, strerror and `.call` set.
+PyObject* g_syscall_error = nullptr;
+
+void raise_syscall_error(const SyscallError& e) {
+    py::tuple args = py::make_tuple(e.error_number(), py::str(e.what()));
+    PyObject* instance = PyObject_Call(g_syscall_error, args.ptr(), nullptr);
+    if (!instance) return;  // the constructor's own exception stays set
+    py::str call(e.call());
+    PyObject_SetAttrString(instance, "call", call.ptr());
+    PyErr_SetObject(g_syscall_error, instance);
+    Py_DECREF(instance);
+}
+
+// Pages covering [address, address + nbytes): the base-page-aligned address of each.
+std::vector<std::uintptr_t> pages_of(std::uintptr_t address, std::size_t nbytes) {
+    const std::size_t page = placement::base_page_bytes();
+    const std::uintptr_t first = address / page * page;
+    const std::uintptr_t end = address + std::max<std::size_t>(nbytes, 1);
+    std::vector<std::uintptr_t> pages;
+    pages.reserve((end - first + page - 1) / page);
+    for (std::uintptr_t p = first; p < end; p += page) pages.push_back(p);
+    return pages;
+}
+
+py::dict cpu_features_dict() {
+    const CpuFeatures& f = cpu_features();
+    py::dict d;
+    d["avx2"] = f.avx2;
+    d["fma"] = f.fma;
+    d["avx512f"] = f.avx512f;
+    d["avx512bw"] = f.avx512bw;
+    d["avx512vl"] = f.avx512vl;
+    d["avx512dq"] = f.avx512dq;
+    d["avx512_bf16"] = f.avx512_bf16;
+    d["avx512_vnni"] = f.avx512_vnni;
+    d["amx_tile"] = f.amx_tile;
+    d["amx_bf16"] = f.amx_bf16;
+    d["amx_int8"] = f.amx_int8;
+    d["os_avx"] = f.os_avx;
+    d["os_avx512"] = f.os_avx512;
+    return d;
+}
+
+}  // namespace
+
+void register_placement(py::module_& m) {
+    g_syscall_error = PyErr_NewExceptionWithDoc(
+        "numa_moe._native.SyscallError",
+        "A placement system call failed: OSError with errno, and `.call` naming the call.",
+        PyExc_OSError, nullptr);
+    m.attr("SyscallError") = py::handle(g_syscall_error);
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const SyscallError& e) {
+            raise_syscall_error(e);
+        }
+    });
+
+    m.attr("MPOL_DEFAULT") = placement::kMpolDefault;
+    m.attr("MPOL_PREFERRED") = placement::kMpolPreferred;
+    m.attr("MPOL_BIND") = placement::kMpolBind;
+    m.attr("MPOL_INTERLEAVE") = placement::kMpolInterleave;
+    m.attr("MPOL_LOCAL") = placement::kMpolLocal;
+    m.attr("HUGE_PAGE_BYTES") = placement::kHugePageBytes;
+
+    m.def("base_page_bytes", &placement::base_page_bytes, "The kernel's base page size in bytes.");
+    m.def("cpu_features", &cpu_features_dict, "CPU features from cpuid/xgetbv, as a dict of bools.");
+    m.def(
+        "request_amx_permission",
+        [] {
+            std::string reason;
+            const bool granted = request_amx_permission(&reason);
+            return py::make_tuple(granted, granted ? std::string() : reason);
+        },
+        "Asks Linux for AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM); returns (granted, reason).");
+
+    py::class_<placement::InterleavedMapping>(m, "InterleavedMapping", py::buffer_protocol(), R"doc(
+Anonymous private mapping with MPOL_INTERLEAVE over `nodes`, bound before first touch,
+MADV_HUGEPAGE (2 MiB aligned) or MADV_NOHUGEPAGE, populated by `touch_threads` threads.
+Exposes the buffer protocol (1-D, bytes, writable); munmapped when the object dies,
+which numpy/torch views prevent while they are alive.)doc")
+        .def(py::init([](std::size_t nbytes, const std::vector<int>& nodes, bool huge_pages, int touch_threads) {
+                 py::gil_scoped_release release;
+                 return new placement::InterleavedMapping(nbytes, nodes, huge_pages, touch_threads);
+             }),
+             py::arg("nbytes"), py::arg("nodes"), py::arg("huge_pages") = false, py::arg("touch_threads") = 0)
+        .def_property_readonly("address", [](const placement::InterleavedMapping& self) {
+            return reinterpret_cast<std::uintptr_t>(self.data());
+        })
+        .def_property_readonly("nbytes", &placement::InterleavedMapping::nbytes)
+        .def_property_readonly("mapped_bytes", &placement::InterleavedMapping::mapped_bytes)
+        .def_property_readonly("page_bytes", &placement::InterleavedMapping::page_bytes)
+        .def_property_readonly("huge_pages", &placement::InterleavedMapping::huge_pages)
+        .def_property_readonly("nodes", [](const placement::InterleavedMapping& self) {
+            return py::tuple(py::cast(self.nodes()));
+        })
+        .def_buffer([](placement::InterleavedMapping& self) {
+            return py::buffer_info(self.data(), 1, py::format_descriptor<unsigned char>::format(), 1,
+                                   {static_cast<py::ssize_t>(self.nbytes())}, {py::ssize_t{1}});
+        });
+
+    m.def("live_interleaved_mappings", [] { return placement::InterleavedMapping::live_count().load(); },
+          "Number of InterleavedMapping objects not yet unmapped.");
+
+    m.def(
+        "page_nodes",
+        [](std::uintptr_t address, std::size_t nbytes) {
+            std::vector<std::uintptr_t> pages = pages_of(address, nbytes);
+            py::array_t<int32_t> status(static_cast<py::ssize_t>(pages.size()));
+            int* out = status.mutable_data();
+            {
+                py::gil_scoped_release release;
+                placement::query_page_nodes(pages.data(), pages.size(), out);
+            }
+            return status;
+        },
+        py::arg("address"), py::arg("nbytes"),
+        "move_pages(2) query (NULL nodes) of each base page covering [address, address+nbytes): "
+        "node id, or negative errno (-ENOENT not present, -EFAULT unmapped or zero page).");
+
+    m.def(
+        "move_pages",
+        [](std::uintptr_t address, std::size_t nbytes, py::array_t<int32_t, py::array::c_style | py::array::forcecast> targets) {
+            std::vector<std::uintptr_t> pages = pages_of(address, nbytes);
+            if (targets.ndim() != 1 || static_cast<std::size_t>(targets.shape(0)) != pages.size()) {
+                throw py::value_error("move_pages: targets must be 1-D with one node per page (" +
+                                      std::to_string(pages.size()) + " pages), got shape " +
+                                      std::to_string(targets.ndim() == 1 ? targets.shape(0) : -1));
+            }
+            py::array_t<int32_t> status(static_cast<py::ssize_t>(pages.size()));
+            int* out = status.mutable_data();
+            const int* target_nodes = targets.data();
+            long not_migrated = 0;
+            {
+                py::gil_scoped_release release;
+                not_migrated = placement::move_pages_to(pages.data(), target_nodes, pages.size(), out);
+            }
+            return py::make_tuple(status, not_migrated);
+        },
+        py::arg("address"), py::arg("nbytes"), py::arg("targets"),
+        "move_pages(2) with MPOL_MF_MOVE of each base page to targets[i]; returns (status, not_migrated).");
+
+    m.def(
+        "get_mempolicy",
+        [](std::uintptr_t address) {
+            placement::MemPolicy policy = placement::get_mempolicy_of(reinterpret_cast<const void*>(address));
+            return py::make_tuple(policy.mode, py::tuple(py::cast(policy.nodes)));
+        },
+        py::arg("address") = 0,
+        "get_mempolicy(2): (mode, nodes) of the VMA holding `address` (MPOL_F_ADDR), or of the "
+        "calling thread when address is 0.");
+    m.def("mems_allowed", [] { return py::tuple(py::cast(placement::mems_allowed())); },
+          "Nodes this process may allocate on (get_mempolicy MPOL_F_MEMS_ALLOWED).");
+    m.def("sched_getaffinity", [](int pid) { return py::tuple(py::cast(placement::get_affinity(pid))); },
+          py::arg("pid") = 0);
+    m.def("sched_setaffinity", &placement::set_affinity, py::arg("pid"), py::arg("cpus"));
+    m.def("hardware_threads", [] { return std::thread::hardware_concurrency(); });
+}
+
 }  // namespace numa_moe

@@ -1,0 +1,48 @@
+"""`numa-moe bench ...`: benchmarks (a group, so that more sub-commands can join it)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group()
+def bench():
+    """Benchmarks against the PyTorch baseline and the machine's ceilings."""
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(value) for value in text.split(",") if value]
+    except ValueError:
+        raise click.BadParameter(f"expected a comma list of integers, got {text!r}") from None
+
+
+@bench.command("kernels")
+@click.option("--shapes", default=None, help="Comma list of expert shapes (default: all). "
+              "Known: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, qwen3-235b.")
+@click.option("--m", "m_values", default="1,2,4,8,16,32,128", show_default=True, help="Comma list of token counts.")
+@click.option("--repeats", default=20, show_default=True, help="Timed calls per point (median reported).")
+@click.option("--threads", default=None, type=int, help="Threads (default: CPUs in the affinity mask).")
+@click.option("--isa", default=None, help="Kernel ISA (default: the dispatcher's choice).")
+@click.option("--no-torch", is_flag=True, help="Skip the torch F.linear baseline.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results as JSON.")
+def kernels_command(shapes, m_values, repeats, threads, isa, no_torch, json_path):
+    """Expert FFN: our kernel vs torch F.linear vs a streaming read of the same weights."""
+    from numa_moe.benchmarking import kernels as kernel_bench
+
+    try:
+        result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
+                                  repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
+                                  progress=lambda line: click.echo(line, err=True))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(kernel_bench.format_table(result))
+    if json_path:
+        kernel_bench.to_json(result, json_path)
+        click.echo(f"wrote {json_path}", err=True)
+
+
+# `numa-moe bench layer` lives in its own module (MoE layer owner).
+from numa_moe_cli.bench_layer import layer_command  # noqa: E402
+
+bench.add_command(layer_command, "layer")

@@ -1,0 +1,197 @@
+"""``numa-moe make-checkpoint``, ``tables`` and ``inspect``: thin shells over the package."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b")
+
+
+def _pattern_options(fn):
+    fn = click.option("--kinds", "kinds", default=None, metavar="NAME=KIND,...",
+                      help="With --pattern: map the kind group's text to gate/up/down/gate_up, "
+                           "e.g. w1=gate,w3=up,w2=down.")(fn)
+    fn = click.option("--pattern", default=None, metavar="REGEX",
+                      help="Naming pattern of routed-expert tensors: a regex with named groups "
+                           "layer, kind and (unless fused 3-D) expert. See docs/checkpoints.md.")(fn)
+    return fn
+
+
+def _naming(pattern: str | None, kinds: str | None):
+    from numa_moe.checkpoint import NamingPattern, parse_kind_map
+
+    if pattern is None:
+        if kinds is not None:
+            raise click.UsageError("--kinds needs --pattern")
+        return None
+    if kinds is None:
+        raise click.UsageError("--pattern needs --kinds (e.g. --kinds w1=gate,w3=up,w2=down)")
+    return NamingPattern("custom", pattern, parse_kind_map(kinds))
+
+
+def _open(path: str, pattern: str | None, kinds: str | None):
+    from numa_moe.checkpoint import Checkpoint, CheckpointError
+
+    try:
+        return Checkpoint.open(path, pattern=_naming(pattern, kinds))
+    except CheckpointError as err:
+        raise click.ClickException(str(err)) from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    folder = path.resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would surprise a user sharing the file
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@click.command("make-checkpoint")
+@click.option("--like", "like", type=click.Choice(_MODELS), default="qwen3-30b-a3b", show_default=True,
+              help="Model whose expert shapes, tensor names and config keys are reproduced.")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="MoE layers to generate (default per model, see docs/checkpoints.md).")
+@click.option("--experts", type=click.IntRange(min=1), default=None,
+              help="Routed experts per layer (default per model; at most the real count).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--fused", is_flag=True, help="Write fused 3-D expert tensors (gate_up_proj, down_proj).")
+@click.option("--shared/--no-shared", default=True, show_default=True,
+              help="Include the model's shared expert(s) (Qwen2-MoE, DeepSeek-V3).")
+@click.option("--shard-mb", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Shard the output above this many MiB per file.")
+@click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=False),
+              help="Output directory.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, quiet):
+    """Generate a small safetensors checkpoint with a real model's expert shapes."""
+    from numa_moe.checkpoint import Checkpoint
+    from numa_moe.synthetic import make_checkpoint
+
+    try:
+        out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
+                              max_shard_bytes=shard_mb << 20, progress=not quiet)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+    ck = Checkpoint.open(out)
+    size = sum(f.stat().st_size for f in ck.files)
+    d = ck.dims
+    click.echo(f"wrote {out}: {len(ck.files)} file(s), {size / 2**20:.1f} MiB; {like}: "
+               f"{len(ck.layers)} MoE layer(s) x {d.n_experts} experts, H={d.hidden_size}, "
+               f"I={d.intermediate_size}, top-k={d.top_k}, {ck.dtype}, naming {', '.join(ck.naming)}")
+
+
+@click.command("tables")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--nodes", default="2", show_default=True,
+              help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
+@click.option("--page", type=click.Choice(["4k", "2m"]), default="4k", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
+              show_default=True, help="Weight format of the loaded experts.")
+@click.option("--group", type=click.IntRange(min=1), default=None,
+              help="Scale group size (elements along k) for int8/int4 [default: 128].")
+@click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32",
+              show_default=True)
+@click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False))
+@_pattern_options
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, output, pattern,
+                   kinds, quiet):
+    """Segment tables of every routed-expert buffer, from the checkpoint's headers only."""
+    from numa_moe.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
+
+    if group is not None and fmt == "bf16":
+        raise click.UsageError("--group applies to --format int8/int4 only")
+    ck = _open(checkpoint, pattern, kinds)
+    node_ids = parse_nodes(nodes)
+    layer_ids = None if layers is None else [int(x) for x in layers.split(",") if x.strip()]
+    try:
+        tables = checkpoint_tables(ck, node_ids, page, fmt, group, scale_format, layer_ids,
+                                   progress=not quiet)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+    d = ck.dims
+    document = {
+        "schema": "numa-moe/checkpoint-tables",
+        "version": 1,
+        "checkpoint": str(Path(checkpoint).resolve()),
+        "naming": list(ck.naming),
+        "checkpoint_dtype": ck.dtype,
+        "format": fmt,
+        "group": (group or 128) if fmt != "bf16" else None,
+        "scale_format": scale_format if fmt != "bf16" else None,
+        "nodes": list(node_ids),
+        "page_bytes": page_bytes_of(page),
+        "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
+        "n_experts": d.n_experts, "top_k": d.top_k, "sources": d.sources,
+        "layout": {kind: {"shape": list(buffer_shape(d, kind)),
+                          "expert_rows": buffer_shape(d, kind)[0] // d.n_experts}
+                   for kind in ("gate", "up", "down")},
+        "layers": {str(layer): {name: t.to_dict() for name, t in per_layer.items()}
+                   for layer, per_layer in tables.items()},
+    }
+    _write_atomic(Path(output), json.dumps(document, indent=1) + "\n")
+    click.echo(f"{ck.root}: {len(tables)} MoE layer(s), E={d.n_experts} H={d.hidden_size} "
+               f"I={d.intermediate_size}; {fmt}, {page} pages, nodes {list(node_ids)}")
+    click.echo(f"{'layer':>5}  {'buffer':<12} {'shape':>16}  {'period':>7}  {'segs':>5}  "
+               f"{'balance':>7}  bytes per node")
+    for layer, per_layer in tables.items():
+        for name, t in per_layer.items():
+            per_node = ", ".join(f"{n}: {b / 2**20:.2f} MiB" for n, b in t.bytes_per_node().items())
+            period = "-" if t.period_rows is None else str(t.period_rows)
+            click.echo(f"{layer:>5}  {name:<12} {f'[{t.rows}, {t.cols}]':>16}  {period:>7}  "
+                       f"{t.segment_count():>5}  {t.balance():>7.3f}  {per_node}")
+    click.echo(f"wrote {output}")
+
+
+@click.command("inspect")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--tensor", "tensor", default=None, metavar="PATTERN",
+              help="Only tensors whose name matches this glob (*.experts.0.*) or regex.")
+@click.option("--all-tensors", is_flag=True, help="Every tensor, not only the routed experts.")
+@click.option("--nodes", default=None,
+              help="Worker nodes of the split: count N or list 0,2 (default: the machine's nodes).")
+@click.option("--touch", type=click.Choice(["resident", "all", "none"]), default="resident",
+              show_default=True,
+              help="resident: map the pages already cached (no I/O); all: read every page like a "
+                   "loader; none: touch nothing.")
+@click.option("--plot", "plot", default=None, type=click.Path(dir_okay=False),
+              help="Write a PNG: one strip per tensor coloured by node (needs matplotlib).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--pages", is_flag=True, help="With --json: include the per-page node lists.")
+@_pattern_options
+def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json, pages, pattern, kinds):
+    """Where the checkpoint's expert pages sit in memory now, and the cost of a naive split."""
+    from numa_moe.placement_report import inspect_checkpoint, plot_placement
+
+    ck = _open(checkpoint, pattern, kinds)
+    try:
+        report = inspect_checkpoint(ck, tensor=tensor, nodes=nodes, touch=touch,
+                                    include_all=all_tensors)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(report.to_dict(with_pages=pages), indent=1))
+    else:
+        click.echo(report.format_text())
+    if plot:
+        try:
+            drawn = plot_placement(report, plot)
+        except RuntimeError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo(f"wrote {plot} ({drawn} of {len(report.tensors)} tensors)", err=as_json)

@@ -1,0 +1,258 @@
+// AMX-BF16 kernels with row-major weights. This one source is compiled twice:
+//   - for real (-mamx-tile -mamx-bf16 + AVX-512 flags): Isa::amx, handed out only when
+//     cpuid has AMX and Linux granted the tile state (request_amx_permission);
+//   - with -DNUMA_MOE_AMX_MODEL against amx_model.hpp: Isa::amx_model, the same kernel
+//     logic over emulated tiles, run by the tests on CPUs with AVX-512 but no AMX.
+//
+// Operand layouts (tdpbf16ps C[m][n] += sum_k A[m][k] * B[k/2][2n + k%2]):
+//   A  weights  w[r * ldw + c] row-major, straight from the checkpoint: a tile is 16 rows of
+//               one segment (r = row0 + j * row_stride) x 32 bf16, loaded with tileloadd at
+//               stride row_stride * ldw * 2 bytes (tileloadt1 when m <= 32: streamed once)
+//   B  tokens   pair-interleaved packed[(c / 2) * 2m + 2t + c % 2] (gather and silu_mul_pack
+//               write it), a tile is 16 pair rows x min(tokens, 16) tokens, stride 4m bytes
+//   C  partials out[r * ldo + t] fp32, loaded from and stored back to `out` (so += is
+//               exact), stride row_stride * ldo * 4 bytes
+// Tile rule: k_r = 32 bf16 per step; rows and tokens in blocks of 32 as 2 x 2 C tiles
+// (tmm0..3), A in tmm4/5, B in tmm6/7; a block with fewer than 16 rows or tokens gets
+// a smaller tile configuration, so AMX runs down to a single token. k tails of fewer than
+// 32 columns run as a second pass with a narrower A / shorter B configuration; a column
+// left over from an odd k0 or k1 (a pair split by a segment edge) is added in scalar code.
+#include <cstdint>
+#include <cstring>
+
+#include "common/cpu_features.hpp"
+#include "kernels/avx512_common.hpp"
+#include "kernels/bf16.hpp"
+#include "kernels/isa_tables.hpp"
+
+#ifdef NUMA_MOE_AMX_MODEL
+#include "kernels/amx_model.hpp"
+#define TILE_LOADCONFIG(cfg) ::numa_moe::amx_model::_tile_loadconfig(cfg)
+#define TILE_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_loadd(t, base, stride)
+#define TILE_STREAM_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_stream_loadd(t, base, stride)
+#define TILE_STORED(t, base, stride) ::numa_moe::amx_model::_tile_stored(t, base, stride)
+#define TILE_DPBF16PS(c, a, b) ::numa_moe::amx_model::_tile_dpbf16ps(c, a, b)
+#define AMX_NAMESPACE amx_model_build
+#else
+#include <immintrin.h>
+#define TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STREAM_LOADD(t, base, stride) _tile_stream_loadd(t, base, stride)
+#define TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#define AMX_NAMESPACE amx_real_build
+#endif
+
+namespace numa_moe::kernels {
+namespace AMX_NAMESPACE {
+namespace {
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// Tile register numbers: macros, because gcc's intrinsics paste them into the assembly
+// text ("%%tmm" #n) and so need literal digits.
+#define kC00 0
+#define kC01 1
+#define kC10 2
+#define kC11 3
+#define kA0 4
+#define kA1 5
+#define kB0 6
+#define kB1 7
+
+struct BlockShape {
+    int rows0, rows1;  // weight rows in A0 / A1 (rows1 may be 0)
+    int n0, n1;        // tokens in B0 / B1 (n1 may be 0)
+    int pairs;         // bf16 pairs per k step (16 = k_r 32, fewer for the k tail)
+    bool operator==(const BlockShape& o) const {
+        return rows0 == o.rows0 && rows1 == o.rows1 && n0 == o.n0 && n1 == o.n1 && pairs == o.pairs;
+    }
+};
+
+void configure(const BlockShape& shape) {
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    auto set = [&](int tile, int rows, int colsb) {
+        if (rows == 0 || colsb == 0) return;
+        cfg.rows[tile] = static_cast<uint8_t>(rows);
+        cfg.colsb[tile] = static_cast<uint16_t>(colsb);
+    };
+    set(kC00, shape.rows0, 4 * shape.n0);
+    set(kC01, shape.rows0, 4 * shape.n1);
+    set(kC10, shape.rows1, 4 * shape.n0);
+    set(kC11, shape.rows1, 4 * shape.n1);
+    set(kA0, shape.rows0, 4 * shape.pairs);
+    set(kA1, shape.rows1, 4 * shape.pairs);
+    set(kB0, shape.pairs, 4 * shape.n0);
+    set(kB1, shape.pairs, 4 * shape.n1);
+    TILE_LOADCONFIG(&cfg);
+}
+
+size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>((k + 1) / 2) * 2 * m * sizeof(bf16); }
+
+// packed[(c / 2) * 2m + 2t + c % 2] = x[token_index[t]][c]; the padding half of an odd
+// last pair is zero.
+void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    bf16* dst = static_cast<bf16*>(packed);
+    const int64_t pairs = (k + 1) / 2;
+    for (int64_t t = 0; t < m; ++t) {
+        const bf16* src = x + token_index[t] * ldx;
+        for (int64_t p = 0; p < k / 2; ++p) std::memcpy(dst + p * 2 * m + 2 * t, src + 2 * p, 2 * sizeof(bf16));
+        if (k % 2) {
+            dst[(pairs - 1) * 2 * m + 2 * t] = src[k - 1];
+            dst[(pairs - 1) * 2 * m + 2 * t + 1] = 0;
+        }
+    }
+}
+
+// out[r][t] += w[r][c] * tokens[t][c] for one column c (a pair split by a segment edge).
+void add_single_column(const bf16* w, int64_t ldw, const Segment& seg, int64_t j_lo, int64_t j_hi, const bf16* tokens,
+                       int64_t m, int64_t c, float* out, int64_t ldo) {
+    const bf16* column = tokens + (c / 2) * 2 * m + (c % 2);
+    for (int64_t j = j_lo; j < j_hi; ++j) {
+        const int64_t r = seg.row0 + j * (seg.row_stride > 0 ? seg.row_stride : 1);
+        const float wv = bf16_to_float(w[r * ldw + c]);
+        for (int64_t t = 0; t < m; ++t) out[r * ldo + t] += wv * bf16_to_float(column[2 * t]);
+    }
+}
+
+void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
+    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    int64_t lo = 0, hi = seg.nrows;
+    if (seg.nrows <= 0 || row_end <= row_begin) hi = 0;
+    if (hi > 0 && seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
+    if (hi > 0 && seg.row0 + (hi - 1) * stride >= row_end)
+        hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
+    *j_lo = lo;
+    *j_hi = hi > lo ? hi : lo;
+}
+
+// One block of up to 32 rows x 32 tokens over the pair range [p0, p1) in steps of
+// shape.pairs: C loaded from out, accumulated, stored back.
+void run_block(const BlockShape& shape, const bf16* w_block, int64_t w_stride_bytes, int64_t w_tile1_offset,
+               const bf16* b_block, int64_t b_stride_bytes, int64_t p0, int64_t p1, int64_t m, float* c_block,
+               int64_t c_stride_bytes, int64_t c_tile1_offset, bool stream_weights) {
+    const bool two_rows = shape.rows1 > 0, two_tokens = shape.n1 > 0;
+    TILE_LOADD(kC00, c_block, c_stride_bytes);
+    if (two_tokens) TILE_LOADD(kC01, c_block + 16, c_stride_bytes);
+    if (two_rows) TILE_LOADD(kC10, c_block + c_tile1_offset, c_stride_bytes);
+    if (two_rows && two_tokens) TILE_LOADD(kC11, c_block + c_tile1_offset + 16, c_stride_bytes);
+    for (int64_t p = p0; p < p1; p += shape.pairs) {
+        const bf16* a = w_block + 2 * p;
+        const bf16* b = b_block + p * 2 * m;
+        if (stream_weights) {
+            TILE_STREAM_LOADD(kA0, a, w_stride_bytes);
+            if (two_rows) TILE_STREAM_LOADD(kA1, a + w_tile1_offset, w_stride_bytes);
+        } else {
+            TILE_LOADD(kA0, a, w_stride_bytes);
+            if (two_rows) TILE_LOADD(kA1, a + w_tile1_offset, w_stride_bytes);
+        }
+        TILE_LOADD(kB0, b, b_stride_bytes);
+        TILE_DPBF16PS(kC00, kA0, kB0);
+        if (two_rows) TILE_DPBF16PS(kC10, kA1, kB0);
+        if (two_tokens) {
+            TILE_LOADD(kB1, b + 32, b_stride_bytes);
+            TILE_DPBF16PS(kC01, kA0, kB1);
+            if (two_rows) TILE_DPBF16PS(kC11, kA1, kB1);
+        }
+    }
+    TILE_STORED(kC00, c_block, c_stride_bytes);
+    if (two_tokens) TILE_STORED(kC01, c_block + 16, c_stride_bytes);
+    if (two_rows) TILE_STORED(kC10, c_block + c_tile1_offset, c_stride_bytes);
+    if (two_rows && two_tokens) TILE_STORED(kC11, c_block + c_tile1_offset + 16, c_stride_bytes);
+}
+
+void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                     int64_t row_end, const void* packed, int64_t m, int64_t /*k*/, float* out, int64_t ldo) {
+    const bf16* tokens = static_cast<const bf16*>(packed);
+    if (m <= 0) return;
+    const bool stream_weights = m <= 32;  // each weight byte is used by one token block only
+    BlockShape current{-1, -1, -1, -1, -1};  // tile state of other code on this thread is not trusted
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+        int64_t c0 = seg.k0, c1 = seg.k1;
+        if (c0 % 2) add_single_column(w, ldw, seg, j_lo, j_hi, tokens, m, c0++, out, ldo);
+        if (c1 > c0 && c1 % 2) add_single_column(w, ldw, seg, j_lo, j_hi, tokens, m, --c1, out, ldo);
+        if (c1 <= c0) continue;
+        const int64_t p0 = c0 / 2, p1 = c1 / 2;
+        const int64_t p_main_end = p0 + (p1 - p0) / 16 * 16;
+        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+        const int64_t w_stride_bytes = stride * ldw * 2, c_stride_bytes = stride * ldo * 4;
+        for (int64_t j = j_lo; j < j_hi; j += 32) {
+            const int64_t rows = j_hi - j < 32 ? j_hi - j : 32;
+            const int64_t r = seg.row0 + j * stride;
+            const bf16* w_block = w + r * ldw;
+            for (int64_t t0 = 0; t0 < m; t0 += 32) {
+                const int64_t nt = m - t0 < 32 ? m - t0 : 32;
+                BlockShape shape{static_cast<int>(rows < 16 ? rows : 16), static_cast<int>(rows > 16 ? rows - 16 : 0),
+                                 static_cast<int>(nt < 16 ? nt : 16), static_cast<int>(nt > 16 ? nt - 16 : 0), 16};
+                float* c_block = out + r * ldo + t0;
+                const bf16* b_block = tokens + 2 * t0;
+                for (int pass = 0; pass < 2; ++pass) {
+                    const int64_t pa = pass == 0 ? p0 : p_main_end, pb = pass == 0 ? p_main_end : p1;
+                    if (pb <= pa) continue;
+                    shape.pairs = static_cast<int>(pass == 0 ? 16 : pb - pa);
+                    if (!(shape == current)) {
+                        configure(shape);
+                        current = shape;
+                    }
+                    run_block(shape, w_block, w_stride_bytes, 16 * stride * ldw, b_block, 4 * m, pa, pb, m, c_block,
+                              c_stride_bytes, 16 * stride * ldo, stream_weights);
+                }
+            }
+        }
+    }
+}
+
+void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+    silu_mul_pack_avx512<true>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, packed);
+}
+
+}  // namespace
+}  // namespace AMX_NAMESPACE
+
+#ifdef NUMA_MOE_AMX_MODEL
+// Test entry to the model itself: LDTILECFG `config`, load C/A/B into tmm0/1/2 (row
+// stride 64 bytes), one TDPBF16PS (int8 = false) or TDPBSSD (int8 = true), store tmm0.
+void amx_model_tile_dot(const void* config, bool int8, void* c, const void* a, const void* b) {
+    namespace model = ::numa_moe::amx_model;
+    model::_tile_loadconfig(config);
+    model::_tile_loadd(0, c, 64);
+    model::_tile_loadd(1, a, 64);
+    model::_tile_loadd(2, b, 64);
+    if (int8)
+        model::_tile_dpbssd(0, 1, 2);
+    else
+        model::_tile_dpbf16ps(0, 1, 2);
+    model::_tile_stored(0, c, 64);
+    model::_tile_release();
+}
+
+const KernelOps& amx_model_ops() {
+    static const KernelOps ops{Isa::amx_model,          "amx_model",          AMX_NAMESPACE::packed_bytes,
+                               AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
+                               combine_down_avx512};
+    return ops;
+}
+#else
+const KernelOps& amx_ops() {
+    static const KernelOps ops{Isa::amx,                "amx",                AMX_NAMESPACE::packed_bytes,
+                               AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
+                               combine_down_avx512};
+    return ops;
+}
+#endif
+
+}  // namespace numa_moe::kernels

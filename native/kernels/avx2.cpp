@@ -1,0 +1,139 @@
+// AVX2/FMA kernels: the portable SIMD path for x86-64 CPUs without AVX-512-BF16
+// (and the numa-vm guests). Compiled with -mavx2 -mfma only.
+//
+// Operand layouts (same as ref.cpp and avx512_bf16.cpp):
+//   weights  w[r * ldw + c] bf16 row-major
+//   tokens   plain row-major packed[t * k + c] bf16
+//   partials out[r * ldo + t] fp32, accumulated (+=)
+//
+// bf16 -> fp32 is a 16-bit left shift (zero-extend to 32 bits, shift); 8 columns per step,
+// a block of 2 rows x 4 tokens of ymm accumulators, FMA, horizontal sums at the end.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/bf16.hpp"
+#include "kernels/isa_tables.hpp"
+
+namespace numa_moe::kernels {
+namespace {
+
+size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>(m * k) * sizeof(bf16); }
+
+void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    bf16* dst = static_cast<bf16*>(packed);
+    for (int64_t t = 0; t < m; ++t) std::memcpy(dst + t * k, x + token_index[t] * ldx, k * sizeof(bf16));
+}
+
+inline __m256 load8_bf16(const bf16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+template <int R, int T>
+void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, int64_t k1, float* const* out_rows) {
+    __m256 acc[R][T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+    int64_t c = k0;
+    for (; c + 8 <= k1; c += 8) {
+        __m256 w[R];
+        for (int r = 0; r < R; ++r) w[r] = load8_bf16(w_rows[r] + c);
+        for (int t = 0; t < T; ++t) {
+            const __m256 x = load8_bf16(tok + t * ldt + c);
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(w[r], x, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < T; ++t) {
+            float sum = hsum8(acc[r][t]);
+            for (int64_t cc = c; cc < k1; ++cc) sum += bf16_to_float(w_rows[r][cc]) * bf16_to_float(tok[t * ldt + cc]);
+            out_rows[r][t] += sum;
+        }
+    }
+}
+
+using MicroFn = void (*)(const bf16* const*, const bf16*, int64_t, int64_t, int64_t, float* const*);
+
+template <int R>
+MicroFn micro_for_tokens(int64_t t) {
+    switch (t) {
+        case 1: return micro<R, 1>;
+        case 2: return micro<R, 2>;
+        case 3: return micro<R, 3>;
+        default: return micro<R, 4>;
+    }
+}
+
+void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                     int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const bf16* tokens = static_cast<const bf16*>(packed);
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        if (seg.k1 <= seg.k0) continue;
+        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+        int64_t j = 0;
+        while (j < seg.nrows) {
+            // Collect up to 2 rows of this segment that lie in [row_begin, row_end).
+            const bf16* w_rows[2];
+            float* out_base[2];
+            int rows = 0;
+            for (; j < seg.nrows && rows < 2; ++j) {
+                const int64_t r = seg.row0 + j * stride;
+                if (r < row_begin || r >= row_end) continue;
+                w_rows[rows] = w + r * ldw;
+                out_base[rows] = out + r * ldo;
+                ++rows;
+            }
+            if (rows == 0) break;
+            for (int64_t t0 = 0; t0 < m; t0 += 4) {
+                const int64_t nt = m - t0 < 4 ? m - t0 : 4;
+                float* out_rows[2] = {out_base[0] + t0, rows > 1 ? out_base[1] + t0 : nullptr};
+                const MicroFn fn = rows == 2 ? micro_for_tokens<2>(nt) : micro_for_tokens<1>(nt);
+                fn(w_rows, tokens + t0 * k, k, seg.k0, seg.k1, out_rows);
+            }
+        }
+    }
+}
+
+void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+    bf16* act = static_cast<bf16*>(packed);
+    for (int64_t i = i_begin; i < i_end; ++i) {
+        for (int64_t t = 0; t < m; ++t) {
+            float g = 0.0f, u = 0.0f;
+            for (int p = 0; p < n_parts; ++p) {
+                g += gate_parts[p][i * ld + t];
+                u += up_parts[p][i * ld + t];
+            }
+            act[t * i_total + i] = float_to_bf16(silu(g) * u);
+        }
+    }
+}
+
+void combine_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end, int64_t m,
+                  const int64_t* token_index, const float* token_weight, float* y, int64_t ldy) {
+    for (int64_t t = 0; t < m; ++t) {
+        float* y_row = y + token_index[t] * ldy;
+        for (int64_t h = h_begin; h < h_end; ++h) {
+            float sum = 0.0f;
+            for (int p = 0; p < n_parts; ++p) sum += parts[p][h * ld + t];
+            y_row[h] += token_weight[t] * sum;
+        }
+    }
+}
+
+}  // namespace
+
+const KernelOps& avx2_ops() {
+    static const KernelOps ops{Isa::avx2, "avx2", packed_bytes, gather, matmul_segments, silu_mul_pack, combine_down};
+    return ops;
+}
+
+}  // namespace numa_moe::kernels

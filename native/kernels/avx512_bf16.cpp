@@ -1,0 +1,226 @@
+// AVX-512-BF16 kernels: the dot-product formulation over row-major weights (Zen 4,
+// Cooper Lake and later without AMX). Compiled with -mavx512f -mavx512bw -mavx512vl
+// -mavx512bf16 -mfma; dispatch only hands this table out when cpuid + XCR0 allow it.
+//
+// Operand layouts:
+//   weights  w[r * ldw + c] bf16 row-major, never repacked
+//   tokens   plain row-major packed[t * k + c] bf16 (gather is a row copy)
+//   partials out[r * ldo + t] fp32, accumulated (+=)
+//
+// matmul: a block of R weight rows x T tokens of zmm accumulators; each step loads 32 bf16
+// of every row and of every token and issues R*T vdpbf16ps (pairs of bf16 products into
+// 16 fp32 lanes); one horizontal sum per output at the end of the k range (four outputs
+// per tree, see hsum4). R*T <= 24 keeps accumulators + operands in the 32 zmm registers.
+// For many tokens the k range is cut into blocks whose token slice stays in L2 while the
+// R weight rows of a block stay in L1 across the token chunks.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/avx512_common.hpp"
+#include "kernels/bf16.hpp"
+#include "kernels/isa_tables.hpp"
+
+namespace numa_moe::kernels {
+namespace {
+
+constexpr int64_t kTokenChunk = 8;                   // tokens per register block (many-token case)
+constexpr int64_t kTokenBlockBytes = 320 * 1024;     // token slice kept in L2 per k block
+constexpr int64_t kPrefetchElements = 1024;          // weight prefetch distance (2 KB per row)
+
+size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>(m * k) * sizeof(bf16); }
+
+void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    bf16* dst = static_cast<bf16*>(packed);
+    for (int64_t t = 0; t < m; ++t) std::memcpy(dst + t * k, x + token_index[t] * ldx, k * sizeof(bf16));
+}
+
+// Four accumulators -> their four horizontal sums in one xmm (lane j = sum of a[j]).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    // 64-bit unpacks move float pairs; the add must be a float add.
+    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out_rows[r][t] += sum_{c in [k0, k1)} w_rows[r][c] * tok[t][c] for R rows, T tokens.
+template <int R, int T, bool kPrefetch>
+void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, int64_t k1, float* const* out_rows) {
+    __m512 acc[R][T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    int64_t c = k0;
+    for (; c + 32 <= k1; c += 32) {
+        __m512bh w[R];
+        for (int r = 0; r < R; ++r) {
+            if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w_rows[r] + c + kPrefetchElements), _MM_HINT_T0);
+            w[r] = (__m512bh)_mm512_loadu_si512(w_rows[r] + c);
+        }
+        for (int t = 0; t < T; ++t) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(tok + t * ldt + c);
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[r], x);
+        }
+    }
+    if (c < k1) {  // k tail: masked loads fill the missing bf16 with zeros, exact
+        const __mmask32 mask = static_cast<__mmask32>((1ull << (k1 - c)) - 1ull);
+        __m512bh w[R];
+        for (int r = 0; r < R; ++r) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w_rows[r] + c);
+        for (int t = 0; t < T; ++t) {
+            const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(mask, tok + t * ldt + c);
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[r], x);
+        }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+        for (int t0 = 0; t0 < T; t0 += 4) {
+            const __m128 sums = hsum4(acc[r][t0], t0 + 1 < T ? acc[r][t0 + 1] : zero,
+                                      t0 + 2 < T ? acc[r][t0 + 2] : zero, t0 + 3 < T ? acc[r][t0 + 3] : zero);
+            const int n = T - t0 < 4 ? T - t0 : 4;
+            const __mmask8 mask = static_cast<__mmask8>((1u << n) - 1u);
+            float* dst = out_rows[r] + t0;
+            _mm_mask_storeu_ps(dst, mask, _mm_add_ps(_mm_maskz_loadu_ps(mask, dst), sums));
+        }
+    }
+}
+
+using MicroFn = void (*)(const bf16* const*, const bf16*, int64_t, int64_t, int64_t, float* const*);
+
+template <int R, bool kPrefetch>
+MicroFn micro_for_tokens(int64_t t) {
+    switch (t) {
+        case 1: return micro<R, 1, kPrefetch>;
+        case 2: return micro<R, 2, kPrefetch>;
+        case 3: return micro<R, 3, kPrefetch>;
+        case 4: return micro<R, 4, kPrefetch>;
+        case 5: return micro<R, 5, kPrefetch>;
+        case 6: return micro<R, 6, kPrefetch>;
+        case 7: return micro<R, 7, kPrefetch>;
+        default: return micro<R, 8, kPrefetch>;
+    }
+}
+
+template <bool kPrefetch>
+MicroFn micro_for(int64_t rows, int64_t tokens) {
+    switch (rows) {
+        case 8: return micro_for_tokens<8, kPrefetch>(tokens);
+        case 6: return micro_for_tokens<6, kPrefetch>(tokens);
+        case 4: return micro_for_tokens<4, kPrefetch>(tokens);
+        case 3: return micro_for_tokens<3, kPrefetch>(tokens);
+        default: return micro_for_tokens<1, kPrefetch>(tokens);
+    }
+}
+
+// Rows per register block for a token chunk of t tokens: R * T <= 24 accumulators.
+int64_t rows_per_block(int64_t t) {
+    static constexpr int64_t kRows[9] = {8, 8, 8, 6, 4, 4, 4, 3, 3};
+    return kRows[t < 8 ? t : 8];
+}
+
+// j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
+void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
+    if (seg.nrows <= 0 || row_end <= row_begin) {
+        *j_lo = *j_hi = 0;
+        return;
+    }
+    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    int64_t lo = 0, hi = seg.nrows;
+    if (seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
+    if (seg.row0 + (hi - 1) * stride >= row_end) hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
+    *j_lo = lo;
+    *j_hi = hi > lo ? hi : lo;
+}
+
+void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                     int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const bf16* tokens = static_cast<const bf16*>(packed);
+    if (m <= 0) return;
+    const int64_t chunk = m <= kTokenChunk ? m : kTokenChunk;
+    const int64_t block_rows = rows_per_block(chunk);
+    // Prefetch only pays while the weight stream is the bottleneck (few tokens).
+    const bool prefetch = m <= 16;
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+        const int64_t span = seg.k1 - seg.k0;
+        int64_t kc = span;
+        if (m * span * 2 > kTokenBlockBytes) kc = std::max<int64_t>(512, (kTokenBlockBytes / (2 * m)) / 32 * 32);
+        for (int64_t kb = seg.k0; kb < seg.k1; kb += kc) {
+            const int64_t ke = kb + kc < seg.k1 ? kb + kc : seg.k1;
+            for (int64_t j = j_lo; j < j_hi;) {
+                const int64_t rows = j_hi - j >= block_rows ? block_rows : 1;
+                const bf16* w_rows[8];
+                for (int64_t i = 0; i < rows; ++i) w_rows[i] = w + (seg.row0 + (j + i) * stride) * ldw;
+                for (int64_t t0 = 0; t0 < m; t0 += chunk) {
+                    const int64_t nt = m - t0 < chunk ? m - t0 : chunk;
+                    float* out_rows[8];
+                    for (int64_t i = 0; i < rows; ++i) out_rows[i] = out + (seg.row0 + (j + i) * stride) * ldo + t0;
+                    const MicroFn fn = prefetch ? micro_for<true>(rows, nt) : micro_for<false>(rows, nt);
+                    fn(w_rows, tokens + t0 * k, k, kb, ke, out_rows);
+                }
+                j += rows;
+            }
+        }
+    }
+}
+
+void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+    silu_mul_pack_avx512<false>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, packed);
+}
+
+}  // namespace
+
+const KernelOps& avx512_ops() {
+    static const KernelOps ops{Isa::avx512, "avx512", packed_bytes, gather, matmul_segments, silu_mul_pack,
+                               combine_down_avx512};
+    return ops;
+}
+
+uint64_t stream_read_avx512(const void* data, size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 256 <= bytes; i += 256) {
+        a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
+        a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
+        a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
+        a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
+    }
+    const __m512i all = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+    uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(all));
+    for (; i < bytes; ++i) sum += static_cast<unsigned char>(p[i]);
+    return sum;
+}
+
+double dpbf16ps_peak_loop(int64_t iterations) {
+    // Written in assembly: with intrinsics gcc kept the 24 accumulators in memory.
+    // 24 independent chains hide the instruction latency; operands are zeros.
+    if (iterations <= 0) return 0.0;
+    int64_t n = iterations;
+#define NUMA_MOE_DP(i) "vdpbf16ps %%zmm30, %%zmm31, %%zmm" #i "\n\t"
+    __asm__ volatile(
+        "vpxord %%zmm30, %%zmm30, %%zmm30\n\t"
+        "vpxord %%zmm31, %%zmm31, %%zmm31\n\t"
+        "1:\n\t" NUMA_MOE_DP(0) NUMA_MOE_DP(1) NUMA_MOE_DP(2) NUMA_MOE_DP(3) NUMA_MOE_DP(4) NUMA_MOE_DP(5)
+        NUMA_MOE_DP(6) NUMA_MOE_DP(7) NUMA_MOE_DP(8) NUMA_MOE_DP(9) NUMA_MOE_DP(10) NUMA_MOE_DP(11) NUMA_MOE_DP(12)
+        NUMA_MOE_DP(13) NUMA_MOE_DP(14) NUMA_MOE_DP(15) NUMA_MOE_DP(16) NUMA_MOE_DP(17) NUMA_MOE_DP(18)
+        NUMA_MOE_DP(19) NUMA_MOE_DP(20) NUMA_MOE_DP(21) NUMA_MOE_DP(22) NUMA_MOE_DP(23)
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        : "+r"(n)
+        :
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm30",
+          "xmm31", "cc");
+#undef NUMA_MOE_DP
+    return static_cast<double>(iterations) * 24.0 * 64.0;
+}
+
+}  // namespace numa_moe::kernels

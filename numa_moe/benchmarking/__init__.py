@@ -1,0 +1,1 @@
+"""Benchmarks shared by ``benchmarks/`` scripts and the ``numa-moe bench`` commands."""

@@ -1,0 +1,590 @@
+"""The routed experts of a safetensors checkpoint, found from its headers alone.
+
+A checkpoint is one ``*.safetensors`` file, a directory of them, or a sharded directory
+with ``model.safetensors.index.json``. Only the headers are read here (8-byte
+little-endian length + JSON, the safetensors format), never weight bytes, so tables for a
+600 GB checkpoint are built in milliseconds; ``read_matrix_into`` is the one function
+that reads weight bytes, straight into a caller's buffer.
+
+Every routed-expert matrix (gate [I, H], up [I, H], down [H, I], row-major as nn.Linear
+stores them) is a contiguous byte range of one file, also for fused 3-D tensors, so an
+``ExpertMatrix`` is just (file, byte offset, rows, cols).
+
+Naming schemes recognised (``BUILTIN_PATTERNS``):
+
+* Mixtral: ``model.layers.L.block_sparse_moe.experts.E.w1/w3/w2.weight``
+  (w1 = gate, w3 = up, w2 = down)
+* Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3: ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``
+* fused (transformers >= 5): ``model.layers.L.mlp.experts.gate_up_proj`` [E, 2I, H] (gate
+  rows first) and ``...experts.down_proj`` [E, H, I]
+
+Shared experts (``mlp.shared_expert(s).*``, not routed) and routers (``*.gate.weight``)
+are reported apart. Any other layout: pass a ``NamingPattern`` (regex with named groups
+``layer``, ``kind`` and, for one tensor per expert, ``expert``; plus a kind mapping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "CheckpointError",
+    "TensorInfo",
+    "NamingPattern",
+    "BUILTIN_PATTERNS",
+    "ExpertMatrix",
+    "ExpertLayer",
+    "ModelDims",
+    "Checkpoint",
+    "read_safetensors_header",
+    "parse_kind_map",
+    "read_matrix_into",
+    "KINDS",
+]
+
+KINDS = ("gate", "up", "down")
+
+# safetensors dtype code -> bytes per element
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+
+# A header this long is not a plausible safetensors header (the library's own limit is 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked: the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie: ``file_offset`` is absolute within ``path``."""
+
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    file_offset: int
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
+    """Parse and check the header of a safetensors file; returns (tensors, metadata).
+
+    Checks what a loader would trip over later: a truncated file, a corrupted or
+    non-JSON header, unknown dtypes, offsets that do not match the shape or run past the
+    end of the file.
+    """
+    path = Path(path)
+    try:
+        file_bytes = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({file_bytes} bytes; "
+                                      "the 8-byte header length is missing)")
+            header_bytes = int.from_bytes(head, "little")
+            if header_bytes > min(file_bytes - 8, _MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    f"{path}: header length field says {header_bytes} bytes but the file holds "
+                    f"{file_bytes - 8} bytes after it: truncated, or not a safetensors file")
+            raw = f.read(header_bytes)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err}") from err
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: corrupted safetensors header (not valid JSON: {err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupted safetensors header (a JSON object was expected)")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_bytes
+    data_bytes = file_bytes - data_start
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{where}: malformed header entry {entry!r}") from err
+        if dtype not in DTYPE_BYTES:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+        if any(d < 0 for d in shape):
+            raise CheckpointError(f"{where}: negative dimension in shape {list(shape)}")
+        expected = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
+        if end - begin != expected or begin < 0:
+            raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes "
+                                  f"but shape {list(shape)} {dtype} needs {expected}")
+        if end > data_bytes:
+            raise CheckpointError(f"{where}: data ends at byte {data_start + end} but the file has "
+                                  f"only {file_bytes} bytes (truncated file?)")
+        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, expected)
+    return tensors, metadata
+
+
+@dataclass(frozen=True)
+class NamingPattern:
+    """How routed-expert tensors are named.
+
+    ``regex`` is matched (``re.fullmatch``) against every tensor name and must have named
+    groups ``layer`` and ``kind``, and ``expert`` when each expert has its own 2-D
+    tensors; without ``expert`` the tensor is fused 3-D with experts along dimension 0.
+    ``kinds`` maps the text of the ``kind`` group to ``gate``, ``up``, ``down`` or
+    ``gate_up`` (fused [E, 2I, H], gate rows first).
+    """
+
+    name: str
+    regex: str
+    kinds: dict[str, str]
+
+    def __post_init__(self):
+        try:
+            compiled = re.compile(self.regex)
+        except re.error as err:
+            raise CheckpointError(f"naming pattern {self.name!r}: bad regex {self.regex!r}: {err}") from err
+        missing = {"layer", "kind"} - set(compiled.groupindex)
+        if missing:
+            raise CheckpointError(f"naming pattern {self.name!r}: the regex needs named groups "
+                                  f"(?P<layer>...) and (?P<kind>...); missing {sorted(missing)}")
+        bad = {v for v in self.kinds.values() if v not in (*KINDS, "gate_up")}
+        if bad:
+            raise CheckpointError(f"naming pattern {self.name!r}: kinds must map to gate, up, down "
+                                  f"or gate_up; got {sorted(bad)}")
+
+    @property
+    def compiled(self) -> re.Pattern:
+        return re.compile(self.regex)
+
+    @property
+    def fused(self) -> bool:
+        return "expert" not in self.compiled.groupindex
+
+
+_ANY_PREFIX = r"(?:.*\.)?"
+BUILTIN_PATTERNS: tuple[NamingPattern, ...] = (
+    NamingPattern("mixtral",
+                  _ANY_PREFIX + r"layers\.(?P<layer>\d+)\.block_sparse_moe\.experts\.(?P<expert>\d+)"
+                  r"\.(?P<kind>w1|w2|w3)\.weight",
+                  {"w1": "gate", "w3": "up", "w2": "down"}),
+    NamingPattern("mlp.experts",
+                  _ANY_PREFIX + r"layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)"
+                  r"\.(?P<kind>gate_proj|up_proj|down_proj)\.weight",
+                  {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
+    NamingPattern("fused",
+                  _ANY_PREFIX + r"layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts"
+                  r"\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?",
+                  {"gate_up_proj": "gate_up", "down_proj": "down"}),
+)
+_SHARED_RE = re.compile(_ANY_PREFIX + r"layers\.(?P<layer>\d+)\.mlp\.shared_experts?(?:_gate)?\..*")
+_ROUTER_RE = re.compile(_ANY_PREFIX + r"layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
+
+PATTERN_HELP = (
+    "Pass the naming pattern explicitly: on the command line\n"
+    "    --pattern 'model\\.layers\\.(?P<layer>\\d+)\\.moe\\.experts\\.(?P<expert>\\d+)\\.(?P<kind>w1|w2|w3)\\.weight'"
+    " --kinds w1=gate,w3=up,w2=down\n"
+    "or in Python Checkpoint.open(path, pattern=NamingPattern(name, regex, kinds)). The regex "
+    "needs named groups layer and kind, plus expert unless the tensor is fused 3-D [E, rows, cols] "
+    "(then map its kind to gate_up, gate, up or down). See docs/checkpoints.md.")
+
+
+def parse_kind_map(text: str) -> dict[str, str]:
+    """``"w1=gate,w3=up,w2=down"`` -> ``{"w1": "gate", ...}``."""
+    mapping = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if "=" not in item:
+            raise CheckpointError(f"kind mapping item {item!r} is not NAME=KIND (e.g. w1=gate)")
+        key, value = (s.strip() for s in item.split("=", 1))
+        mapping[key] = value
+    return mapping
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    """One routed-expert matrix: ``rows x cols`` row-major at ``file_offset`` of ``tensor.path``."""
+
+    layer: int
+    expert: int
+    kind: str
+    tensor: TensorInfo
+    file_offset: int
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.tensor.itemsize
+
+    @property
+    def dtype(self) -> str:
+        return self.tensor.dtype
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """The routed experts of one layer: ``matrices[kind][e]``, plus what is reported apart."""
+
+    layer: int
+    hidden_size: int
+    intermediate_size: int
+    n_experts: int
+    dtype: str
+    matrices: dict[str, tuple[ExpertMatrix, ...]]
+    router: TensorInfo | None = None
+    shared: tuple[TensorInfo, ...] = ()
+
+    def matrix(self, kind: str, expert: int) -> ExpertMatrix:
+        return self.matrices[kind][expert]
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Expert dimensions; ``sources`` says where each came from (config.json or shapes)."""
+
+    hidden_size: int
+    intermediate_size: int
+    n_experts: int
+    top_k: int | None
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def _config_value(config: dict, *keys: str):
+    for key in keys:
+        if config.get(key) is not None:
+            return key, config[key]
+    return None, None
+
+
+@dataclass
+class Checkpoint:
+    """A safetensors checkpoint's tensors (headers only) and its routed experts.
+
+    Open with ``Checkpoint.open(path, pattern=None)``.
+    """
+
+    root: Path
+    files: tuple[Path, ...]
+    tensors: dict[str, TensorInfo]
+    config: dict | None
+    naming: tuple[str, ...] = ()
+    layers: dict[int, ExpertLayer] = field(default_factory=dict)
+    dims: ModelDims | None = None
+    shared_tensors: tuple[TensorInfo, ...] = ()
+    router_tensors: tuple[TensorInfo, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, path: str | os.PathLike, pattern: NamingPattern | None = None) -> "Checkpoint":
+        root = Path(path)
+        if not root.exists():
+            raise CheckpointError(f"{root}: no such file or directory")
+        files, tensors = _read_tensors(root)
+        directory = root if root.is_dir() else root.parent
+        config = None
+        config_path = directory / "config.json"
+        if config_path.exists():
+            try:
+                config = json.loads(config_path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise CheckpointError(f"{config_path}: cannot parse: {err}") from err
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{config_path}: a JSON object was expected")
+        checkpoint = cls(root=root, files=files, tensors=tensors, config=config)
+        checkpoint._find_experts(pattern)
+        return checkpoint
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.layers))
+
+    @property
+    def dtype(self) -> str:
+        return next(iter(self.layers.values())).dtype
+
+    # ------------------------------------------------------------ recognising
+    def _find_experts(self, pattern: NamingPattern | None) -> None:
+        patterns = (pattern,) if pattern is not None else BUILTIN_PATTERNS
+        # (layer, expert, kind) -> (matrix sources); fused tensors give every expert at once
+        found: dict[tuple[int, int, str], ExpertMatrix] = {}
+        used: list[str] = []
+        shared, routers = [], []
+        for name, info in self.tensors.items():
+            for pat in patterns:
+                match = pat.compiled.fullmatch(name)
+                if match is None:
+                    continue
+                raw_kind = match.group("kind")
+                if raw_kind not in pat.kinds:
+                    raise CheckpointError(f"{info.path}: tensor {name!r}: kind {raw_kind!r} is not "
+                                          f"in the pattern's kind mapping {pat.kinds}")
+                for matrix in _matrices_of(info, int(match.group("layer")),
+                                           match.group("expert") if not pat.fused else None,
+                                           pat.kinds[raw_kind]):
+                    key = (matrix.layer, matrix.expert, matrix.kind)
+                    if key in found:
+                        other = found[key].tensor
+                        raise CheckpointError(
+                            f"layer {key[0]} expert {key[1]} {key[2]} is given twice: by {other.name!r} "
+                            f"({other.path}) and by {name!r} ({info.path})")
+                    found[key] = matrix
+                if pat.name not in used:
+                    used.append(pat.name)
+                break
+            else:
+                if _SHARED_RE.fullmatch(name):
+                    shared.append(info)
+                elif _ROUTER_RE.fullmatch(name):
+                    routers.append(info)
+        self.shared_tensors = tuple(shared)
+        self.router_tensors = tuple(routers)
+        if not found:
+            raise CheckpointError(self._unknown_layout_message(pattern))
+        self.naming = tuple(used)
+        self._assemble_layers(found)
+
+    def _unknown_layout_message(self, pattern: NamingPattern | None) -> str:
+        shapes: Counter = Counter()
+        for info in self.tensors.values():
+            shapes[(re.sub(r"\d+", "N", info.name), len(info.shape), info.dtype)] += 1
+        listing = "\n".join(f"    {name}  ({ndim}-D {dtype}) x{count}"
+                            for (name, ndim, dtype), count in shapes.most_common(15))
+        tried = ([pattern.regex] if pattern else [p.regex for p in BUILTIN_PATTERNS])
+        more = f"\n    ... and {len(shapes) - 15} more name forms" if len(shapes) > 15 else ""
+        return (f"{self.root}: no routed-expert tensors recognised among {len(self.tensors)} tensors "
+                f"in {len(self.files)} file(s).\nTensor names found (digits shown as N):\n{listing}{more}\n"
+                "Patterns tried:\n" + "\n".join(f"    {r}" for r in tried) + "\n" + PATTERN_HELP)
+
+    def _assemble_layers(self, found: dict[tuple[int, int, str], ExpertMatrix]) -> None:
+        config = self.config or {}
+        by_layer: dict[int, dict[str, dict[int, ExpertMatrix]]] = defaultdict(lambda: defaultdict(dict))
+        for (layer, expert, kind), matrix in found.items():
+            by_layer[layer][kind][expert] = matrix
+        e_key, e_config = _config_value(config, "num_local_experts", "num_experts", "n_routed_experts")
+        sources: dict[str, str] = {}
+        routers = {int(_ROUTER_RE.fullmatch(t.name).group("layer")): t for t in self.router_tensors}
+        shared_by_layer: dict[int, list[TensorInfo]] = defaultdict(list)
+        for t in self.shared_tensors:
+            shared_by_layer[int(_SHARED_RE.fullmatch(t.name).group("layer"))].append(t)
+
+        reference: ExpertMatrix | None = None
+        first_dims: tuple[int, int, int] | None = None
+        for layer in sorted(by_layer):
+            kinds = by_layer[layer]
+            all_experts = sorted(set().union(*(set(m) for m in kinds.values())))
+            n_experts = int(e_config) if e_config is not None else all_experts[-1] + 1
+            problems = []
+            for kind in KINDS:
+                have = kinds.get(kind, {})
+                missing = [e for e in range(n_experts) if e not in have]
+                extra = [e for e in have if e >= n_experts]
+                if missing:
+                    problems.append(f"{kind} missing for expert(s) {_ranges(missing)}")
+                if extra:
+                    problems.append(f"{kind} present for expert(s) {_ranges(extra)} beyond the "
+                                    f"{n_experts} experts of {e_key or 'the layer'}")
+            if problems:
+                example = next(iter(next(iter(kinds.values())).values())).tensor
+                raise CheckpointError(
+                    f"layer {layer}: incomplete routed experts ({'; '.join(problems)}); "
+                    f"expected gate, up and down for experts 0..{n_experts - 1}"
+                    + (f" ({e_key}={e_config} in config.json)" if e_key else " (count inferred from names)")
+                    + f"; example tensor {example.name!r} in {example.path}")
+            gate0 = kinds["gate"][0]
+            I, H = gate0.rows, gate0.cols
+            if reference is None:
+                reference = gate0
+            expected = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+            for kind in KINDS:
+                for e in range(n_experts):
+                    m = kinds[kind][e]
+                    if (m.rows, m.cols) != expected[kind]:
+                        raise CheckpointError(
+                            f"{m.tensor.path}: tensor {m.tensor.name!r}: {kind} of layer {layer} expert {e} "
+                            f"has shape [{m.rows}, {m.cols}], expected {list(expected[kind])} "
+                            f"(I={I}, H={H} from {gate0.tensor.name!r})")
+                    if m.dtype != gate0.dtype:
+                        raise CheckpointError(
+                            f"{m.tensor.path}: tensor {m.tensor.name!r} is {m.dtype} but "
+                            f"{gate0.tensor.name!r} is {gate0.dtype}: one dtype per layer is required")
+            if (I, H, n_experts) != first_dims and first_dims is not None:
+                raise CheckpointError(
+                    f"layer {layer}: experts are {n_experts} x [{I}, {H}] but layer {reference.layer} "
+                    f"has {first_dims[2]} x [{first_dims[0]}, {first_dims[1]}]: all MoE layers must "
+                    f"share one expert shape ({gate0.tensor.name!r} in {gate0.tensor.path})")
+            first_dims = (I, H, n_experts)
+            self.layers[layer] = ExpertLayer(
+                layer, H, I, n_experts, gate0.dtype,
+                {kind: tuple(kinds[kind][e] for e in range(n_experts)) for kind in KINDS},
+                routers.get(layer), tuple(shared_by_layer.get(layer, ())))
+
+        first = self.layers[self.layer_ids[0]]
+        H, I, E = first.hidden_size, first.intermediate_size, first.n_experts
+        sources["n_experts"] = f"config.json {e_key}" if e_key else "tensor names"
+        h_key, h_config = _config_value(config, "hidden_size")
+        if h_config is not None and int(h_config) != H:
+            raise CheckpointError(f"config.json hidden_size={h_config} but {reference.tensor.name!r} "
+                                  f"in {reference.tensor.path} has hidden size {H}")
+        sources["hidden_size"] = "config.json hidden_size" if h_key else "tensor shapes"
+        i_key, i_config = _config_value(config, "moe_intermediate_size", "intermediate_size")
+        if i_config is not None and int(i_config) != I:
+            raise CheckpointError(f"config.json {i_key}={i_config} but {reference.tensor.name!r} in "
+                                  f"{reference.tensor.path} has expert intermediate size {I}")
+        sources["intermediate_size"] = f"config.json {i_key}" if i_key else "tensor shapes"
+        k_key, top_k = _config_value(config, "num_experts_per_tok")
+        sources["top_k"] = "config.json num_experts_per_tok" if k_key else "unknown (not in shapes)"
+        if self.config is None:
+            self.notes.append("no config.json: hidden size, intermediate size and expert count "
+                              "inferred from tensor shapes and names; top-k unknown")
+        elif k_key is None:
+            self.notes.append("config.json has no num_experts_per_tok: top-k unknown")
+        self.dims = ModelDims(H, I, E, None if top_k is None else int(top_k), sources)
+
+    # ---------------------------------------------------------------- summary
+    def summary(self) -> dict:
+        dims = self.dims
+        return {
+            "checkpoint": str(self.root),
+            "files": [str(p) for p in self.files],
+            "naming": list(self.naming),
+            "dtype": self.dtype,
+            "layers": list(self.layer_ids),
+            "hidden_size": dims.hidden_size,
+            "intermediate_size": dims.intermediate_size,
+            "n_experts": dims.n_experts,
+            "top_k": dims.top_k,
+            "sources": dict(dims.sources),
+            "shared_expert_tensors": [t.name for t in self.shared_tensors],
+            "router_tensors": len(self.router_tensors),
+            "notes": list(self.notes),
+        }
+
+
+def _ranges(values: list[int]) -> str:
+    values = sorted(values)
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
+
+
+def _matrices_of(info: TensorInfo, layer: int, expert: str | None, kind: str) -> list[ExpertMatrix]:
+    """The expert matrices held by one tensor (one, or E of a fused 3-D tensor)."""
+    if expert is not None:
+        if len(info.shape) != 2 or kind == "gate_up":
+            raise CheckpointError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}; "
+                                  f"a per-expert {kind} matrix must be 2-D")
+        return [ExpertMatrix(layer, int(expert), kind, info, info.file_offset, *info.shape)]
+    if len(info.shape) != 3:
+        raise CheckpointError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}; a fused "
+                              f"expert tensor must be 3-D [experts, rows, cols]")
+    n_experts, rows, cols = info.shape
+    per_expert = rows * cols * info.itemsize
+    if kind == "gate_up":
+        if rows % 2:
+            raise CheckpointError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}; "
+                                  "fused gate_up needs an even row count [E, 2I, H]")
+        half = rows // 2
+        return [ExpertMatrix(layer, e, k, info, info.file_offset + e * per_expert + i * half * cols * info.itemsize,
+                             half, cols)
+                for e in range(n_experts) for i, k in enumerate(("gate", "up"))]
+    return [ExpertMatrix(layer, e, kind, info, info.file_offset + e * per_expert, rows, cols)
+            for e in range(n_experts)]
+
+
+def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
+    if root.is_file() and root.name.endswith(".json"):
+        return _read_index(root)
+    if root.is_file():
+        tensors, _ = read_safetensors_header(root)
+        return (root,), tensors
+    index = root / "model.safetensors.index.json"
+    if not index.exists():
+        candidates = sorted(root.glob("*.safetensors.index.json"))
+        if len(candidates) == 1:
+            index = candidates[0]
+    if index.exists():
+        return _read_index(index)
+    files = tuple(sorted(root.glob("*.safetensors")))
+    if not files:
+        raise CheckpointError(f"{root}: no *.safetensors files and no model.safetensors.index.json")
+    tensors: dict[str, TensorInfo] = {}
+    for path in files:
+        for name, info in read_safetensors_header(path)[0].items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} is in both {tensors[name].path} and {path}")
+            tensors[name] = info
+    return files, tensors
+
+
+def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({err!r})") from err
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, filename in weight_map.items():
+        by_file[filename].append(name)
+    tensors: dict[str, TensorInfo] = {}
+    files = []
+    for filename in sorted(by_file):
+        path = index.parent / filename
+        if not path.exists():
+            raise CheckpointError(f"{index}: shard {filename!r} (holding e.g. tensor "
+                                  f"{by_file[filename][0]!r}) does not exist")
+        header = read_safetensors_header(path)[0]
+        for name in by_file[filename]:
+            if name not in header:
+                raise CheckpointError(f"{path}: missing tensor {name!r} (listed for this file in "
+                                      f"{index.name})")
+            tensors[name] = header[name]
+        files.append(path)
+    return tuple(files), tensors
+
+
+def read_matrix_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = None) -> None:
+    """Copy one expert matrix's bytes from its file into ``out`` (C-contiguous, same size).
+
+    Reads straight into the destination (``os.preadv``): no intermediate copy. Pass an
+    open read-only ``fd`` of ``matrix.tensor.path`` to avoid reopening per matrix.
+    """
+    if not out.flags.c_contiguous or out.nbytes != matrix.nbytes:
+        raise ValueError(f"destination for {matrix.tensor.name!r} must be C-contiguous with "
+                         f"{matrix.nbytes} bytes; got {out.nbytes} bytes, "
+                         f"c_contiguous={out.flags.c_contiguous}")
+    own = fd is None
+    if own:
+        fd = os.open(matrix.tensor.path, os.O_RDONLY)
+    try:
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < matrix.nbytes:
+            got = os.preadv(fd, [view[done:]], matrix.file_offset + done)
+            if got <= 0:
+                raise CheckpointError(
+                    f"{matrix.tensor.path}: file ended while reading tensor {matrix.tensor.name!r} "
+                    f"(byte {matrix.file_offset + done}); it changed since its header was read")
+            done += got
+    finally:
+        if own:
+            os.close(fd)

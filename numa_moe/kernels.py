@@ -1,0 +1,259 @@
+"""Expert FFN kernels over row-major bf16 weights (AMX, AVX-512-BF16, AVX2, reference).
+
+The native kernels (``numa_moe._native``) compute one expert's
+``y = (silu(x Wg^T) * (x Wu^T)) Wd^T`` with ``Wg, Wu`` ``[I, H]`` and ``Wd`` ``[H, I]``
+exactly as checkpoints store them. This module accepts torch tensors and numpy arrays
+(``ml_dtypes.bfloat16`` or their ``uint16`` bit patterns) without copying, and checks
+dtype, shape, contiguity and alignment before anything reaches native code.
+
+The instruction set is chosen per call (``isa=``), else by ``NUMA_MOE_ISA``, else the
+fastest available (amx > avx512 > avx2 > ref); ``amx_model`` (the AMX software model) is
+only used when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from numa_moe import _native
+
+__all__ = [
+    "ISAS",
+    "available_isas",
+    "default_isa",
+    "expert_ffn",
+    "matmul_segments",
+    "silu_mul_pack",
+    "combine_down",
+]
+
+ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def available_isas() -> tuple[str, ...]:
+    """ISAs this CPU (and OS) can run, slowest first."""
+    return tuple(_native.kernel_isas())
+
+
+def default_isa() -> str:
+    """The ISA used when none is given: ``NUMA_MOE_ISA`` if set, else the fastest."""
+    try:
+        return _native.default_kernel_isa()
+    except RuntimeError as error:
+        raise ValueError(str(error)) from None
+
+
+def _resolve_isa(isa: str | None) -> str:
+    if isa is None:
+        return default_isa()
+    if isa not in ISAS:
+        raise ValueError(f"isa={isa!r} is not one of {', '.join(ISAS)}")
+    if isa not in available_isas():
+        raise ValueError(f"isa={isa!r} is not available on this CPU (available: {', '.join(available_isas())})")
+    return isa
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def _bf16_view(name: str, value: Any, ndim: int) -> np.ndarray:
+    """A zero-copy uint16 view of a bf16 torch tensor or numpy array (checked)."""
+    if _is_torch(value):
+        import torch
+
+        if value.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: dtype {value.dtype}, expected torch.bfloat16")
+        if value.device.type != "cpu":
+            raise ValueError(f"{name}: tensor is on {value.device}, expected cpu")
+        if not value.is_contiguous():
+            raise ValueError(f"{name}: tensor must be contiguous (row-major), got strides {tuple(value.stride())}")
+        array = value.detach().view(torch.int16).numpy().view(np.uint16)
+    elif isinstance(value, np.ndarray):
+        if value.dtype == _BF16:
+            array = value.view(np.uint16)
+        elif value.dtype == np.uint16:
+            array = value
+        else:
+            raise TypeError(f"{name}: dtype {value.dtype}, expected ml_dtypes.bfloat16 (or uint16 bf16 bits)")
+    else:
+        raise TypeError(f"{name}: expected a torch tensor or numpy array, got {type(value).__name__}")
+    _check_layout(name, array, ndim)
+    return array
+
+
+def _check_layout(name: str, array: np.ndarray, ndim: int) -> None:
+    if array.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {array.shape}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (row-major), got strides {array.strides}")
+    if array.ctypes.data % array.itemsize:
+        raise ValueError(f"{name}: data address {array.ctypes.data:#x} is not aligned to {array.itemsize} bytes")
+
+
+def _index_array(token_index: Any, n_tokens: int) -> np.ndarray:
+    if token_index is None:
+        return np.arange(n_tokens, dtype=np.int64)
+    if _is_torch(token_index):
+        token_index = token_index.detach().cpu().numpy()
+    index = np.ascontiguousarray(np.asarray(token_index), dtype=np.int64)
+    if index.ndim != 1:
+        raise ValueError(f"token_index: expected a 1-D index list, got shape {index.shape}")
+    if index.size and (index.min() < 0 or index.max() >= n_tokens):
+        raise ValueError(f"token_index: values must lie in [0, {n_tokens}), got [{index.min()}, {index.max()}]")
+    return index
+
+
+def _segments_array(name: str, segments: Any) -> np.ndarray | None:
+    if segments is None:
+        return None
+    if hasattr(segments, "node_array"):
+        raise TypeError(f"{name}: pass SegmentTable.node_array(node), an int64 [n, 5] array")
+    array = np.ascontiguousarray(np.asarray(segments), dtype=np.int64)
+    if array.ndim != 2 or array.shape[1] != 5:
+        raise ValueError(f"{name}: expected int64 [n, 5] (row0, row_stride, nrows, k0, k1), got shape {array.shape}")
+    return array
+
+
+def expert_ffn(
+    x: Any,
+    w_gate: Any,
+    w_up: Any,
+    w_down: Any,
+    *,
+    token_index: Any = None,
+    isa: str | None = None,
+    threads: int | None = None,
+    out_dtype: Any = np.float32,
+    out: Any = None,
+    gate_segments: Any = None,
+    up_segments: Any = None,
+    down_segments: Any = None,
+):
+    """``out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T`` for one expert.
+
+    x: ``[T, H]`` bf16; w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (all bf16, row-major,
+    torch or numpy). token_index: the rows of x to use (default all, in order).
+    out_dtype: float32 or bfloat16 (numpy, ml_dtypes or torch dtype); out: optional
+    preallocated ``[M, H]`` output of that dtype (same library as x). threads: worker
+    threads (default: the CPUs in this process's affinity mask). *_segments: optional
+    int64 ``[n, 5]`` segment lists restricting each matrix (default: whole matrix).
+    Returns the output (a torch tensor if x is one, else a numpy array).
+    """
+    use_torch = _is_torch(x)
+    x_u16 = _bf16_view("x", x, 2)
+    wg = _bf16_view("w_gate", w_gate, 2)
+    wu = _bf16_view("w_up", w_up, 2)
+    wd = _bf16_view("w_down", w_down, 2)
+    hidden = x_u16.shape[1]
+    inter = wg.shape[0]
+    if wg.shape != (inter, hidden):
+        raise ValueError(f"w_gate: shape {wg.shape}, expected [I, H] with H = {hidden} (x is {x_u16.shape})")
+    if wu.shape != wg.shape:
+        raise ValueError(f"w_up: shape {wu.shape}, expected {wg.shape} like w_gate")
+    if wd.shape != (hidden, inter):
+        raise ValueError(f"w_down: shape {wd.shape}, expected [H, I] = {(hidden, inter)}")
+    index = _index_array(token_index, x_u16.shape[0])
+    m = index.shape[0]
+    want_bf16 = _is_bf16_dtype(out_dtype)
+    if out is None:
+        if use_torch:
+            import torch
+
+            out = torch.empty((m, hidden), dtype=torch.bfloat16 if want_bf16 else torch.float32)
+        else:
+            out = np.empty((m, hidden), dtype=_BF16 if want_bf16 else np.float32)
+    out_native = _out_view(out)
+    if out_native.shape != (m, hidden):
+        raise ValueError(f"out: shape {out_native.shape}, expected [M, H] = {(m, hidden)}")
+    if threads is None:
+        threads = 0
+    elif threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {threads}")
+    _native.expert_ffn(
+        _resolve_isa(isa),
+        x_u16,
+        index,
+        wg,
+        wu,
+        wd,
+        _segments_array("gate_segments", gate_segments),
+        _segments_array("up_segments", up_segments),
+        _segments_array("down_segments", down_segments),
+        out_native,
+        int(threads),
+    )
+    return out
+
+
+def _is_bf16_dtype(dtype: Any) -> bool:
+    if _is_torch(dtype) or "torch" in str(type(dtype)):
+        import torch
+
+        if dtype == torch.bfloat16:
+            return True
+        if dtype == torch.float32:
+            return False
+        raise ValueError(f"out_dtype: {dtype}, expected float32 or bfloat16")
+    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
+        return True
+    resolved = np.dtype(dtype)
+    if resolved == _BF16:
+        return True
+    if resolved == np.float32:
+        return False
+    raise ValueError(f"out_dtype: {dtype}, expected float32 or bfloat16")
+
+
+def _out_view(out: Any) -> np.ndarray:
+    """The numpy view the native code writes into (float32 or uint16 bf16 bits)."""
+    if _is_torch(out):
+        import torch
+
+        if out.dtype == torch.float32:
+            if not out.is_contiguous():
+                raise ValueError("out: tensor must be contiguous")
+            array = out.detach().numpy()
+            _check_layout("out", array, 2)
+            return array
+        return _bf16_view("out", out, 2)
+    if isinstance(out, np.ndarray) and out.dtype == np.float32:
+        _check_layout("out", out, 2)
+        if not out.flags.writeable:
+            raise ValueError("out: array is read-only")
+        return out
+    return _bf16_view("out", out, 2)
+
+
+def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *, isa: str | None = None,
+                    row_begin: int = 0, row_end: int | None = None) -> np.ndarray:
+    """Low-level: ``out[r, t] += sum_{c in [k0, k1)} weight[r, c] * tokens[t, c]`` for the rows
+    of every segment (int64 ``[n, 5]``: row0, row_stride, nrows, k0, k1) inside
+    ``[row_begin, row_end)``. out: float32 ``[rows, >= M]`` (accumulated into)."""
+    w = _bf16_view("weight", weight, 2)
+    x = _bf16_view("tokens", tokens, 2)
+    seg = _segments_array("segments", segments)
+    _native.matmul_segments(_resolve_isa(isa), w, seg, x, out, int(row_begin), -1 if row_end is None else int(row_end))
+    return out
+
+
+def silu_mul_pack(gate_parts, up_parts, i_begin: int, i_end: int, *, isa: str | None = None) -> np.ndarray:
+    """Low-level: ``act[t, i] = bf16(silu(sum_p gate_parts[p][i, t]) * sum_p up_parts[p][i, t])``
+    for i in ``[i_begin, i_end)``; returned as ``[M, I]`` ml_dtypes.bfloat16 (the ISA's packed
+    layout unpacked; other columns 0)."""
+    act = _native.silu_mul_pack(_resolve_isa(isa), list(gate_parts), list(up_parts), int(i_begin), int(i_end))
+    return act.view(_BF16)
+
+
+def combine_down(parts, h_begin: int, h_end: int, token_index, token_weight, y: np.ndarray, *,
+                 isa: str | None = None) -> np.ndarray:
+    """Low-level: ``y[token_index[t], h] += token_weight[t] * sum_p parts[p][h, t]`` for h in
+    ``[h_begin, h_end)``; parts are float32 ``[H, M]``, y float32 ``[T, H]``."""
+    index = np.ascontiguousarray(token_index, dtype=np.int64)
+    weight = np.ascontiguousarray(token_weight, dtype=np.float32)
+    _native.combine_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), index, weight, y)
+    return y

@@ -1,0 +1,480 @@
+"""Where the pages of expert weights really are, and what that costs a per-node split.
+
+``inspect_checkpoint`` maps the checkpoint files the way safetensors does (a shared,
+read-only mmap of each file) and measures the node of every page of every routed-expert
+tensor (``memory.page_map``: move_pages(2) with no target). ``placement_report`` does
+the same for the buffers of a loaded ``ExpertStore``. Per tensor it reports pages per
+node, pages not present, whether the map is periodic (and the period in pages), and the
+fraction of remote reads a per-node worker split would suffer:
+
+* naive: node ``nodes[j]`` reads the contiguous rows ``[j R / N, (j + 1) R / N)``;
+* table: each node reads its segments of the table built from this very map
+  (``SegmentTable.from_page_map``): 0 for the present pages by construction, computed
+  here byte by byte as a check, not assumed.
+
+A checkpoint sitting in the page cache is typically on one node (the one that read it)
+or in node-sized chunks: a naive split then reads (N - 1) / N of the bytes remotely.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fnmatch
+import mmap
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from numa_moe.checkpoint import KINDS, Checkpoint, NamingPattern
+from numa_moe.segments import SegmentTable, weight_format
+
+__all__ = [
+    "TensorPlacement",
+    "PlacementReport",
+    "map_period",
+    "remote_bytes",
+    "table_byte_ranges",
+    "analyse_map",
+    "inspect_checkpoint",
+    "placement_report",
+    "plot_placement",
+]
+
+BASE_PAGE_BYTES = 4096
+# safetensors dtype -> weight format of the same width (for rows/bytes arithmetic only)
+_FORMAT_OF_DTYPE = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "I8": "int8", "U8": "int8",
+                    "F8_E4M3": "int8", "F8_E5M2": "int8"}
+
+
+@dataclass
+class TensorPlacement:
+    """The measured placement of one matrix (a tensor, or one buffer of a store)."""
+
+    name: str
+    rows: int
+    cols: int
+    fmt: str
+    nbytes: int
+    page_bytes: int
+    worker_nodes: tuple[int, ...]
+    pages_per_node: dict[int, int]
+    pages_not_present: int
+    n_pages: int
+    period_pages: int | None  # None: not periodic (or not enough pages to tell)
+    table_period_rows: int | None
+    remote_fraction_naive: float | None  # of the bytes on present pages; None: none present
+    remote_fraction_table: float | None
+    table_bytes_per_node: dict[int, int]
+    notes: list[str] = field(default_factory=list)
+    page_nodes: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def single_node(self) -> bool:
+        return len([n for n, c in self.pages_per_node.items() if c]) <= 1
+
+    @property
+    def periodic(self) -> bool:
+        return self.period_pages is not None
+
+    def to_dict(self, with_pages: bool = False) -> dict:
+        out = {
+            "name": self.name, "rows": self.rows, "cols": self.cols, "fmt": self.fmt,
+            "nbytes": self.nbytes, "page_bytes": self.page_bytes,
+            "worker_nodes": list(self.worker_nodes),
+            "pages_per_node": {str(k): v for k, v in self.pages_per_node.items()},
+            "pages_not_present": self.pages_not_present, "n_pages": self.n_pages,
+            "single_node": self.single_node, "periodic": self.periodic,
+            "period_pages": self.period_pages, "table_period_rows": self.table_period_rows,
+            "remote_fraction_naive": self.remote_fraction_naive,
+            "remote_fraction_table": self.remote_fraction_table,
+            "table_bytes_per_node": {str(k): v for k, v in self.table_bytes_per_node.items()},
+            "notes": list(self.notes),
+        }
+        if with_pages and self.page_nodes is not None:
+            out["page_nodes"] = self.page_nodes.tolist()
+        return out
+
+    def line(self) -> str:
+        nodes = " ".join(f"n{k}={v}" for k, v in sorted(self.pages_per_node.items()))
+        if self.single_node:
+            shape = "single node"
+        elif self.periodic:
+            shape = f"periodic, {self.period_pages} pages"
+        else:
+            shape = "not periodic"
+        return (f"{self.name}  [{self.rows}, {self.cols}] {self.fmt}  pages {self.n_pages}: {nodes or '-'}"
+                f"  not present {self.pages_not_present}  {shape}"
+                f"  remote naive {_pct(self.remote_fraction_naive)}"
+                f"  table {_pct(self.remote_fraction_table)}")
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+@dataclass
+class PlacementReport:
+    source: str
+    worker_nodes: tuple[int, ...]
+    tensors: list[TensorPlacement]
+    notes: list[str] = field(default_factory=list)
+
+    def totals(self) -> dict:
+        pages: dict[int, int] = {}
+        for t in self.tensors:
+            for node, count in t.pages_per_node.items():
+                pages[node] = pages.get(node, 0) + count
+        present = sum(t.nbytes * (1 - t.pages_not_present / max(t.n_pages, 1)) for t in self.tensors)
+
+        def weighted(attr):
+            values = [(getattr(t, attr), t.nbytes) for t in self.tensors if getattr(t, attr) is not None]
+            weight = sum(w for _, w in values)
+            return None if not weight else sum(v * w for v, w in values) / weight
+
+        return {
+            "tensors": len(self.tensors),
+            "bytes": sum(t.nbytes for t in self.tensors),
+            "pages_per_node": {str(k): v for k, v in sorted(pages.items())},
+            "pages_not_present": sum(t.pages_not_present for t in self.tensors),
+            "approx_present_bytes": int(present),
+            "periodic_tensors": sum(t.periodic and not t.single_node for t in self.tensors),
+            "single_node_tensors": sum(t.single_node for t in self.tensors),
+            "remote_fraction_naive": weighted("remote_fraction_naive"),
+            "remote_fraction_table": weighted("remote_fraction_table"),
+        }
+
+    def to_dict(self, with_pages: bool = False) -> dict:
+        return {"source": self.source, "worker_nodes": list(self.worker_nodes),
+                "totals": self.totals(), "notes": list(self.notes),
+                "tensors": [t.to_dict(with_pages) for t in self.tensors]}
+
+    def format_text(self, max_lines: int = 50) -> str:
+        lines = [f"placement of {self.source} (worker nodes {list(self.worker_nodes)})"]
+        lines += [f"  note: {n}" for n in self.notes]
+        for t in self.tensors[:max_lines]:
+            lines.append("  " + t.line())
+        if len(self.tensors) > max_lines:
+            lines.append(f"  ... {len(self.tensors) - max_lines} more tensors (use --json for all)")
+        tot = self.totals()
+        lines.append(
+            f"total: {tot['tensors']} tensors, {tot['bytes'] / 2**20:.1f} MiB; pages per node "
+            f"{tot['pages_per_node']}; not present {tot['pages_not_present']}; single-node "
+            f"{tot['single_node_tensors']}, periodic multi-node {tot['periodic_tensors']}; "
+            f"remote reads: naive row split {_pct(tot['remote_fraction_naive'])}, table from the "
+            f"map {_pct(tot['remote_fraction_table'])}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ pure map arithmetic
+
+
+def map_period(page_nodes: np.ndarray) -> int | None:
+    """Smallest p with ``page_nodes[i] == page_nodes[i + p]`` everywhere, if the map holds
+    at least two whole periods (p <= n / 2); 1 for a uniform map; None otherwise."""
+    nodes = np.asarray(page_nodes)
+    n = len(nodes)
+    if n == 0:
+        return None
+    if np.all(nodes == nodes[0]):
+        return 1
+    candidates = np.flatnonzero(nodes[1:n // 2 + 1] == nodes[0]) + 1
+    # Cheap filter on a short prefix; the survivors get the exact whole-map check.
+    for j in range(1, min(n // 2, 4096)):
+        if len(candidates) <= 16:
+            break
+        candidates = candidates[nodes[candidates + j] == nodes[j]]
+    for p in candidates[:256]:
+        p = int(p)
+        if np.array_equal(nodes[p:], nodes[:n - p]):
+            return p
+    return None
+
+
+def remote_bytes(starts: np.ndarray, ends: np.ndarray, worker_node: int, page_nodes: np.ndarray,
+                 page_bytes: int, offset_bytes: int) -> tuple[int, int]:
+    """(bytes on present pages of another node, bytes on present pages) in the byte
+    ranges ``[starts, ends)`` of a matrix starting ``offset_bytes`` into page 0."""
+    page_nodes = np.asarray(page_nodes)
+    present = page_nodes >= 0
+    remote = present & (page_nodes != worker_node)
+
+    def upto(flags: np.ndarray, x: np.ndarray) -> np.ndarray:
+        # flagged bytes in [0, x) counted from the start of page 0
+        prefix = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
+        padded = np.concatenate((flags, [False])).astype(np.int64)
+        page = x // page_bytes
+        return prefix[page] * page_bytes + padded[page] * (x - page * page_bytes)
+
+    s = np.asarray(starts, dtype=np.int64) + offset_bytes
+    e = np.asarray(ends, dtype=np.int64) + offset_bytes
+    return (int((upto(remote, e) - upto(remote, s)).sum()),
+            int((upto(present, e) - upto(present, s)).sum()))
+
+
+def table_byte_ranges(table: SegmentTable, node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``[starts, ends)`` (within the matrix) of ``node``'s segments, one per row."""
+    seg = table.node_array(node)
+    if len(seg) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    bits = weight_format(table.fmt).bits_per_element
+    nrows = seg[:, 2]
+    which = np.repeat(np.arange(len(seg)), nrows)
+    step = np.arange(int(nrows.sum()), dtype=np.int64) - np.repeat(np.cumsum(nrows) - nrows, nrows)
+    row = seg[which, 0] + step * seg[which, 1]
+    base = row * table.row_bytes
+    return base + seg[which, 3] * bits // 8, base + seg[which, 4] * bits // 8
+
+
+def analyse_map(name: str, rows: int, cols: int, fmt: str, page_nodes: np.ndarray,
+                page_bytes: int, offset_bytes: int, worker_nodes: Sequence[int],
+                keep_pages: bool = True) -> tuple[TensorPlacement, SegmentTable]:
+    """The placement summary of a ``rows x cols`` matrix whose pages lie on ``page_nodes``
+    (``-errno`` for pages not present), and the table built from that map."""
+    fmt = weight_format(fmt).name
+    row_bytes = weight_format(fmt).row_bytes(cols)
+    nbytes = rows * row_bytes
+    n_pages = (offset_bytes + nbytes - 1) // page_bytes + 1
+    page_nodes = np.asarray(page_nodes)[:n_pages].astype(np.int64)
+    workers = tuple(int(n) for n in worker_nodes)
+    present = page_nodes[page_nodes >= 0]
+    counts = {int(n): int(c) for n, c in zip(*np.unique(present, return_counts=True))}
+    pages_per_node = {n: counts.get(n, 0) for n in sorted(set(workers) | set(counts))}
+    notes = []
+    foreign = sorted(set(counts) - set(workers))
+    if foreign:
+        notes.append(f"pages on node(s) {foreign} outside the worker nodes: remote for every worker")
+    table_nodes = tuple(sorted(set(workers) | set(counts)))
+    table = SegmentTable.from_page_map(rows, cols, fmt, page_nodes, page_bytes, offset_bytes,
+                                       nodes=table_nodes)
+
+    # (a) contiguous row blocks, one per worker node
+    n = len(workers)
+    bounds = np.array([j * rows // n for j in range(n + 1)], dtype=np.int64) * row_bytes
+    naive_remote = naive_present = 0
+    for j, node in enumerate(workers):
+        r, p = remote_bytes(bounds[j:j + 1], bounds[j + 1:j + 2], node, page_nodes, page_bytes,
+                            offset_bytes)
+        naive_remote, naive_present = naive_remote + r, naive_present + p
+    # (b) each node reads its own segments of the table built from this map
+    table_remote = table_present = 0
+    for node in table.nodes:
+        starts, ends = table_byte_ranges(table, node)
+        r, p = remote_bytes(starts, ends, node, page_nodes, page_bytes, offset_bytes)
+        table_remote, table_present = table_remote + r, table_present + p
+    missing = int(np.count_nonzero(page_nodes < 0))
+    if missing:
+        notes.append(f"{missing} pages not present: not counted in the remote fractions; the "
+                     f"table assigns them to node {min(table.nodes)}")
+    placement = TensorPlacement(
+        name=name, rows=rows, cols=cols, fmt=fmt, nbytes=nbytes, page_bytes=page_bytes,
+        worker_nodes=workers, pages_per_node=pages_per_node, pages_not_present=missing,
+        n_pages=n_pages, period_pages=map_period(page_nodes), table_period_rows=table.period_rows,
+        remote_fraction_naive=naive_remote / naive_present if naive_present else None,
+        remote_fraction_table=table_remote / table_present if table_present else None,
+        table_bytes_per_node=table.bytes_per_node(), notes=notes,
+        page_nodes=page_nodes if keep_pages else None)
+    return placement, table
+
+
+# ------------------------------------------------------------------ checkpoint mmap
+
+_libc = None
+
+
+def _resident_pages(address: int, length: int) -> np.ndarray:
+    """Per page of ``[address, address + length)`` (page-aligned address): in the page
+    cache or not (mincore(2)); touching no page."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    n_pages = (length + BASE_PAGE_BYTES - 1) // BASE_PAGE_BYTES
+    vec = np.zeros(max(n_pages, 1), dtype=np.uint8)
+    if length and _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length),
+                                vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    return (vec[:n_pages] & 1).astype(bool)
+
+
+def _matches(name: str, pattern: str | None) -> bool:
+    if pattern is None:
+        return True
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return re.search(pattern, name) is not None
+
+
+def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str | None = None,
+                       nodes: Sequence[int] | int | None = None, touch: str = "resident",
+                       include_all: bool = False, pattern: NamingPattern | None = None,
+                       keep_pages: bool = True) -> PlacementReport:
+    """Page placement of the checkpoint's routed-expert tensors as they sit in memory now.
+
+    Each file is mapped like safetensors maps it (MAP_SHARED, read-only). ``touch``:
+    ``"resident"`` (default) maps the pages already in the page cache into this process
+    by reading one byte of each (no disk I/O; mincore tells which), ``"all"`` reads every
+    page as a loader would (disk I/O for pages not cached), ``"none"`` touches nothing
+    (pages never mapped by this process then read as not present). ``tensor``: a glob
+    (``*.experts.0.*``) or regex over tensor names; ``include_all``: every tensor of the
+    files, not only the routed experts. ``nodes``: the worker nodes of the split (default:
+    the machine's nodes).
+    """
+    from numa_moe import memory
+
+    if touch not in ("resident", "all", "none"):
+        raise ValueError(f"touch must be 'resident', 'all' or 'none', got {touch!r}")
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
+    workers = _worker_nodes(nodes)
+    # One entry per tensor: (name, tensor info, rows, cols); fused tensors count as one
+    # [E * rows, cols] matrix, as they lie in the file.
+    chosen = []
+    expert_tensors = {m.tensor.name for layer in checkpoint.layers.values()
+                      for kind in KINDS for m in layer.matrices[kind]}
+    for name, info in checkpoint.tensors.items():
+        if not include_all and name not in expert_tensors:
+            continue
+        if not _matches(name, tensor) or len(info.shape) < 1 or info.nbytes == 0:
+            continue
+        if info.dtype not in _FORMAT_OF_DTYPE:
+            continue
+        cols = info.shape[-1]
+        rows = info.nbytes // (cols * info.itemsize)
+        chosen.append((name, info, rows, cols))
+    if not chosen:
+        raise ValueError(f"{checkpoint.root}: no tensor matches {tensor!r}"
+                         + ("" if include_all else " among the routed experts"))
+    notes = [f"touch={touch}: " + {
+        "resident": "page-cache pages mapped by reading one byte each (no disk I/O)",
+        "all": "every page read (disk I/O for pages not cached), as a loader would",
+        "none": "nothing touched: pages this process never mapped read as not present"}[touch]]
+    results = []
+    by_file: dict = {}
+    for entry in chosen:
+        by_file.setdefault(entry[1].path, []).append(entry)
+    for path, entries in by_file.items():
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        try:
+            whole = np.frombuffer(mm, dtype=np.uint8)
+            if touch == "resident":
+                resident = _resident_pages(whole.ctypes.data, size)
+                idx = np.flatnonzero(resident) * BASE_PAGE_BYTES
+                int(whole[idx].sum())  # reading maps the cached pages into this process
+            elif touch == "all":
+                int(whole[::BASE_PAGE_BYTES].sum())
+            for name, info, rows, cols in sorted(entries, key=lambda e: e[1].file_offset):
+                view = whole[info.file_offset:info.file_offset + info.nbytes]
+                pm = memory.page_map(view)
+                placement, _ = analyse_map(name, rows, cols, _FORMAT_OF_DTYPE[info.dtype],
+                                           np.asarray(pm.nodes), pm.page_bytes, pm.offset_bytes,
+                                           workers, keep_pages=keep_pages)
+                results.append(placement)
+                del view
+            del whole
+        finally:
+            mm.close()
+    order = {name: i for i, name in enumerate(checkpoint.tensors)}
+    results.sort(key=lambda t: order[t.name])
+    return PlacementReport(str(checkpoint.root), workers, results, notes)
+
+
+def _worker_nodes(nodes) -> tuple[int, ...]:
+    from numa_moe.store import parse_nodes
+
+    parsed = parse_nodes(nodes)
+    if parsed is not None:
+        return parsed
+    from numa_moe.topology import current_topology
+
+    return tuple(current_topology().node_ids)
+
+
+def placement_report(store, keep_pages: bool = True) -> PlacementReport:
+    """The same report for the buffers of a loaded ``ExpertStore``, measured now.
+
+    Besides the map itself, each buffer's note says whether the table the store uses
+    still equals the table built from the map (pages can move after loading, e.g. with
+    automatic NUMA balancing).
+    """
+    from numa_moe import memory
+
+    results = []
+    for layer in store.layers:
+        for kind in KINDS:
+            buffer = store.weights(layer, kind)
+            pm = memory.page_map(buffer)
+            in_use = store.table(layer, kind)
+            placement, from_map = analyse_map(
+                f"layer {layer} {kind}", in_use.rows, in_use.cols, in_use.fmt, np.asarray(pm.nodes),
+                pm.page_bytes, pm.offset_bytes, store.nodes, keep_pages=keep_pages)
+            if from_map == in_use:
+                placement.notes.append(f"table in use ({in_use.source}) matches the map")
+            else:
+                placement.notes.append(f"table in use ({in_use.source}) NO LONGER matches the map")
+            results.append(placement)
+    notes = [f"{len(store.mismatches)} buffer(s) differed from the theoretical interleave at load"]
+    return PlacementReport(repr(store), tuple(store.nodes), results, notes)
+
+
+# ------------------------------------------------------------------ plot
+
+
+def plot_placement(report: PlacementReport, path: str | os.PathLike, max_tensors: int = 48,
+                   title: str | None = None) -> int:
+    """One horizontal strip per tensor, each page coloured by its node (grey: not present).
+
+    Returns the number of strips drawn. Needs matplotlib (``pip install numa-moe[plot]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+        from matplotlib.patches import Patch
+    except ImportError as err:
+        raise RuntimeError("plotting needs matplotlib: pip install 'numa-moe[plot]' "
+                           f"(or pip install matplotlib) ({err})") from err
+    tensors = [t for t in report.tensors if t.page_nodes is not None][:max_tensors]
+    if not tensors:
+        raise ValueError("nothing to plot: the report holds no page maps (keep_pages=False?)")
+    nodes = sorted({n for t in tensors for n in t.pages_per_node} | set(report.worker_nodes))
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#17becf"]
+    colours = ["#d0d0d0"] + [palette[i % len(palette)] for i in range(len(nodes))]
+    index_of = {n: i + 1 for i, n in enumerate(nodes)}
+    height = max(2.0, 0.28 * len(tensors) + 1.2)
+    fig, ax = plt.subplots(figsize=(10, height))
+    for row, t in enumerate(tensors):
+        codes = np.array([index_of.get(int(n), 0) if n >= 0 else 0 for n in t.page_nodes])
+        ax.imshow(codes[None, :], aspect="auto", cmap=ListedColormap(colours), vmin=0,
+                  vmax=len(colours) - 1, extent=(0, 1, row + 0.9, row + 0.1),
+                  interpolation="nearest")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(len(tensors), 0)
+    ax.set_yticks([r + 0.5 for r in range(len(tensors))])
+    ax.set_yticklabels([_short(t.name) for t in tensors], fontsize=7)
+    ax.set_xlabel("position in tensor (pages, left to right)")
+    handles = [Patch(color=colours[index_of[n]], label=f"node {n}") for n in nodes]
+    handles.append(Patch(color=colours[0], label="not present"))
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+              fontsize=7, frameon=False, borderaxespad=0.2)
+    ax.set_title(title or f"page placement: {_short(report.source, 50)}", fontsize=8, loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return len(tensors)
+
+
+def _short(text: str, limit: int = 48) -> str:
+    text = text.replace("model.layers.", "L").replace(".weight", "")
+    return text if len(text) <= limit else "..." + text[-(limit - 3):]
+

@@ -1,0 +1,301 @@
+"""Generated MoE checkpoints with the real models' expert shapes and tensor names.
+
+``make_checkpoint`` writes a small safetensors checkpoint (plus ``config.json``) whose
+routed experts have the hidden and intermediate sizes of a published model, under that
+model's tensor names, filled with seeded random bf16 weights (normal / sqrt(fan_in)).
+Only the number of layers and of routed experts is reduced, so that segment tables,
+periods and kernel shapes are the real ones while the files stay small.
+
+The writer is self-contained (safetensors is a simple format: an 8-byte little-endian
+header length, a JSON header, then the raw tensor bytes); it streams one tensor at a
+time so memory stays at about one tensor. The reader side is tested against the
+`safetensors` library itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "ModelSpec",
+    "MODEL_SPECS",
+    "TensorPlan",
+    "make_checkpoint",
+    "write_safetensors",
+    "checkpoint_plan",
+]
+
+_DTYPE_CODES = {
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.int8): "I8",
+}
+
+# One random block is generated at most this many elements at a time (memory bound).
+_CHUNK_ELEMENTS = 1 << 23
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Routed-expert shapes and naming of a published MoE model (DESIGN.md table)."""
+
+    like: str
+    model_type: str
+    architecture: str
+    naming: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3) or "mlp" (mlp.experts.E.*_proj)
+    hidden_size: int
+    moe_intermediate_size: int
+    n_experts: int
+    top_k: int
+    n_layers: int  # of the real model
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    shared_kind: str | None = None  # "shared_expert" (Qwen2-MoE) or "shared_experts" (DeepSeek)
+    shared_intermediate_size: int = 0
+    default_layers: int = 1
+    default_experts: int = 8
+    extra_config: dict = field(default_factory=dict)
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    spec.like: spec
+    for spec in (
+        ModelSpec("mixtral-8x7b", "mixtral", "MixtralForCausalLM", "mixtral", 4096, 14336, 8, 2, 32,
+                  32, 8, 128, default_layers=1, default_experts=2,
+                  extra_config={"intermediate_size": 14336}),
+        ModelSpec("qwen3-30b-a3b", "qwen3_moe", "Qwen3MoeForCausalLM", "mlp", 2048, 768, 128, 8, 48,
+                  32, 4, 128, default_layers=2, default_experts=16,
+                  extra_config={"intermediate_size": 6144, "decoder_sparse_step": 1,
+                                "norm_topk_prob": True}),
+        ModelSpec("qwen3-235b", "qwen3_moe", "Qwen3MoeForCausalLM", "mlp", 4096, 1536, 128, 8, 94,
+                  64, 4, 128, default_layers=1, default_experts=8,
+                  extra_config={"intermediate_size": 12288, "decoder_sparse_step": 1,
+                                "norm_topk_prob": True}),
+        ModelSpec("qwen2-57b-a14b", "qwen2_moe", "Qwen2MoeForCausalLM", "mlp", 3584, 2560, 64, 8, 28,
+                  28, 4, 128, shared_kind="shared_expert", shared_intermediate_size=20480,
+                  default_layers=1, default_experts=4,
+                  extra_config={"intermediate_size": 18944, "decoder_sparse_step": 1,
+                                "norm_topk_prob": False}),
+        ModelSpec("deepseek-v3", "deepseek_v3", "DeepseekV3ForCausalLM", "mlp", 7168, 2048, 256, 8, 61,
+                  128, 128, 128, shared_kind="shared_experts", shared_intermediate_size=2048,
+                  default_layers=1, default_experts=4,
+                  extra_config={"intermediate_size": 18432, "n_shared_experts": 1,
+                                "first_k_dense_replace": 0, "scoring_func": "sigmoid",
+                                "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4}),
+    )
+}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write: name, shape, dtype and the fan-in that scales its values."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fan_in: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _moe_prefix(spec: ModelSpec, layer: int) -> str:
+    block = "block_sparse_moe" if spec.naming == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}"
+
+
+def checkpoint_plan(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: int,
+                    intermediate_size: int, fused: bool = False,
+                    shared: bool = True) -> list[TensorPlan]:
+    """Every tensor of the generated checkpoint, in file order."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    H, I, E = hidden_size, intermediate_size, n_experts
+    plan: list[TensorPlan] = []
+    for layer in range(n_layers):
+        prefix = _moe_prefix(spec, layer)
+        plan.append(TensorPlan(f"{prefix}.gate.weight", (E, H), bf16, H))
+        if spec.like == "deepseek-v3":
+            plan.append(TensorPlan(f"{prefix}.gate.e_score_correction_bias", (E,),
+                                   np.dtype(np.float32), 1))
+        if fused:
+            # transformers >= 5 stores the experts of a layer as two 3-D parameters
+            # (gate rows first, then up rows, in gate_up_proj).
+            plan.append(TensorPlan(f"model.layers.{layer}.mlp.experts.gate_up_proj", (E, 2 * I, H),
+                                   bf16, H))
+            plan.append(TensorPlan(f"model.layers.{layer}.mlp.experts.down_proj", (E, H, I), bf16, I))
+        else:
+            names = (("w1", "w3", "w2") if spec.naming == "mixtral"
+                     else ("gate_proj", "up_proj", "down_proj"))
+            for e in range(E):
+                base = f"{prefix}.experts.{e}"
+                plan.append(TensorPlan(f"{base}.{names[0]}.weight", (I, H), bf16, H))
+                plan.append(TensorPlan(f"{base}.{names[1]}.weight", (I, H), bf16, H))
+                plan.append(TensorPlan(f"{base}.{names[2]}.weight", (H, I), bf16, I))
+        if shared and spec.shared_kind:
+            # Keeps the real ratio to the routed width when tests shrink the shapes.
+            S = spec.shared_intermediate_size * I // spec.moe_intermediate_size
+            base = f"model.layers.{layer}.mlp.{spec.shared_kind}"
+            plan.append(TensorPlan(f"{base}.gate_proj.weight", (S, H), bf16, H))
+            plan.append(TensorPlan(f"{base}.up_proj.weight", (S, H), bf16, H))
+            plan.append(TensorPlan(f"{base}.down_proj.weight", (H, S), bf16, S))
+            if spec.shared_kind == "shared_expert":
+                plan.append(TensorPlan(f"model.layers.{layer}.mlp.shared_expert_gate.weight", (1, H),
+                                       bf16, H))
+    return plan
+
+
+def _config(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: int,
+            intermediate_size: int, seed: int, fused: bool) -> dict:
+    config = {
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": spec.attention_heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "num_experts_per_tok": min(spec.top_k, n_experts),
+        "torch_dtype": "bfloat16",
+    }
+    config.update(spec.extra_config)
+    if spec.model_type == "mixtral":
+        config["num_local_experts"] = n_experts
+        config["intermediate_size"] = intermediate_size
+    elif spec.model_type == "deepseek_v3":
+        config["n_routed_experts"] = n_experts
+        config["moe_intermediate_size"] = intermediate_size
+        config["n_group"] = 1  # group-limited routing needs n_experts divisible by groups
+        config["topk_group"] = 1
+    else:
+        config["num_experts"] = n_experts
+        config["moe_intermediate_size"] = intermediate_size
+        if spec.shared_kind == "shared_expert":
+            config["shared_expert_intermediate_size"] = spec.shared_intermediate_size
+    config["numa_moe_synthetic"] = {
+        "like": spec.like, "seed": seed, "fused_experts": fused,
+        "real_num_experts": spec.n_experts, "real_num_hidden_layers": spec.n_layers,
+        "real_num_experts_per_tok": spec.top_k,
+    }
+    return config
+
+
+def _random_bytes(plan: TensorPlan, rng: np.random.Generator) -> Iterable[bytes]:
+    """The tensor's values in row-major chunks: normal(0, 1/sqrt(fan_in)) in its dtype."""
+    total = int(np.prod(plan.shape, dtype=np.int64))
+    scale = np.float32(1.0 / np.sqrt(plan.fan_in))
+    done = 0
+    while done < total:
+        count = min(_CHUNK_ELEMENTS, total - done)
+        block = rng.standard_normal(count, dtype=np.float32)
+        block *= scale
+        yield block.astype(plan.dtype).tobytes()
+        done += count
+
+
+def write_safetensors(path: str | os.PathLike, plans: list[TensorPlan],
+                      chunks: Callable[[TensorPlan], Iterable[bytes]],
+                      metadata: dict | None = None, on_bytes: Callable[[int], None] | None = None
+                      ) -> None:
+    """Write a safetensors file tensor by tensor (header first, then the streamed data)."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for plan in plans:
+        header[plan.name] = {"dtype": _DTYPE_CODES[plan.dtype], "shape": list(plan.shape),
+                             "data_offsets": [offset, offset + plan.nbytes]}
+        offset += plan.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors does
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for plan in plans:
+            written = 0
+            for chunk in chunks(plan):
+                f.write(chunk)
+                written += len(chunk)
+                if on_bytes:
+                    on_bytes(len(chunk))
+            if written != plan.nbytes:
+                raise RuntimeError(f"internal error: {plan.name} produced {written} bytes, "
+                                   f"expected {plan.nbytes}")
+    os.replace(tmp, path)
+
+
+def _shards(plans: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
+    shards: list[list[TensorPlan]] = [[]]
+    size = 0
+    for plan in plans:
+        if shards[-1] and size + plan.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(plan)
+        size += plan.nbytes
+    return shards
+
+
+def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
+                    layers: int | None = None, experts: int | None = None, seed: int = 0,
+                    *, hidden_size: int | None = None, intermediate_size: int | None = None,
+                    fused: bool = False, shared: bool = True,
+                    max_shard_bytes: int = 512 << 20, progress: bool = True) -> Path:
+    """Write a generated checkpoint into ``out_dir`` and return the directory.
+
+    ``layers``/``experts`` default to the model's small defaults (``MODEL_SPECS``);
+    ``hidden_size``/``intermediate_size`` override the real shapes (tests only).
+    Output above ``max_shard_bytes`` is sharded with a ``model.safetensors.index.json``.
+    """
+    if like not in MODEL_SPECS:
+        raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
+    spec = MODEL_SPECS[like]
+    n_layers = spec.default_layers if layers is None else int(layers)
+    n_experts = spec.default_experts if experts is None else int(experts)
+    H = spec.hidden_size if hidden_size is None else int(hidden_size)
+    I = spec.moe_intermediate_size if intermediate_size is None else int(intermediate_size)
+    if n_layers < 1:
+        raise ValueError(f"layers must be >= 1, got {n_layers}")
+    if not 1 <= n_experts <= spec.n_experts:
+        raise ValueError(f"experts must be in 1..{spec.n_experts} for {like}, got {n_experts}")
+    if H < 1 or I < 1:
+        raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
+        stale.unlink()  # a previous run's shards would otherwise be read as part of this one
+
+    plans = checkpoint_plan(spec, n_layers, n_experts, H, I, fused=fused, shared=shared)
+    # One generator per tensor, derived from (seed, tensor index): the values do not
+    # depend on how the tensors are sharded.
+    seeds = np.random.SeedSequence(seed).spawn(len(plans))
+    rng_of = {plan.name: np.random.default_rng(s) for plan, s in zip(plans, seeds)}
+    shards = _shards(plans, max_shard_bytes)
+    total = sum(p.nbytes for p in plans)
+
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+              desc=f"make-checkpoint {like}") as bar:
+        if len(shards) == 1:
+            names = ["model.safetensors"]
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for name, shard in zip(names, shards):
+            write_safetensors(out / name, shard, lambda p: _random_bytes(p, rng_of[p.name]),
+                              on_bytes=bar.update)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {p.name: n for n, shard in zip(names, shards) for p in shard}}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = _config(spec, n_layers, n_experts, H, I, seed, fused)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -1,0 +1,144 @@
+"""Bad input gets a clear exception naming the problem, from Python and from the native
+checks underneath it; the AMX software model faults where hardware would."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from numa_moe import _native, kernels
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def expert(rng, hidden=64, inter=32, tokens=4):
+    x = rng.standard_normal((tokens, hidden)).astype(BF16)
+    wg = rng.standard_normal((inter, hidden)).astype(BF16)
+    wu = rng.standard_normal((inter, hidden)).astype(BF16)
+    wd = rng.standard_normal((hidden, inter)).astype(BF16)
+    return x, wg, wu, wd
+
+
+def test_wrong_dtype(rng):
+    x, wg, wu, wd = expert(rng)
+    with pytest.raises(TypeError, match="w_gate: dtype float32"):
+        kernels.expert_ffn(x, wg.astype(np.float32), wu, wd)
+
+
+def test_wrong_shapes(rng):
+    x, wg, wu, wd = expert(rng)
+    with pytest.raises(ValueError, match="w_down: shape"):
+        kernels.expert_ffn(x, wg, wu, wd.T.copy())
+    with pytest.raises(ValueError, match="w_up: shape"):
+        kernels.expert_ffn(x, wg, wu[:16], wd)
+    with pytest.raises(ValueError, match="out: shape"):
+        kernels.expert_ffn(x, wg, wu, wd, out=np.empty((3, 64), np.float32))
+
+
+def test_not_contiguous(rng):
+    x, wg, wu, wd = expert(rng)
+    with pytest.raises(ValueError, match="x: must be C-contiguous"):
+        kernels.expert_ffn(np.asfortranarray(x.view(np.uint16)), wg, wu, wd)
+
+
+def test_misaligned(rng):
+    raw = np.zeros(4 * 64 * 2 + 1, dtype=np.uint8)
+    x = raw[1:].view(np.uint16).reshape(4, 64)  # odd address
+    _, wg, wu, wd = expert(rng)
+    with pytest.raises(ValueError, match="not aligned"):
+        kernels.expert_ffn(x, wg, wu, wd)
+
+
+def test_bad_token_index(rng):
+    x, wg, wu, wd = expert(rng)
+    with pytest.raises(ValueError, match="token_index"):
+        kernels.expert_ffn(x, wg, wu, wd, token_index=[0, 4])
+
+
+def test_bad_isa(rng):
+    x, wg, wu, wd = expert(rng)
+    with pytest.raises(ValueError, match="not one of"):
+        kernels.expert_ffn(x, wg, wu, wd, isa="neon")
+    if "amx" not in kernels.available_isas():
+        with pytest.raises(ValueError, match="not available"):
+            kernels.expert_ffn(x, wg, wu, wd, isa="amx")
+
+
+def test_native_side_checks_segments(rng):
+    weight = rng.standard_normal((8, 32)).astype(BF16).view(np.uint16)
+    tokens = rng.standard_normal((2, 32)).astype(BF16).view(np.uint16)
+    out = np.zeros((8, 2), np.float32)
+    for bad, message in (([0, 1, 9, 0, 32], "rows outside"), ([0, 1, 8, 0, 33], "columns outside"),
+                         ([0, 0, 3, 0, 32], "row_stride"), ([0, 1, -1, 0, 8], "negative nrows")):
+        with pytest.raises(ValueError, match=message):
+            _native.matmul_segments("ref", weight, np.array([bad], np.int64), tokens, out)
+    with pytest.raises(ValueError, match=r"expected shape \[n, 5\]"):
+        _native.matmul_segments("ref", weight, np.zeros((1, 4), np.int64), tokens, out)
+    with pytest.raises(ValueError, match="out: dtype float64"):
+        _native.matmul_segments("ref", weight, np.array([[0, 1, 8, 0, 32]]), tokens, np.zeros((8, 2)))
+
+
+needs_model = pytest.mark.skipif("amx_model" not in kernels.available_isas(),
+                                 reason="the AMX model build needs AVX-512-BF16 on this CPU")
+
+
+def tile_config(shapes):
+    """64-byte palette-1 config from {tile: (rows, colsb)}."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    colsb = cfg[16:48].view(np.uint16)
+    for tile, (rows, cb) in shapes.items():
+        cfg[48 + tile] = rows
+        colsb[tile] = cb
+    return cfg
+
+
+@needs_model
+def test_amx_model_tdpbf16ps_matches_definition(rng):
+    rows, pairs, n = 5, 7, 3  # C 5 x 3, A 5 x 14 bf16, B 7 pair rows x 3 tokens
+    a = rng.standard_normal((rows, 2 * pairs)).astype(BF16)
+    b_plain = rng.standard_normal((2 * pairs, n)).astype(BF16)  # [k, n]
+    c0 = rng.standard_normal((rows, n)).astype(np.float32)
+    tiles = {name: np.zeros((16, 64), np.uint8) for name in "cab"}
+    tiles["a"][:rows, : 4 * pairs] = a.view(np.uint8).reshape(rows, -1)
+    b_pairs = b_plain.reshape(pairs, 2, n).transpose(0, 2, 1).reshape(pairs, 2 * n)  # B[k/2][2n + k%2]
+    tiles["b"][:pairs, : 4 * n] = np.ascontiguousarray(b_pairs).view(np.uint8)
+    tiles["c"][:rows, : 4 * n] = c0.view(np.uint8)
+    cfg = tile_config({0: (rows, 4 * n), 1: (rows, 4 * pairs), 2: (pairs, 4 * n)})
+    _native.amx_model_tile_dot(cfg, False, tiles["c"], tiles["a"], tiles["b"])
+    got = tiles["c"][:rows, : 4 * n].copy().view(np.float32)
+    ref = c0 + a.astype(np.float64) @ b_plain.astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert not tiles["c"][rows:].any() and not tiles["c"][:, 4 * n:].any(), "store wrote outside the tile shape"
+
+
+@needs_model
+def test_amx_model_tdpbssd_int8(rng):
+    rows, quads, n = 16, 16, 16
+    a = rng.integers(-128, 128, (rows, 4 * quads), dtype=np.int8)
+    b_plain = rng.integers(-128, 128, (4 * quads, n), dtype=np.int8)
+    tiles = {name: np.zeros((16, 64), np.uint8) for name in "cab"}
+    tiles["a"][:] = a.view(np.uint8)
+    tiles["b"][:] = b_plain.reshape(quads, 4, n).transpose(0, 2, 1).reshape(quads, 4 * n).view(np.uint8)
+    cfg = tile_config({0: (16, 64), 1: (16, 64), 2: (16, 64)})
+    _native.amx_model_tile_dot(cfg, True, tiles["c"], tiles["a"], tiles["b"])
+    np.testing.assert_array_equal(tiles["c"].view(np.int32), a.astype(np.int32) @ b_plain.astype(np.int32))
+
+
+@needs_model
+@pytest.mark.parametrize(
+    "shapes,palette,message",
+    [({0: (17, 64), 1: (16, 64), 2: (16, 64)}, 1, "rows 17 > 16"),
+     ({0: (16, 68), 1: (16, 64), 2: (16, 64)}, 1, "colsb 68 > 64"),
+     ({0: (16, 64), 1: (16, 64), 2: (16, 64)}, 2, "palette 2"),
+     ({0: (16, 64), 1: (16, 64), 2: (0, 64)}, 1, "rows == 0 xor colsb == 0"),
+     ({0: (15, 64), 1: (16, 64), 2: (16, 64)}, 1, "dst.rows != src1.rows"),
+     ({0: (16, 64), 1: (16, 60), 2: (16, 64)}, 1, "src1.colsb / 4 != src2.rows"),
+     ({0: (16, 32), 1: (16, 64), 2: (16, 64)}, 1, "dst.colsb != src2.colsb")])
+def test_amx_model_faults(shapes, palette, message):
+    cfg = tile_config(shapes)
+    cfg[0] = palette
+    tiles = [np.zeros((16, 64), np.uint8) for _ in range(3)]
+    with pytest.raises(RuntimeError, match=message.replace("/", "/").replace("(", r"\(")):
+        _native.amx_model_tile_dot(cfg, False, *tiles)

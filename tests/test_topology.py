@@ -1,0 +1,151 @@
+"""Topology detection (against sysfs/procfs read independently here), the virtual
+topology, and `numa-moe topo`."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from numa_moe import topology as T
+from numa_moe.topology import Topology, current_topology, parse_cpulist, split_cpus
+
+
+def test_parse_cpulist():
+    assert parse_cpulist("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
+    assert parse_cpulist("") == ()
+    assert parse_cpulist("5") == (5,)
+    assert parse_cpulist("0-6:2") == (0, 2, 4, 6)
+
+
+def test_parse_thp_mode():
+    assert T.parse_thp_mode("always [madvise] never") == "madvise"
+    assert T.parse_thp_mode("[always] madvise never") == "always"
+    assert T.parse_thp_mode("garbage") == "unavailable"
+
+
+def test_detect_matches_the_kernel():
+    topo = Topology.detect()
+    assert not topo.is_virtual
+    assert topo.base_page_bytes == os.sysconf("SC_PAGE_SIZE")
+    assert topo.allowed_cpus == tuple(sorted(os.sched_getaffinity(0)))
+    node_dir = Path("/sys/devices/system/node")
+    if node_dir.exists():
+        online = parse_cpulist((node_dir / "online").read_text())
+        assert topo.node_ids == online
+        for node in topo.nodes:
+            d = node_dir / f"node{node.node_id}"
+            assert node.cpus == parse_cpulist((d / "cpulist").read_text())
+            assert node.distances == tuple(int(x) for x in (d / "distance").read_text().split())
+            total_kb = next(int(l.split()[-2]) for l in (d / "meminfo").read_text().splitlines() if "MemTotal" in l)
+            assert node.memory_total_bytes == total_kb * 1024
+            assert 0 < node.memory_free_bytes <= node.memory_total_bytes
+    status = Path("/proc/self/status").read_text()
+    mems = next(l.split(":")[1] for l in status.splitlines() if l.startswith("Mems_allowed_list"))
+    assert set(topo.allowed_nodes) == set(parse_cpulist(mems)) & set(topo.node_ids)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists():
+        assert f"[{topo.thp_mode}]" in thp.read_text()
+    nb = Path("/proc/sys/kernel/numa_balancing")
+    if nb.exists():
+        assert topo.numa_balancing == (int(nb.read_text()) != 0)
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    flags = set(next(l for l in cpuinfo.splitlines() if l.startswith("flags")).split(":")[1].split())
+    for key, flag in [("avx2", "avx2"), ("avx512f", "avx512f"), ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"),
+                      ("avx512_bf16", "avx512_bf16"), ("avx512_vnni", "avx512_vnni"), ("amx_tile", "amx_tile"),
+                      ("amx_bf16", "amx_bf16"), ("amx_int8", "amx_int8"), ("fma", "fma")]:
+        assert topo.cpu_features[key] == (flag in flags), key
+    if not topo.cpu_features["amx_tile"]:
+        assert not topo.amx_permitted and "AMX" in topo.amx_reason
+    assert all(n.cpus == topo.cpus_of(n.node_id) for n in topo.nodes)
+    with pytest.raises(ValueError, match="no NUMA node 999"):
+        topo.cpus_of(999)
+
+
+@pytest.mark.parametrize("n_nodes", [1, 2, 3, 4, 8])
+def test_virtual_topology_splits_cpus_and_memory(n_nodes):
+    base = Topology.detect()
+    v = Topology.virtual(n_nodes, base)
+    assert v.is_virtual and v.kind == "virtual" and v.node_ids == tuple(range(n_nodes))
+    assert v.allowed_nodes == v.node_ids and v.allowed_cpus == base.allowed_cpus
+    cpus = [c for n in v.nodes for c in n.cpus]
+    assert set(cpus) == set(base.allowed_cpus)  # every allowed CPU is used
+    if len(base.allowed_cpus) >= n_nodes:
+        assert sorted(cpus) == sorted(base.allowed_cpus) and not v.cpus_shared  # a partition
+        sizes = [len(n.cpus) for n in v.nodes]
+        assert max(sizes) - min(sizes) <= 1
+    else:
+        assert v.cpus_shared and all(len(n.cpus) == 1 for n in v.nodes)
+        assert any("share CPUs" in w for w in v.warnings())
+    total = sum(n.memory_total_bytes for n in base.nodes if n.node_id in base.allowed_nodes)
+    assert all(n.memory_total_bytes == total // n_nodes for n in v.nodes)
+    for i, n in enumerate(v.nodes):
+        assert n.distances[i] == 10 and all(d == 20 for j, d in enumerate(n.distances) if j != i)
+    assert any("virtual" in w for w in v.warnings())
+
+
+def test_split_cpus_contiguous_and_shared():
+    assert split_cpus((0, 1, 2, 3, 4), 2) == ((0, 1), (2, 3, 4))
+    assert split_cpus((4, 5), 3) == ((4,), (5,), (4,))
+    with pytest.raises(ValueError, match="n_nodes >= 1"):
+        split_cpus((0,), 0)
+
+
+def test_virtual_rejects_bad_counts():
+    with pytest.raises(ValueError, match="1..1024"):
+        Topology.virtual(0)
+    with pytest.raises(TypeError, match="int"):
+        Topology.virtual(2.0)
+
+
+def test_current_topology_env(monkeypatch):
+    monkeypatch.setenv("NUMA_MOE_VIRTUAL_NODES", "3")
+    t = current_topology()
+    assert t.is_virtual and len(t.nodes) == 3
+    monkeypatch.setenv("NUMA_MOE_VIRTUAL_NODES", "three")
+    with pytest.raises(ValueError, match="NUMA_MOE_VIRTUAL_NODES"):
+        current_topology()
+    monkeypatch.delenv("NUMA_MOE_VIRTUAL_NODES")
+    assert not current_topology().is_virtual
+
+
+def test_warnings_for_balancing_and_thp_always():
+    base = Topology.detect()
+    from dataclasses import replace
+
+    w = replace(base, numa_balancing=True, thp_mode="always").warnings()
+    assert any("balancing is on" in x for x in w)
+    assert any("2 MB" in x for x in w)
+    assert not any("balancing" in x for x in replace(base, numa_balancing=False).warnings())
+
+
+def _cli(*args, env=None):
+    from numa_moe_cli.main import cli
+
+    return CliRunner().invoke(cli, list(args), env=env)
+
+
+def test_cli_topo_human_and_json():
+    r = _cli("topo")
+    assert r.exit_code == 0, r.output
+    topo = Topology.detect()
+    assert f"{len(topo.nodes)} node(s)" in r.output and "transparent huge pages" in r.output and "AMX" in r.output
+    r = _cli("topo", "--json")
+    data = json.loads(r.output)
+    assert data["node_ids"] == list(topo.node_ids) and data["kind"] == "real"
+    assert data["nodes"][0]["cpus"] == list(topo.nodes[0].cpus)
+    r = _cli("topo", "--json", env={"NUMA_MOE_VIRTUAL_NODES": "4"})
+    data = json.loads(r.output)
+    assert data["kind"] == "virtual" and len(data["nodes"]) == 4
+    assert any("virtual" in w for w in data["warnings"])
+    r = _cli("topo", "--virtual", "2")
+    assert "virtual node 1" in r.output
+
+
+def test_cli_topo_bad_args_one_line():
+    r = _cli("topo", env={"NUMA_MOE_VIRTUAL_NODES": "x"})
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert r.output.strip().count("\n") == 0 and "NUMA_MOE_VIRTUAL_NODES" in r.output
+    r = _cli("topo", "--virtual", "0")
+    assert r.exit_code == 2 and "Traceback" not in r.output
