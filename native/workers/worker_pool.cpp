@@ -2,6 +2,7 @@
 // pthread_setaffinity_np, pthread_atfork.
 #include "workers/worker_pool.hpp"
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <ctime>
@@ -202,7 +203,10 @@ void WorkerPool::start() {
     state.stop.store(false);
     state.ready.store(0);
     state.start_error.clear();
-    state.barrier.reset(n_threads(), oversubscribed_ ? 0 : spin_ns_);
+    // Inside a step the other threads are about to arrive (phases are balanced), so a
+    // barrier spins longer than an idle worker waiting for the next call does.
+    const int64_t barrier_spin_ns = (oversubscribed_ || spin_ns_ == 0) ? 0 : std::max<int64_t>(spin_ns_, 250000);
+    state.barrier.reset(n_threads(), barrier_spin_ns);
     const uint32_t first_generation = state.job_generation.load();
     if (first_generation != 0) state.job_generation.store(0);
     for (const ThreadInfo& info : infos_) {
