@@ -40,3 +40,9 @@ def kernels_command(shapes, m_values, repeats, threads, isa, no_torch, json_path
     if json_path:
         kernel_bench.to_json(result, json_path)
         click.echo(f"wrote {json_path}", err=True)
+
+
+# `numa-moe bench layer` lives in its own module (MoE layer owner).
+from numa_moe_cli.bench_layer import layer_command  # noqa: E402
+
+bench.add_command(layer_command, "layer")

@@ -21,6 +21,7 @@ _COMMANDS = {
     "tables": ("checkpoint_commands", "tables_command"),
     "inspect": ("checkpoint_commands", "inspect_command"),
     "bench": ("bench", "bench"),
+    "run": ("run", "run_command"),
 }
 
 

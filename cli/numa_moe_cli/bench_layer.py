@@ -1,0 +1,30 @@
+"""``numa-moe bench layer``: the MoE layer against the transformers-style torch loop and
+the read ceiling (see numa_moe.moe_run.bench_layer)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("layer")
+@click.option("--model", "models", multiple=True, type=click.Choice(["qwen3-30b-a3b", "mixtral-8x7b"]),
+              help="layer shapes to run (default: both)")
+@click.option("--tokens", "-t", "tokens", multiple=True, type=click.IntRange(1), help="token counts (default: 1, 16)")
+@click.option("--repeats", "-r", default=20, show_default=True, type=click.IntRange(1),
+              help="random routings per case (medians are reported)")
+@click.option("--virtual-nodes", default=2, show_default=True, type=click.IntRange(2),
+              help="node count of the partitioned path compared with 1 node")
+@click.option("--isa", type=click.Choice(["ref", "avx2", "avx512", "amx_model", "amx"]), default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the rows as JSON")
+def layer_command(models, tokens, repeats, virtual_nodes, isa, json_path):
+    """ms per MoE layer: ours on 1 node and on a virtual N-node topology, the torch loop,
+    and the read ceiling of the weights touched, all in one run."""
+    from numa_moe.moe_run import bench_layer
+
+    rows = bench_layer(models or ("qwen3-30b-a3b", "mixtral-8x7b"), tokens or (1, 16), repeats=repeats,
+                       virtual_nodes=virtual_nodes, isa=isa, echo=click.echo)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)

@@ -1,0 +1,289 @@
+// Persistent per-node worker threads (see worker_pool.hpp). Linux only: futex(2),
+// pthread_setaffinity_np, pthread_atfork.
+#include "workers/worker_pool.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <ctime>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define NUMA_MOE_PAUSE() _mm_pause()
+#else
+#define NUMA_MOE_PAUSE() ((void)0)
+#endif
+
+namespace numa_moe::workers {
+namespace {
+
+std::atomic<uint64_t> g_fork_generation{0};
+
+void on_fork_child() { g_fork_generation.fetch_add(1); }
+
+uint64_t fork_generation() {
+    // Registered once, the first time any pool asks.
+    static const int registered = pthread_atfork(nullptr, nullptr, on_fork_child);
+    (void)registered;
+    return g_fork_generation.load();
+}
+
+int64_t now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, const timespec* timeout) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, timeout, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Spins until *word != seen or spin_ns elapse; returns whether it changed.
+bool spin_until_changed(const std::atomic<uint32_t>& word, uint32_t seen, int64_t spin_ns) {
+    if (spin_ns <= 0) return word.load(std::memory_order_acquire) != seen;
+    const int64_t deadline = now_ns() + spin_ns;
+    for (int i = 0;; ++i) {
+        if (word.load(std::memory_order_acquire) != seen) return true;
+        NUMA_MOE_PAUSE();
+        if ((i & 63) == 63 && now_ns() > deadline) return false;
+    }
+}
+
+}  // namespace
+
+void Barrier::arrive_and_wait() {
+    const uint32_t seen = generation_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_threads_) {
+        count_.store(0, std::memory_order_relaxed);
+        generation_.fetch_add(1, std::memory_order_seq_cst);
+        if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&generation_);
+        return;
+    }
+    if (spin_until_changed(generation_, seen, spin_ns_)) return;
+    // Dekker pairing with the releaser: sleepers++ then re-check (inside futex_wait) here,
+    // generation++ then read sleepers there; seq_cst on both sides.
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (generation_.load(std::memory_order_seq_cst) == seen) futex_wait(&generation_, seen, nullptr);
+    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+struct WorkerPool::State {
+    std::mutex run_mutex;  // one run()/start()/shutdown() at a time
+    std::vector<pthread_t> threads;
+    bool running = false;
+
+    alignas(64) std::atomic<uint32_t> job_generation{0};
+    alignas(64) std::atomic<int> job_sleepers{0};
+    alignas(64) std::atomic<int> remaining{0};
+    alignas(64) std::atomic<uint32_t> done_generation{0};
+    std::atomic<bool> stop{false};
+    std::atomic<bool> abort{false};
+    const Job* job = nullptr;
+    Barrier barrier;
+
+    // start-up handshake
+    std::atomic<int> ready{0};
+    std::mutex error_mutex;
+    std::string start_error;
+};
+
+namespace {
+struct ThreadArg {
+    WorkerPool* pool;
+    void* state;
+    ThreadInfo info;
+    bool pin;
+    int64_t spin_ns;
+};
+}  // namespace
+
+WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_t spin_us)
+    : node_cpus_(std::move(node_cpus)), pin_(pin), spin_ns_(spin_us * 1000) {
+    if (node_cpus_.empty()) throw std::invalid_argument("WorkerPool needs at least one node");
+    std::set<int> distinct;
+    for (size_t n = 0; n < node_cpus_.size(); ++n) {
+        if (node_cpus_[n].empty())
+            throw std::invalid_argument("WorkerPool: node " + std::to_string(n) + " has no CPUs");
+        for (size_t l = 0; l < node_cpus_[n].size(); ++l) {
+            const int cpu = node_cpus_[n][l];
+            if (cpu < 0 || cpu >= CPU_SETSIZE)
+                throw std::invalid_argument("WorkerPool: node " + std::to_string(n) + " lists invalid CPU " +
+                                            std::to_string(cpu));
+            distinct.insert(cpu);
+            infos_.push_back(ThreadInfo{static_cast<int>(n), static_cast<int>(l), static_cast<int>(infos_.size()),
+                                        pin_ ? cpu : -1});
+        }
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    // More threads than CPUs (virtual nodes sharing CPUs): a spinning waiter would only
+    // steal the time slice of the thread it waits for, so waiters sleep at once.
+    oversubscribed_ = infos_.size() > distinct.size() || (hw > 0 && infos_.size() > hw);
+    fork_generation_ = fork_generation();
+    state_ = std::make_unique<State>();
+}
+
+WorkerPool::~WorkerPool() {
+    try {
+        shutdown();
+    } catch (...) {
+    }
+}
+
+void WorkerPool::ensure_fresh_after_fork() {
+    const uint64_t generation = fork_generation();
+    if (generation == fork_generation_) return;
+    // In a forked child: the parent's threads do not exist here and its mutexes may be
+    // held forever. Abandon that state (a small deliberate leak) and start afresh.
+    (void)state_.release();
+    state_ = std::make_unique<State>();
+    fork_generation_ = generation;
+}
+
+bool WorkerPool::started() {
+    ensure_fresh_after_fork();
+    std::lock_guard<std::mutex> lock(state_->run_mutex);
+    return state_->running;
+}
+
+void* WorkerPool::thread_main(void* raw) {
+    std::unique_ptr<ThreadArg> arg(static_cast<ThreadArg*>(raw));
+    State* state = static_cast<State*>(arg->state);
+    const ThreadInfo info = arg->info;
+    if (arg->pin) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(info.cpu, &set);
+        const int rc = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+        if (rc != 0) {
+            std::lock_guard<std::mutex> lock(state->error_mutex);
+            if (state->start_error.empty())
+                state->start_error = "pinning the worker thread of node " + std::to_string(info.node) + " to CPU " +
+                                     std::to_string(info.cpu) + " failed: " + std::strerror(rc) +
+                                     " (errno " + std::to_string(rc) + "; is the CPU in this process's allowed set?)";
+        }
+    }
+    state->ready.fetch_add(1);
+    uint32_t seen = 0;
+    const int64_t spin_ns = arg->spin_ns;
+    for (;;) {
+        if (!spin_until_changed(state->job_generation, seen, spin_ns)) {
+            state->job_sleepers.fetch_add(1, std::memory_order_seq_cst);
+            while (state->job_generation.load(std::memory_order_seq_cst) == seen)
+                futex_wait(&state->job_generation, seen, nullptr);
+            state->job_sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        }
+        seen = state->job_generation.load(std::memory_order_acquire);
+        if (state->stop.load(std::memory_order_acquire)) break;
+        (*state->job)(info);
+        if (state->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            state->done_generation.fetch_add(1, std::memory_order_seq_cst);
+            futex_wake_all(&state->done_generation);
+        }
+    }
+    return nullptr;
+}
+
+void WorkerPool::start() {
+    ensure_fresh_after_fork();
+    State& state = *state_;
+    std::lock_guard<std::mutex> lock(state.run_mutex);
+    if (state.running) return;
+    state.stop.store(false);
+    state.ready.store(0);
+    state.start_error.clear();
+    // Inside a step the other threads are about to arrive (phases are balanced), so a
+    // barrier spins longer than an idle worker waiting for the next call does.
+    const int64_t barrier_spin_ns = (oversubscribed_ || spin_ns_ == 0) ? 0 : std::max<int64_t>(spin_ns_, 250000);
+    state.barrier.reset(n_threads(), barrier_spin_ns);
+    const uint32_t first_generation = state.job_generation.load();
+    if (first_generation != 0) state.job_generation.store(0);
+    for (const ThreadInfo& info : infos_) {
+        auto* arg = new ThreadArg{this, &state, info, pin_, oversubscribed_ ? 0 : spin_ns_};
+        pthread_t thread;
+        const int rc = pthread_create(&thread, nullptr, &WorkerPool::thread_main, arg);
+        if (rc != 0) {
+            delete arg;
+            // stop what was started, then report
+            state.stop.store(true);
+            state.job_generation.fetch_add(1);
+            futex_wake_all(&state.job_generation);
+            for (pthread_t t : state.threads) pthread_join(t, nullptr);
+            state.threads.clear();
+            throw std::runtime_error(std::string("WorkerPool: pthread_create failed: ") + std::strerror(rc));
+        }
+        state.threads.push_back(thread);
+    }
+    while (state.ready.load() < n_threads()) std::this_thread::yield();
+    ++start_count_;
+    state.running = true;
+    std::string error;
+    {
+        std::lock_guard<std::mutex> error_lock(state.error_mutex);
+        error = state.start_error;
+    }
+    if (!error.empty()) {
+        state.stop.store(true);
+        state.job_generation.fetch_add(1);
+        futex_wake_all(&state.job_generation);
+        for (pthread_t t : state.threads) pthread_join(t, nullptr);
+        state.threads.clear();
+        state.running = false;
+        throw std::runtime_error("WorkerPool: " + error);
+    }
+}
+
+void WorkerPool::shutdown() {
+    ensure_fresh_after_fork();
+    State& state = *state_;
+    std::lock_guard<std::mutex> lock(state.run_mutex);
+    if (!state.running) return;
+    state.stop.store(true, std::memory_order_seq_cst);
+    state.job_generation.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&state.job_generation);
+    for (pthread_t t : state.threads) pthread_join(t, nullptr);
+    state.threads.clear();
+    state.running = false;
+}
+
+bool WorkerPool::aborted() const { return state_->abort.load(std::memory_order_relaxed); }
+
+void WorkerPool::barrier() { state_->barrier.arrive_and_wait(); }
+
+void WorkerPool::run(const Job& job, const std::function<bool()>& keep_going, int poll_ms) {
+    ensure_fresh_after_fork();
+    if (!started()) start();
+    State& state = *state_;
+    std::lock_guard<std::mutex> lock(state.run_mutex);
+    if (!state.running) throw std::runtime_error("WorkerPool: shut down while starting a run");
+    state.job = &job;
+    state.abort.store(false);
+    state.remaining.store(n_threads(), std::memory_order_release);
+    const uint32_t done_seen = state.done_generation.load(std::memory_order_acquire);
+    state.job_generation.fetch_add(1, std::memory_order_seq_cst);
+    if (state.job_sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&state.job_generation);
+    const timespec poll{poll_ms / 1000, static_cast<long>(poll_ms % 1000) * 1000000L};
+    bool asked_abort = false;
+    while (state.done_generation.load(std::memory_order_acquire) == done_seen) {
+        futex_wait(&state.done_generation, done_seen, keep_going ? &poll : nullptr);
+        if (keep_going && !asked_abort && state.done_generation.load(std::memory_order_acquire) == done_seen &&
+            !keep_going()) {
+            asked_abort = true;
+            state.abort.store(true, std::memory_order_relaxed);
+        }
+    }
+    state.job = nullptr;
+}
+
+}  // namespace numa_moe::workers

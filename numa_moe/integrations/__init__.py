@@ -1,0 +1,1 @@
+"""Drop-in integrations of the NUMA-partitioned MoE layer into model libraries."""

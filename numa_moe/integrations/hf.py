@@ -1,0 +1,89 @@
+"""HF transformers drop-in: route the expert computation of Mixtral and Qwen3-MoE
+sparse-MoE blocks through numa_moe.MoELayer.
+
+    from numa_moe.integrations.hf import patch_moe
+    layers = patch_moe(model)          # model: MixtralForCausalLM / Qwen3MoeForCausalLM ...
+
+The router (``block.gate``) is untouched: it still produces top-k ids and weights in
+torch; only the experts module's forward(hidden, top_k_index, top_k_weights) is replaced
+(an instance attribute, so ``state_dict`` and the module tree stay as they were). The
+expert weights are copied once into memory interleaved over the NUMA nodes; the
+original parameters are kept unless ``release_weights=True``. Inference only: the
+patched experts have no backward.
+
+Supported: transformers >= 5 fused experts modules (``gate_up_proj`` [E, 2I, H] with
+gate rows first, ``down_proj`` [E, H, I], SiLU), as in MixtralExperts and
+Qwen3MoeExperts. Other structures raise a clear error naming the module.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from numa_moe.moe import MoELayer
+
+SUPPORTED_EXPERTS = ("MixtralExperts", "Qwen3MoeExperts")
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def find_expert_modules(model):
+    """(qualified name, experts module) of every supported routed-experts module."""
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in SUPPORTED_EXPERTS:
+            found.append((name, module))
+    return found
+
+
+def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured", isa: str | None = None,
+              release_weights: bool = False, **layer_kwargs) -> list[MoELayer]:
+    """Replace the expert computation of every supported sparse-MoE block of ``model``;
+    returns the MoELayers (one per block, in module order). Raises ValueError when the
+    model has no supported block."""
+    found = find_expert_modules(model)
+    if not found:
+        names = sorted({type(m).__name__ for m in model.modules() if "expert" in type(m).__name__.lower()})
+        raise ValueError("patch_moe: no supported MoE experts module found (supported: "
+                         f"{', '.join(SUPPORTED_EXPERTS)}; expert-like modules in this model: {names or 'none'})")
+    layers = []
+    for name, experts in found:
+        if not _is_silu(getattr(experts, "act_fn", None)):
+            raise ValueError(f"patch_moe: {name} uses activation {type(experts.act_fn).__name__}, only SiLU is supported")
+        gate_up = experts.gate_up_proj.detach()
+        down = experts.down_proj.detach()
+        if gate_up.dim() != 3 or down.dim() != 3:
+            raise ValueError(f"patch_moe: {name}: expected 3-D gate_up_proj/down_proj, got "
+                             f"{list(gate_up.shape)} and {list(down.shape)}")
+        layer = MoELayer.from_tensors(gate_up=gate_up.to(torch.bfloat16).contiguous(),
+                                      down=down.to(torch.bfloat16).contiguous(), topology=topology, page=page,
+                                      tables=tables, isa=isa, **layer_kwargs)
+        experts._numa_moe_layer = layer
+        experts.forward = types.MethodType(_patched_forward, experts)
+        if release_weights:
+            experts.gate_up_proj = torch.nn.Parameter(torch.empty(0, dtype=gate_up.dtype), requires_grad=False)
+            experts.down_proj = torch.nn.Parameter(torch.empty(0, dtype=down.dtype), requires_grad=False)
+        layers.append(layer)
+    return layers
+
+
+def unpatch_moe(model) -> int:
+    """Restore the original expert forward of every patched block; returns how many."""
+    count = 0
+    for _, experts in find_expert_modules(model):
+        if "forward" in vars(experts):
+            del experts.forward
+            del experts._numa_moe_layer
+            count += 1
+    return count
+
+
+def _patched_forward(self, hidden_states, top_k_index, top_k_weights):
+    layer: MoELayer = self._numa_moe_layer
+    x = hidden_states.to(torch.bfloat16).contiguous()
+    y = layer(x, top_k_index, top_k_weights)
+    return y.to(hidden_states.dtype)

@@ -1,0 +1,447 @@
+"""The NUMA-partitioned MoE layer: per-node pinned workers, segment-driven execution,
+cross-node reduction (native core in ``native/workers``).
+
+``MoELayer`` holds one MoE layer's routed experts (gate, up ``[I, H]``, down ``[H, I]``
+bf16, row-major as checkpoints store them) and, for every matrix, its segment table:
+which part of the matrix lies on which NUMA node. ``forward(hidden, topk_ids,
+topk_weights)`` computes
+
+    y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),  e = topk_ids[t, j]
+
+with each node's worker threads reading only the weight bytes on their own node. The
+router stays with the caller.
+
+Routing rule: a token that lists the same expert several times gets that expert once,
+with the weights summed (the same sum the transformers loop computes with index_add_).
+
+Kernel choice, per expert from its own token count: AMX (when the CPU and OS allow it)
+from ``amx_min_tokens`` tokens (default 1), otherwise AVX-512-BF16, AVX2, the scalar
+reference. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
+
+Thread safety: one layer runs one forward at a time (a per-layer lock; its partial
+buffers are reused between calls); layers sharing a worker pool are serialised by the
+pool. Calling from several Python threads is safe, not parallel.
+
+This module imports torch only when torch tensors are used, so numpy-only programs (the
+multinode test tier) can use it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from numa_moe import _native
+
+__all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "MATRIX_KINDS"]
+
+MATRIX_KINDS = ("gate", "up", "down")
+
+_pools: dict[tuple, "_native.WorkerPool"] = {}
+_pools_lock = threading.Lock()
+
+
+def worker_pool(node_cpus: Sequence[Sequence[int]], pin: bool = True, spin_us: int = 50):
+    """The shared worker pool for this list of per-node CPU lists (created once, its
+    threads started on first use and stopped at interpreter exit)."""
+    key = (tuple(tuple(int(c) for c in cpus) for cpus in node_cpus), bool(pin), int(spin_us))
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _native.WorkerPool([list(c) for c in key[0]], pin=pin, spin_us=spin_us)
+            _pools[key] = pool
+        return pool
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    """Stops every pool's threads (registered with atexit; safe to call more than once)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+    for pool in pools:
+        pool.shutdown()
+
+
+def topology_node_cpus(topology) -> tuple[tuple[int, ...], list[list[int]]]:
+    """(node ids, CPU list per node) of a Topology (numa_moe.topology), restricted to the
+    CPUs this process may use; a node without allowed CPUs borrows all allowed CPUs
+    (virtual topologies on small machines share CPUs between nodes)."""
+    allowed = set(getattr(topology, "allowed_cpus", ()) or os.sched_getaffinity(0))
+    node_ids = tuple(topology.node_ids)
+    node_cpus = []
+    for node in node_ids:
+        cpus = [c for c in topology.cpus_of(node) if c in allowed]
+        node_cpus.append(cpus or sorted(allowed))
+    return node_ids, node_cpus
+
+
+def _default_topology():
+    from numa_moe.topology import current_topology
+
+    return current_topology()
+
+
+def _as_bf16_bits(array, what: str) -> np.ndarray:
+    """A uint16 view of bf16 data (numpy bfloat16/uint16/int16 or a torch bf16 tensor)."""
+    if _is_torch(array):
+        import torch
+
+        if array.dtype != torch.bfloat16:
+            raise TypeError(f"{what}: expected torch.bfloat16, got {array.dtype}")
+        if array.device.type != "cpu":
+            raise ValueError(f"{what}: expected a CPU tensor, got device {array.device}")
+        return array.detach().view(torch.int16).numpy().view(np.uint16)
+    array = np.asarray(array)
+    if array.dtype == np.float16 or array.dtype.itemsize != 2:
+        raise TypeError(f"{what}: expected bf16 data (ml_dtypes.bfloat16 or uint16 bits), got dtype {array.dtype}")
+    return array.view(np.uint16)
+
+
+def _is_torch(obj) -> bool:
+    return type(obj).__module__.startswith("torch")
+
+
+@dataclass(frozen=True)
+class ExpertMatrices:
+    """One expert's weights as uint16 (bf16 bit) views: gate, up [I, H], down [H, I]."""
+
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+
+
+_layer_ids = itertools.count(1)
+_layers: "weakref.WeakValueDictionary[int, MoELayer]" = weakref.WeakValueDictionary()
+
+
+class MoELayer:
+    """A NUMA-partitioned MoE layer (see the module docstring).
+
+    The general constructor takes per-expert weights and per-expert tables; most users
+    call ``from_store`` (an ExpertStore layer), ``from_tensors`` (torch tensors or numpy
+    arrays, copied into interleaved memory) instead.
+
+    experts: sequence of (gate [I, H], up [I, H], down [H, I]) bf16 arrays/tensors.
+    tables: per expert a mapping kind -> segment table (anything with ``nodes`` and
+        ``node_array(node)``, e.g. numa_moe.segments.SegmentTable), rows numbered from 0
+        within the expert's matrix.
+    topology: a numa_moe.topology.Topology (default: current_topology()); its nodes must
+        be the tables' nodes. node_cpus=(node_ids, cpu lists) may be given instead.
+    """
+
+    def __init__(self, experts, tables, *, topology=None, node_cpus=None, isa: str | None = None,
+                 amx_min_tokens: int = 1, pin: bool = True, verify_tables: bool = True, keep_alive=()):
+        if node_cpus is None:
+            topology = topology if topology is not None else _default_topology()
+            node_ids, cpus = topology_node_cpus(topology)
+        else:
+            node_ids, cpus = tuple(node_cpus[0]), [list(c) for c in node_cpus[1]]
+        if len(experts) == 0:
+            raise ValueError("MoELayer needs at least one expert")
+        if len(tables) != len(experts):
+            raise ValueError(f"{len(experts)} experts but {len(tables)} table sets")
+        self.topology = topology
+        self.node_ids = tuple(int(n) for n in node_ids)
+        self.pool = worker_pool(cpus, pin=pin)
+        self._keep_alive = list(keep_alive)
+        self._lock = threading.Lock()
+        self.experts: list[ExpertMatrices] = []
+        self.tables = [dict(t) for t in tables]
+        first = experts[0]
+        gate0 = _as_bf16_bits(first[0], "expert 0 gate")
+        self.intermediate, self.hidden = (int(s) for s in gate0.shape)
+        self.n_experts = len(experts)
+        self._core = _native.MoELayerCore(self.pool, self.hidden, self.intermediate)
+        for e, (weights, table_set) in enumerate(zip(experts, self.tables)):
+            mats = ExpertMatrices(*(_as_bf16_bits(w, f"expert {e} {kind}") for w, kind in zip(weights, MATRIX_KINDS)))
+            segs = {}
+            for kind in MATRIX_KINDS:
+                if kind not in table_set:
+                    raise ValueError(f"expert {e}: no table for its {kind} matrix")
+                segs[kind] = self._node_arrays(table_set[kind], f"expert {e} {kind}")
+            self._core.add_expert(mats.gate, mats.up, mats.down, segs["gate"], segs["up"], segs["down"],
+                                  verify_partition=verify_tables)
+            self.experts.append(mats)
+        self.isa = isa if isa is not None else (os.environ.get("NUMA_MOE_ISA") or None)
+        self._core.set_isa(self.isa)
+        self._core.set_amx_min_tokens(int(amx_min_tokens))
+        self.layer_id = next(_layer_ids)
+        _layers[self.layer_id] = self
+
+    # ---- construction helpers -------------------------------------------------------
+
+    def _node_arrays(self, table, what: str) -> list[np.ndarray]:
+        table_nodes = tuple(int(n) for n in table.nodes)
+        extra = set(table_nodes) - set(self.node_ids)
+        if extra:
+            raise ValueError(f"{what}: its table places data on node(s) {sorted(extra)}, "
+                             f"but the workers run on nodes {list(self.node_ids)}")
+        arrays = []
+        for node in self.node_ids:
+            if node in table_nodes:
+                arr = np.ascontiguousarray(table.node_array(node), dtype=np.int64)
+            else:
+                arr = np.zeros((0, 5), dtype=np.int64)
+            arrays.append(arr.reshape(-1, 5))
+        return arrays
+
+    @classmethod
+    def from_stacked(cls, gate_up, down, tables_gate_up, tables_down, **kwargs) -> "MoELayer":
+        """From stacked buffers gate_up [E, 2I, H] (gate rows first, then up) and down
+        [E, H, I] and the segment tables of the whole stacked matrices ([E*2I, H] and
+        [E*H, I]); expert tables are their row slices."""
+        gate_up_bits = _as_bf16_bits(gate_up, "gate_up")
+        down_bits = _as_bf16_bits(down, "down")
+        _check_stacked(gate_up_bits.shape, down_bits.shape)
+        E, two_i, H = gate_up_bits.shape
+        I = two_i // 2
+        experts, tables = [], []
+        for e in range(E):
+            experts.append((gate_up_bits[e, :I], gate_up_bits[e, I:], down_bits[e]))
+            tables.append({
+                "gate": tables_gate_up.slice_rows(e * two_i, e * two_i + I),
+                "up": tables_gate_up.slice_rows(e * two_i + I, (e + 1) * two_i),
+                "down": tables_down.slice_rows(e * H, (e + 1) * H),
+            })
+        kwargs.setdefault("keep_alive", (gate_up, down))
+        return cls(experts, tables, **kwargs)
+
+    @classmethod
+    def from_tensors(cls, gate_up=None, down=None, *, gate=None, up=None, topology=None, page: str = "4k",
+                     tables: str = "measured", phase: int = 0, **kwargs) -> "MoELayer":
+        """Copies the experts into memory interleaved over the topology's nodes and builds
+        the tables.
+
+        Weights: stacked ``gate_up`` [E, 2I, H] + ``down`` [E, H, I], or ``gate``/``up``
+        [E, I, H] (stacked or lists of [I, H]) + ``down`` (stacked or a list of [H, I]).
+        tables="measured": from the page map the kernel reports (numa_moe.memory.page_map);
+        tables="theoretical": from the interleave rule with the given phase (virtual
+        topologies, where the memory is not really on those nodes)."""
+        from numa_moe import memory
+        from numa_moe.segments import SegmentTable
+
+        topology = topology if topology is not None else _default_topology()
+        gate_up_np, down_np = _stack_inputs(gate_up, down, gate, up)
+        E, two_i, H = gate_up_np.shape
+        I = two_i // 2
+        node_ids = tuple(topology.node_ids)
+        alloc_nodes = None if topology.is_virtual else node_ids
+        dst_gate_up = memory.interleaved_empty((E, two_i, H), "bfloat16", nodes=alloc_nodes, page=page)
+        dst_down = memory.interleaved_empty((E, H, I), "bfloat16", nodes=alloc_nodes, page=page)
+        dst_gate_up.view(np.uint16)[...] = gate_up_np
+        dst_down.view(np.uint16)[...] = down_np
+        page_bytes = 4096 if page == "4k" else 2 << 20
+        if tables == "measured" and not topology.is_virtual:
+            t_gu = _measured_table(dst_gate_up, E * two_i, H, SegmentTable, memory)
+            t_d = _measured_table(dst_down, E * H, I, SegmentTable, memory)
+        elif tables in ("measured", "theoretical"):
+            t_gu = SegmentTable.theoretical(E * two_i, H, "bf16", page_bytes, node_ids, phase=phase)
+            t_d = SegmentTable.theoretical(E * H, I, "bf16", page_bytes, node_ids, phase=phase)
+        else:
+            raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
+        return cls.from_stacked(dst_gate_up, dst_down, t_gu, t_d, topology=topology, **kwargs)
+
+    @classmethod
+    def from_store(cls, store, layer: int, *, topology=None, **kwargs) -> "MoELayer":
+        """From one layer of a loaded numa_moe.store.ExpertStore: its interleaved buffers
+        (no copy) and the tables it measured. Under a virtual topology (node ids the
+        store's memory is not really on) the tables are the interleave rule over the
+        virtual nodes instead, so the partitioned code path runs as it would on a real
+        machine with that many nodes."""
+        topology = topology if topology is not None else _default_topology()
+        experts, tables, keep = store_layer_experts(store, layer, topology)
+        kwargs.setdefault("keep_alive", keep)
+        return cls(experts, tables, topology=topology, **kwargs)
+
+    # ---- forward --------------------------------------------------------------------
+
+    def forward(self, hidden, topk_ids, topk_weights):
+        """hidden [T, H] bf16, topk_ids [T, k] int, topk_weights [T, k] float ->
+        [T, H] bf16 (a torch tensor for torch input, a numpy bfloat16 array otherwise).
+        With torch input the call goes through the custom op numa_moe::moe_forward."""
+        if _is_torch(hidden):
+            from numa_moe import ops  # registers the op
+
+            return ops.moe_forward(hidden, topk_ids, topk_weights, self.layer_id)
+        return self.forward_numpy(hidden, topk_ids, topk_weights)
+
+    __call__ = forward
+
+    def forward_numpy(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16") -> np.ndarray:
+        import ml_dtypes
+
+        x = self._check_hidden(np.asarray(hidden))
+        ids, weights = self._check_routing(np.asarray(topk_ids), np.asarray(topk_weights), x.shape[0])
+        if out_dtype == "float32":
+            out = np.empty(x.shape, dtype=np.float32)
+        else:
+            out = np.empty(x.shape, dtype=ml_dtypes.bfloat16)
+        self._run(x.view(np.uint16), ids, weights, out if out_dtype == "float32" else out.view(np.uint16))
+        return out
+
+    def _forward_torch(self, hidden, topk_ids, topk_weights, out_fp32: bool = False):
+        import torch
+
+        if hidden.dtype != torch.bfloat16:
+            raise TypeError(f"hidden: expected torch.bfloat16, got {hidden.dtype}")
+        if hidden.device.type != "cpu":
+            raise ValueError(f"hidden: expected a CPU tensor, got device {hidden.device}")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype in (torch.bool, torch.complex64):
+            raise TypeError(f"topk_ids: expected an integer tensor, got {topk_ids.dtype}")
+        if not topk_weights.dtype.is_floating_point:
+            raise TypeError(f"topk_weights: expected a floating-point tensor, got {topk_weights.dtype}")
+        x = self._check_hidden(hidden.detach().view(torch.int16).numpy().view(np.uint16), is_bits=True)
+        ids, weights = self._check_routing(topk_ids.detach().cpu().to(torch.int64).numpy(),
+                                           topk_weights.detach().cpu().to(torch.float32).numpy(), x.shape[0])
+        out = torch.empty(tuple(x.shape), dtype=torch.float32 if out_fp32 else torch.bfloat16)
+        out_np = out.numpy() if out_fp32 else out.view(torch.int16).numpy().view(np.uint16)
+        self._run(x, ids, weights, out_np)
+        return out
+
+    def _check_hidden(self, x: np.ndarray, is_bits: bool = False) -> np.ndarray:
+        if not is_bits:
+            if x.dtype.itemsize != 2 or x.dtype == np.float16:
+                raise TypeError(f"hidden: expected bf16, got dtype {x.dtype}")
+        if x.ndim != 2:
+            raise ValueError(f"hidden: expected shape [tokens, {self.hidden}], got {list(x.shape)}")
+        if x.shape[1] != self.hidden:
+            raise ValueError(f"hidden: {x.shape[1]} columns, the layer's hidden size is {self.hidden}")
+        if not x.flags.c_contiguous:
+            raise ValueError("hidden: must be contiguous (call .contiguous())")
+        return x
+
+    def _check_routing(self, ids: np.ndarray, weights: np.ndarray, n_tokens: int):
+        if ids.ndim != 2 or ids.shape[0] != n_tokens:
+            raise ValueError(f"topk_ids: expected shape [{n_tokens}, k], got {list(ids.shape)}")
+        if weights.shape != ids.shape:
+            raise ValueError(f"topk_weights: shape {list(weights.shape)} differs from topk_ids {list(ids.shape)}")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"topk_ids: expected an integer dtype, got {ids.dtype}")
+        if weights.dtype.kind != "f":
+            raise TypeError(f"topk_weights: expected a floating dtype, got {weights.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
+            bad = np.argwhere((ids < 0) | (ids >= self.n_experts))[0]
+            raise ValueError(f"topk_ids[{bad[0]}, {bad[1]}] = {ids[tuple(bad)]} is out of range "
+                             f"[0, {self.n_experts})")
+        if not np.all(np.isfinite(weights)):
+            raise ValueError("topk_weights: contains NaN or infinity")
+        return (np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(weights, dtype=np.float32))
+
+    def _run(self, x_bits, ids, weights, out) -> None:
+        with self._lock:
+            self._core.forward(x_bits, ids, weights, out)
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def last_stats(self) -> dict:
+        """Measurements of the last forward: wall_ns, node_bytes (weight bytes read per
+        node), thread_busy_ns (per worker thread), node_busy_ns (slowest thread per node),
+        expert_isa."""
+        stats = dict(self._core.last_stats())
+        busy = stats["thread_busy_ns"]
+        per_node, i = [], 0
+        for n in range(self.pool.n_nodes):
+            k = self.pool.threads_of(n)
+            per_node.append(max(busy[i:i + k]) if k else 0)
+            i += k
+        stats["node_busy_ns"] = per_node
+        stats["node_ids"] = list(self.node_ids)
+        return stats
+
+    def isa_for_tokens(self, m: int) -> str:
+        return self._core.isa_for_tokens(int(m)) if self.isa is None else self.isa
+
+    def weight_bytes(self) -> int:
+        return self.n_experts * 3 * self.hidden * self.intermediate * 2
+
+    def expert_weight_bytes_per_node(self, expert: int) -> dict[int, int]:
+        total = np.zeros(len(self.node_ids), dtype=np.int64)
+        for kind in MATRIX_KINDS:
+            total += np.asarray(self._core.node_bytes(expert, kind), dtype=np.int64)
+        return {node: int(b) for node, b in zip(self.node_ids, total)}
+
+    def __repr__(self) -> str:
+        return (f"MoELayer(experts={self.n_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"nodes={list(self.node_ids)}, threads={self.pool.n_threads}, isa={self.isa or 'auto'})")
+
+
+def get_layer(layer_id: int) -> MoELayer:
+    layer = _layers.get(int(layer_id))
+    if layer is None:
+        raise ValueError(f"no live MoELayer with id {layer_id}")
+    return layer
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+def _check_stacked(gate_up_shape, down_shape) -> None:
+    if len(gate_up_shape) != 3 or gate_up_shape[1] % 2:
+        raise ValueError(f"gate_up: expected shape [E, 2I, H], got {list(gate_up_shape)}")
+    E, two_i, H = gate_up_shape
+    if tuple(down_shape) != (E, H, two_i // 2):
+        raise ValueError(f"down: expected shape [{E}, {H}, {two_i // 2}] to match gate_up "
+                         f"{list(gate_up_shape)}, got {list(down_shape)}")
+
+
+def _stack_inputs(gate_up, down, gate, up):
+    def stack(parts, what):
+        if isinstance(parts, (list, tuple)):
+            return np.stack([_as_bf16_bits(p, f"{what}[{i}]") for i, p in enumerate(parts)])
+        return _as_bf16_bits(parts, what)
+
+    if down is None:
+        raise ValueError("down weights are required")
+    down_np = stack(down, "down")
+    if gate_up is not None:
+        if gate is not None or up is not None:
+            raise ValueError("give either gate_up or gate + up, not both")
+        gate_up_np = stack(gate_up, "gate_up")
+    else:
+        if gate is None or up is None:
+            raise ValueError("give gate_up [E, 2I, H], or both gate and up")
+        g, u = stack(gate, "gate"), stack(up, "up")
+        if g.shape != u.shape or g.ndim != 3:
+            raise ValueError(f"gate {list(g.shape)} and up {list(u.shape)} must both be [E, I, H]")
+        gate_up_np = np.concatenate([g, u], axis=1)
+    _check_stacked(gate_up_np.shape, down_np.shape)
+    return gate_up_np, down_np
+
+
+def _measured_table(buffer, rows, cols, SegmentTable, memory):
+    pm = memory.page_map(buffer)
+    return SegmentTable.from_page_map(rows, cols, "bf16", pm.nodes, pm.page_bytes, offset_bytes=pm.offset_bytes)
+
+
+def store_layer_experts(store, layer, topology):
+    """(experts, tables, keep_alive) of one ExpertStore layer (stacked buffers gate/up
+    [E*I, H], down [E*H, I]; expert e = rows [e*I, (e+1)*I) resp. [e*H, (e+1)*H))."""
+    from numa_moe.segments import SegmentTable
+
+    n_experts = store.n_experts
+    experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
+    node_ids = tuple(topology.node_ids)
+    store_nodes = {int(n) for kind in MATRIX_KINDS for n in store.table(layer, kind).nodes}
+    if not getattr(topology, "is_virtual", False):
+        if not store_nodes <= set(node_ids):
+            raise ValueError(f"layer {layer}: the store's memory is on nodes {sorted(store_nodes)}, "
+                             f"the topology has nodes {list(node_ids)}")
+        tables = [store.expert_tables(layer, e) for e in range(n_experts)]
+    else:
+        stacked = {}
+        for kind in MATRIX_KINDS:
+            rows, cols = store.weights(layer, kind).shape
+            stacked[kind] = SegmentTable.theoretical(rows, cols, "bf16", store.page_bytes, node_ids, phase=0)
+        H, I = store.hidden_size, store.intermediate_size
+        tables = []
+        for e in range(n_experts):
+            per = {"gate": I, "up": I, "down": H}
+            tables.append({k: stacked[k].slice_rows(e * per[k], (e + 1) * per[k]) for k in MATRIX_KINDS})
+    keep = tuple(store.weights(layer, kind) for kind in MATRIX_KINDS)
+    return experts, tables, keep

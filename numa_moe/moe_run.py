@@ -1,0 +1,383 @@
+"""The main job (``numa-moe run``) and the layer benchmark (``numa-moe bench layer``),
+as library functions: the CLI only parses options and prints what these return.
+
+Both measure, in the same run, a *read ceiling*: the time a streaming read of the same
+weight bytes takes. The native streaming-read kernel (numa_moe.kernels) is used when the
+build has it; otherwise a numpy stand-in (a vectorised reduction over the bytes, which
+underestimates the machine's bandwidth) is used and labelled as such.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from numa_moe.moe import MATRIX_KINDS, MoELayer
+
+DEFAULT_LIKE = "qwen3-30b-a3b"
+
+
+# ---- references and yardsticks -------------------------------------------------------
+
+def torch_moe_loop(x, ids, weights, gate_up, down, compute_dtype=None):
+    """The routed-expert loop the way transformers (Mixtral/Qwen3-MoE) writes it:
+    one_hot mask, torch.where per expert, F.linear on the gathered rows, index_add_.
+    gate_up [E, 2I, H] (gate rows first), down [E, H, I], torch tensors. compute_dtype
+    (e.g. torch.float32) upcasts weights and activations for a reference; None computes
+    in the weights' dtype as transformers does."""
+    import torch
+    import torch.nn.functional as F
+
+    cast = (lambda t: t.to(compute_dtype)) if compute_dtype is not None else (lambda t: t)
+    final = torch.zeros(x.shape, dtype=compute_dtype or x.dtype)
+    n_experts = gate_up.shape[0]
+    with torch.no_grad():
+        mask = F.one_hot(ids, num_classes=n_experts).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = int(e[0])
+            pos, token = torch.where(mask[e])
+            g, u = F.linear(cast(x[token]), cast(gate_up[e])).chunk(2, dim=-1)
+            out = F.linear(F.silu(g) * u, cast(down[e])) * cast(weights[token, pos, None])
+            final.index_add_(0, token, out.to(final.dtype))
+    return final
+
+
+@dataclass
+class ReadCeiling:
+    gbps: float
+    source: str  # "native streaming read" or "numpy stand-in (...)"
+
+
+def _native_read_fn():
+    """The native multi-threaded streaming read (kernels layer), when this build has it."""
+    from numa_moe import _native
+
+    fn = getattr(_native, "stream_read", None)
+    if fn is None:
+        return None
+    threads = len(os.sched_getaffinity(0))
+
+    def read(buffers):
+        try:
+            fn(list(buffers), threads)
+        except (RuntimeError, ValueError):
+            return False  # e.g. no AVX-512 on this CPU
+        return True
+
+    return read
+
+
+def measure_read_ceiling(buffers, repeats: int = 3) -> ReadCeiling:
+    """Streaming-read bandwidth over ``buffers`` (numpy arrays), best of ``repeats``."""
+    buffers = [np.ascontiguousarray(b) for b in buffers]
+    total = sum(int(b.nbytes) for b in buffers)
+    fn = _native_read_fn()
+    if fn is not None and fn(buffers[:1]):
+        best = None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(buffers)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        return ReadCeiling(total / best / 1e9, "native streaming read, all CPUs")
+    best = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for b in buffers:
+            flat = b.reshape(-1).view(np.uint8)
+            usable = flat[: flat.size // 8 * 8].view(np.uint64)
+            np.bitwise_xor.reduce(usable)
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    return ReadCeiling(total / best / 1e9, "numpy stand-in (one thread; underestimates the ceiling)")
+
+
+def random_routing(rng: np.random.Generator, n_tokens: int, n_experts: int, top_k: int):
+    """Distinct top-k experts per token, softmax-normalised weights (float32)."""
+    scores = rng.random((n_tokens, n_experts))
+    ids = np.argsort(scores, axis=1)[:, :top_k].astype(np.int64)
+    logits = rng.standard_normal((n_tokens, top_k)).astype(np.float32)
+    w = np.exp(logits)
+    return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def touched_bytes(layer: MoELayer, ids: np.ndarray) -> int:
+    return len(np.unique(ids)) * 3 * layer.hidden * layer.intermediate * 2
+
+
+# ---- the main job ----------------------------------------------------------------------
+
+def default_checkpoint_dir(like: str = DEFAULT_LIKE, layers: int | None = None) -> Path:
+    from numa_moe.synthetic import MODEL_SPECS
+
+    n_layers = layers or MODEL_SPECS[like].default_layers
+    cache = Path(os.environ.get("NUMA_MOE_CACHE", Path.home() / ".cache" / "numa-moe"))
+    return cache / f"{like}-{n_layers}"
+
+
+def ensure_default_checkpoint(like: str = DEFAULT_LIKE, layers: int | None = None, echo=print) -> Path:
+    """The generated embedded checkpoint, generated into the cache on first use."""
+    from numa_moe.synthetic import make_checkpoint
+
+    path = default_checkpoint_dir(like, layers)
+    if not (path / "config.json").exists():
+        echo(f"generating the embedded checkpoint ({like}) into {path}")
+        make_checkpoint(path, like=like, layers=layers)
+    return path
+
+
+@dataclass
+class RunReport:
+    checkpoint: str
+    topology: str
+    layers: int
+    tokens: int
+    top_k: int
+    steps_ms: list[float]
+    reference_rel_error: float
+    weight_bytes_per_step: int
+    effective_gbps: float
+    ceiling: ReadCeiling
+    node_ids: list[int]
+    node_bytes: list[int]
+    node_busy_ms: list[float]
+    tables: dict = field(default_factory=dict)
+    isa: list[str] = field(default_factory=list)
+
+
+def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, virtual_nodes: int | None = None,
+            isa: str | None = None, page: str = "4k", seed: int = 0, tolerance: float = 1e-2,
+            echo: Callable[[str], None] = print, progress: bool = True) -> RunReport:
+    """Load experts interleaved, build and verify the tables, run decode-like steps with
+    random routing over every loaded MoE layer, check step 1 against the torch loop."""
+    from numa_moe import topology as topo_mod
+    from numa_moe.store import ExpertStore
+
+    if tokens < 1 or steps < 1:
+        raise ValueError(f"tokens and steps must be >= 1, got {tokens} and {steps}")
+    if virtual_nodes is not None:
+        topology = topo_mod.Topology.virtual(int(virtual_nodes))
+        store_nodes = None  # memory goes wherever the real nodes are
+    else:
+        topology = topo_mod.current_topology()
+        store_nodes = None
+        if nodes is not None:
+            wanted = tuple(range(int(nodes))) if isinstance(nodes, int) else tuple(nodes)
+            missing = set(wanted) - set(topology.node_ids)
+            if missing:
+                raise ValueError(f"--nodes asks for node(s) {sorted(missing)}; this machine has "
+                                 f"{list(topology.node_ids)} (use --virtual-nodes to simulate)")
+            store_nodes = wanted
+    path = Path(checkpoint) if checkpoint is not None else ensure_default_checkpoint(echo=echo)
+    echo(f"checkpoint: {path}")
+    store = ExpertStore.load(path, nodes=store_nodes, page=page, progress=progress)
+    table_summary = verify_store_tables(store)
+    echo(f"tables: {table_summary['matrices']} matrices checked (exact partitions); measured == theoretical "
+         f"for {table_summary['matching']}/{table_summary['matrices']}"
+         + (f"; mismatches: {table_summary['mismatches']}" if table_summary["mismatches"] else ""))
+    layers = [MoELayer.from_store(store, layer, topology=topology, isa=isa) for layer in store.layers]
+    node_ids = list(layers[0].node_ids)
+    kind = "virtual" if topology.is_virtual else "real"
+    echo(f"topology: {len(node_ids)} {kind} node(s) {node_ids}, {layers[0].pool.n_threads} worker threads; "
+         f"{len(layers)} MoE layer(s), E={store.n_experts} H={store.hidden_size} I={store.intermediate_size}")
+    top_k = int(store.top_k or 2)
+    rng = np.random.default_rng(seed)
+    import ml_dtypes
+
+    steps_ms, node_bytes, node_busy = [], np.zeros(len(node_ids)), np.zeros(len(node_ids))
+    weight_bytes = 0
+    rel = float("nan")
+    isas: set[str] = set()
+    for step in range(steps):
+        xs = [rng.standard_normal((tokens, store.hidden_size)).astype(ml_dtypes.bfloat16) for _ in layers]
+        routes = [random_routing(rng, tokens, store.n_experts, top_k) for _ in layers]
+        t0 = time.perf_counter()
+        outs = [layer.forward_numpy(x, ids, w) for layer, x, (ids, w) in zip(layers, xs, routes)]
+        steps_ms.append((time.perf_counter() - t0) * 1e3)
+        step_bytes = 0
+        for layer in layers:
+            stats = layer.last_stats()
+            node_bytes += np.asarray(stats["node_bytes"])
+            node_busy += np.asarray(stats["node_busy_ns"]) / 1e6
+            step_bytes += int(sum(stats["node_bytes"]))
+            isas.update(stats["expert_isa"])
+        weight_bytes = max(weight_bytes, step_bytes)
+        if step == 0:
+            rel = check_against_torch(store, layers, xs, routes, outs)
+            verdict = "ok" if rel <= tolerance else "FAILED"
+            echo(f"step 1 vs torch reference (float32 transformers loop): rel. error {rel:.2e} [{verdict}]")
+            if rel > tolerance:
+                raise RuntimeError(f"the MoE layer disagrees with the torch reference: rel. error {rel:.3g} "
+                                   f"> {tolerance}")
+        echo(f"step {step + 1:3d}: {steps_ms[-1]:8.3f} ms  ({step_bytes / 1e6:.1f} MB of weights)")
+    ceiling = measure_read_ceiling([store.weights(l, k) for l in store.layers for k in MATRIX_KINDS])
+    med = statistics.median(steps_ms)
+    mean_bytes = float(node_bytes.sum()) / steps
+    eff = mean_bytes / (med / 1e3) / 1e9
+    report = RunReport(str(path), f"{len(node_ids)} {kind}", len(layers), tokens, top_k, steps_ms, rel,
+                       int(mean_bytes), eff, ceiling, node_ids, [int(b / steps) for b in node_bytes],
+                       [float(b / steps) for b in node_busy], table_summary, sorted(isas))
+    echo(format_run_report(report))
+    return report
+
+
+def verify_store_tables(store) -> dict:
+    """Checks every table of the store is an exact partition (SegmentTable.check) and
+    counts where the measured map matched the theoretical table."""
+    n = matching = 0
+    for layer in store.layers:
+        for kind in MATRIX_KINDS:
+            table = store.table(layer, kind)
+            check = getattr(table, "check", None)
+            if check is not None:
+                check()
+            n += 1
+            theory = store.layer(layer).theoretical.get(kind)
+            matching += int(theory is not None and theory == table)
+    return {"matrices": n, "matching": matching, "mismatches": len(store.mismatches)}
+
+
+def check_against_torch(store, layers, xs, routes, outs) -> float:
+    """Largest relative Frobenius error of the layers' step outputs against the float32
+    transformers loop on the same bf16 weights."""
+    import torch
+    from numa_moe import memory
+
+    worst = 0.0
+    for layer_id, layer, x, (ids, w), y in zip(store.layers, layers, xs, routes, outs):
+        gate, up, down = (memory.as_torch(store.weights(layer_id, k)) for k in MATRIX_KINDS)
+        E, I, H = store.n_experts, store.intermediate_size, store.hidden_size
+        gate_up = torch.cat([gate.view(E, I, H), up.view(E, I, H)], dim=1)
+        ref = torch_moe_loop(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), torch.from_numpy(ids),
+                             torch.from_numpy(w), gate_up, down.view(E, H, I), compute_dtype=torch.float32)
+        ref = ref.numpy().astype(np.float64)
+        err = np.linalg.norm(y.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30)
+        if not np.all(np.isfinite(y.astype(np.float32))):
+            err = float("inf")
+        worst = max(worst, float(err))
+    return worst
+
+
+def format_run_report(r: RunReport) -> str:
+    med = statistics.median(r.steps_ms)
+    ceiling_ms = r.weight_bytes_per_step / (r.ceiling.gbps * 1e9) * 1e3
+    lines = [
+        "",
+        f"steps: {len(r.steps_ms)} x {r.layers} layer(s), {r.tokens} token(s), top-{r.top_k}; kernels {', '.join(r.isa)}",
+        f"step time: median {med:.3f} ms (min {min(r.steps_ms):.3f}, max {max(r.steps_ms):.3f})",
+        f"weights read per step: {r.weight_bytes_per_step / 1e6:.1f} MB -> effective {r.effective_gbps:.1f} GB/s",
+        f"read ceiling: {r.ceiling.gbps:.1f} GB/s [{r.ceiling.source}] -> {ceiling_ms:.3f} ms per step; "
+        f"layer at {r.effective_gbps / r.ceiling.gbps:.0%} of it",
+        "per-node work balance (per step):",
+        "  node   weight MB   share   busy ms",
+    ]
+    total = max(sum(r.node_bytes), 1)
+    for node, b, t in zip(r.node_ids, r.node_bytes, r.node_busy_ms):
+        lines.append(f"  {node:4d}   {b / 1e6:9.2f}   {b / total:5.1%}   {t:7.3f}")
+    return "\n".join(lines)
+
+
+# ---- bench layer ---------------------------------------------------------------------
+
+BENCH_MODELS = {
+    # name: (experts, top_k, hidden, intermediate)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+
+
+def _fill_bf16(array: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+    """Fills a big bf16 buffer quickly: a random block, tiled (the content does not
+    matter for speed; the correctness check uses the same bytes on both sides)."""
+    import ml_dtypes
+
+    flat = array.reshape(-1)
+    block = (rng.standard_normal(1 << 20) * scale).astype(ml_dtypes.bfloat16).view(np.uint16)
+    bits = flat.view(np.uint16)
+    for start in range(0, bits.size, block.size):
+        n = min(block.size, bits.size - start)
+        bits[start:start + n] = block[:n]
+
+
+def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeats: int = 20, virtual_nodes: int = 2,
+                isa: str | None = None, seed: int = 0, echo=print) -> list[dict]:
+    """ms per layer: ours (1 node), ours (virtual_nodes-node virtual topology, same
+    weights), the transformers-style torch loop (bf16, all CPUs), and the read ceiling for
+    the weights actually touched; medians over ``repeats`` random routings."""
+    import torch
+
+    from numa_moe import memory
+    from numa_moe.segments import SegmentTable
+    from numa_moe.topology import Topology, current_topology
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    rng = np.random.default_rng(seed)
+    rows = []
+    base = current_topology()
+    one_node = Topology.virtual(1, base) if base.is_virtual or len(base.node_ids) > 1 else base
+    multi = Topology.virtual(virtual_nodes, base)
+    for name in models:
+        E, top_k, H, I = BENCH_MODELS[name]
+        gate_up = memory.interleaved_empty((E, 2 * I, H), "bfloat16")
+        down = memory.interleaved_empty((E, H, I), "bfloat16")
+        _fill_bf16(gate_up, rng, H ** -0.5)
+        _fill_bf16(down, rng, I ** -0.5)
+        layers = {}
+        for label, topo in (("1 node", one_node), (f"{virtual_nodes} virtual nodes", multi)):
+            t_gu = SegmentTable.theoretical(E * 2 * I, H, "bf16", 4096, topo.node_ids)
+            t_d = SegmentTable.theoretical(E * H, I, "bf16", 4096, topo.node_ids)
+            layers[label] = MoELayer.from_stacked(gate_up, down, t_gu, t_d, topology=topo, isa=isa)
+        gate_up_t, down_t = memory.as_torch(gate_up), memory.as_torch(down)
+        ceiling = measure_read_ceiling([gate_up, down])
+        for T in tokens:
+            import ml_dtypes
+
+            cases = []
+            for _ in range(repeats):
+                x = rng.standard_normal((T, H)).astype(ml_dtypes.bfloat16)
+                cases.append((x, *random_routing(rng, T, E, top_k)))
+            times = {label: [] for label in layers}
+            times["torch loop"] = []
+            touched = []
+            err = 0.0
+            for i, (x, ids, w) in enumerate(cases):
+                for label, layer in layers.items():
+                    t0 = time.perf_counter()
+                    y = layer.forward_numpy(x, ids, w)
+                    times[label].append(time.perf_counter() - t0)
+                xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                it, wt = torch.from_numpy(ids), torch.from_numpy(w).to(torch.bfloat16)
+                t0 = time.perf_counter()
+                ref = torch_moe_loop(xt, it, wt, gate_up_t, down_t)
+                times["torch loop"].append(time.perf_counter() - t0)
+                touched.append(touched_bytes(layers["1 node"], ids))
+                if i == 0:
+                    ref32 = torch_moe_loop(xt, it, torch.from_numpy(w), gate_up_t, down_t, compute_dtype=torch.float32)
+                    ref64 = ref32.numpy().astype(np.float64)
+                    err = float(np.linalg.norm(y.astype(np.float64) - ref64) / np.linalg.norm(ref64))
+            ceiling_ms = statistics.median(touched) / (ceiling.gbps * 1e9) * 1e3
+            row = {"model": name, "tokens": T, "experts": E, "top_k": top_k, "hidden": H, "intermediate": I,
+                   "ceiling_ms": ceiling_ms, "ceiling_gbps": ceiling.gbps, "ceiling_source": ceiling.source,
+                   "rel_error_vs_fp32": err, "touched_mb": statistics.median(touched) / 1e6}
+            for label, ts in times.items():
+                row[f"{label} ms"] = statistics.median(ts) * 1e3
+            rows.append(row)
+            echo(format_bench_row(row, virtual_nodes))
+        del layers, gate_up, down, gate_up_t, down_t
+    return rows
+
+
+def format_bench_row(row: dict, virtual_nodes: int) -> str:
+    ours = row["1 node ms"]
+    multi = row[f"{virtual_nodes} virtual nodes ms"]
+    return (f"{row['model']:>14s} T={row['tokens']:<3d} touched {row['touched_mb']:7.1f} MB | ours {ours:8.3f} ms | "
+            f"{virtual_nodes}-node virtual {multi:8.3f} ms ({multi / ours - 1:+.1%}) | torch loop "
+            f"{row['torch loop ms']:8.3f} ms ({row['torch loop ms'] / ours:.2f}x) | ceiling {row['ceiling_ms']:7.3f} ms "
+            f"(ours at {row['ceiling_ms'] / ours:.0%}) | err {row['rel_error_vs_fp32']:.1e}")

@@ -1,0 +1,131 @@
+"""The native worker pool: pinning, persistence, barriers, fork, interruption."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from numa_moe import _native
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+def make_pool(n_nodes, threads_per_node=1, **kwargs):
+    node_cpus = [[CPUS[(n * threads_per_node + i) % len(CPUS)] for i in range(threads_per_node)]
+                 for n in range(n_nodes)]
+    return _native.WorkerPool(node_cpus, **kwargs), node_cpus
+
+
+def test_threads_are_pinned_to_their_node_cpus():
+    pool, node_cpus = make_pool(2, threads_per_node=len(CPUS))
+    try:
+        seen = pool.thread_affinity()
+        assert len(seen) == pool.n_threads == 2 * len(CPUS)
+        for node, local, cpus in seen:
+            assert cpus == [node_cpus[node][local]]
+    finally:
+        pool.shutdown()
+
+
+def test_unpinned_threads_keep_the_process_affinity():
+    pool, _ = make_pool(2, pin=False)
+    try:
+        for _, _, cpus in pool.thread_affinity():
+            assert cpus == CPUS
+    finally:
+        pool.shutdown()
+
+
+def test_threads_start_lazily_once_and_restart_after_shutdown():
+    pool, _ = make_pool(3)
+    assert not pool.started and pool.start_count == 0
+    for _ in range(20):
+        pool.barrier_check(3)
+    assert pool.started and pool.start_count == 1
+    pool.shutdown()
+    assert not pool.started
+    pool.barrier_check(2)
+    assert pool.start_count == 2
+    pool.shutdown()
+
+
+@pytest.mark.parametrize("n_nodes,threads", [(1, 1), (2, 2), (4, 2)])
+def test_barrier_holds_every_thread(n_nodes, threads):
+    pool, _ = make_pool(n_nodes, threads)
+    try:
+        increments, failures = pool.barrier_check(200)
+        assert increments == 200 * pool.n_threads
+        assert failures == 0
+    finally:
+        pool.shutdown()
+
+
+def test_bad_cpu_lists_are_rejected():
+    with pytest.raises(ValueError, match="no CPUs"):
+        _native.WorkerPool([[0], []])
+    with pytest.raises(ValueError, match="invalid CPU"):
+        _native.WorkerPool([[-3]])
+
+
+def test_pinning_to_a_cpu_outside_the_allowed_set_fails_clearly():
+    outside = max(CPUS) + 1
+    if outside >= os.cpu_count() and outside >= 1024:
+        pytest.skip("no CPU number outside the allowed set to try")
+    pool = _native.WorkerPool([[outside]])
+    with pytest.raises(RuntimeError, match=f"CPU {outside}"):
+        pool.start()
+    assert not pool.started
+
+
+def test_forked_child_gets_fresh_threads():
+    pool, _ = make_pool(2, 2)
+    pool.barrier_check(5)
+    pid = os.fork()
+    if pid == 0:  # child: the parent's threads do not exist here
+        code = 1
+        try:
+            increments, failures = pool.barrier_check(50)
+            code = 0 if (increments == 50 * pool.n_threads and failures == 0 and pool.start_count == 2) else 2
+            pool.shutdown()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    increments, failures = pool.barrier_check(5)  # the parent's pool still works
+    assert failures == 0
+    pool.shutdown()
+
+
+def test_keyboard_interrupt_during_a_call_returns_promptly_and_pool_survives():
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    pool, _ = make_pool(2, 2)
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        pool.busy_job(30.0)
+    elapsed = time.monotonic() - start
+    timer.join()
+    assert elapsed < 5.0
+    assert pool.busy_job(0.01)
+    assert pool.barrier_check(3)[1] == 0
+    pool.shutdown()
+
+
+def test_interpreter_exit_with_running_pool_is_clean(tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "from numa_moe.moe import worker_pool\n"
+        "p = worker_pool([[0], [0]])\n"
+        "p.barrier_check(3)\n"
+        "print('ok')\n")
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
