@@ -24,4 +24,4 @@ fi
 # torch first, pinned to the CPU build: a bare `torch` requirement could resolve to a
 # multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q ".[torch,test,plot]"
+.venv/bin/python -m pip install -q ".[torch,test,plot,hf]"
