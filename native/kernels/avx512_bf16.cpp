@@ -194,7 +194,12 @@ uint64_t stream_read_avx512(const void* data, size_t bytes) {
         a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
     }
     const __m512i all = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-    uint64_t sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(all));
+    // Fold the lanes as unsigned: _mm512_reduce_add_epi64 adds as signed long long, and
+    // an overflow of this checksum would be undefined behaviour.
+    alignas(64) uint64_t lanes[8];
+    _mm512_store_si512(lanes, all);
+    uint64_t sum = 0;
+    for (uint64_t lane : lanes) sum += lane;
     for (; i < bytes; ++i) sum += static_cast<unsigned char>(p[i]);
     return sum;
 }
