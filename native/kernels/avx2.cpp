@@ -102,37 +102,13 @@ void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_
     }
 }
 
-void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    bf16* act = static_cast<bf16*>(packed);
-    for (int64_t i = i_begin; i < i_end; ++i) {
-        for (int64_t t = 0; t < m; ++t) {
-            float g = 0.0f, u = 0.0f;
-            for (int p = 0; p < n_parts; ++p) {
-                g += gate_parts[p][i * ld + t];
-                u += up_parts[p][i * ld + t];
-            }
-            act[t * i_total + i] = float_to_bf16(silu(g) * u);
-        }
-    }
-}
-
-void combine_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end, int64_t m,
-                  const int64_t* token_index, const float* token_weight, float* y, int64_t ldy) {
-    for (int64_t t = 0; t < m; ++t) {
-        float* y_row = y + token_index[t] * ldy;
-        for (int64_t h = h_begin; h < h_end; ++h) {
-            float sum = 0.0f;
-            for (int p = 0; p < n_parts; ++p) sum += parts[p][h * ld + t];
-            y_row[h] += token_weight[t] * sum;
-        }
-    }
-}
-
 }  // namespace
 
 const KernelOps& avx2_ops() {
-    static const KernelOps ops{Isa::avx2, "avx2", packed_bytes, gather, matmul_segments, silu_mul_pack, combine_down};
+    // The epilogues touch rows x tokens floats, nothing next to the weights: the
+    // reference versions serve (the plain token layout is the same).
+    static const KernelOps ops{Isa::avx2, "avx2", packed_bytes, gather, matmul_segments,
+                               ref_ops().silu_mul_pack, ref_ops().combine_down};
     return ops;
 }
 
