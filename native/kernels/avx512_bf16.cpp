@@ -25,9 +25,15 @@
 namespace numa_moe::kernels {
 namespace {
 
-constexpr int64_t kTokenChunk = 8;                   // tokens per register block (many-token case)
-constexpr int64_t kTokenBlockBytes = 320 * 1024;     // token slice kept in L2 per k block
-constexpr int64_t kPrefetchElements = 1024;          // weight prefetch distance (2 KB per row)
+// Register blocks: T tokens (<= 4) x R rows, R = 8 for T <= 2, 6 for T = 3, 4 (R*T <= 24
+// accumulators + R weight registers + one token register <= 32 zmm). Many rows per block
+// matter for few tokens: each k step then issues R independent weight loads.
+constexpr int64_t kTokenChunk = 4;
+// With more than one token chunk the k range is cut into blocks so that the R weight rows
+// of a block (R x kKBlockMax x 2 bytes <= 12 KB) stay in L1 while the token chunks pass
+// over them, and the token slice (m x k block) stays in L2.
+constexpr int64_t kKBlockMax = 1024;
+constexpr int64_t kTokenBlockBytes = 256 * 1024;
 
 size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>(m * k) * sizeof(bf16); }
 
@@ -48,8 +54,14 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // out_rows[r][t] += sum_{c in [k0, k1)} w_rows[r][c] * tok[t][c] for R rows, T tokens.
-template <int R, int T, bool kPrefetch>
-void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, int64_t k1, float* const* out_rows) {
+// next_rows: the rows of the next register block; their columns [k0, k1) are prefetched
+// into L2 one line per row per k step, a whole block ahead. The hardware prefetcher alone
+// stops at every 4 KB page of each of the R row streams and leaves the loads waiting on
+// DRAM, serialising memory and compute; L2 (not L1) keeps the prefetches out of the
+// L1 miss buffers the demand loads need.
+template <int R, int T>
+void micro(const bf16* const* w_rows, const bf16* const* next_rows, const bf16* tok, int64_t ldt, int64_t k0,
+           int64_t k1, float* const* out_rows) {
     __m512 acc[R][T];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -57,7 +69,7 @@ void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, 
     for (; c + 32 <= k1; c += 32) {
         __m512bh w[R];
         for (int r = 0; r < R; ++r) {
-            if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w_rows[r] + c + kPrefetchElements), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(next_rows[r] + c), _MM_HINT_T2);
             w[r] = (__m512bh)_mm512_loadu_si512(w_rows[r] + c);
         }
         for (int t = 0; t < T; ++t) {
@@ -87,37 +99,40 @@ void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, 
     }
 }
 
-using MicroFn = void (*)(const bf16* const*, const bf16*, int64_t, int64_t, int64_t, float* const*);
+using MicroFn = void (*)(const bf16* const*, const bf16* const*, const bf16*, int64_t, int64_t, int64_t,
+                         float* const*);
 
-template <int R, bool kPrefetch>
+template <int R>
 MicroFn micro_for_tokens(int64_t t) {
     switch (t) {
-        case 1: return micro<R, 1, kPrefetch>;
-        case 2: return micro<R, 2, kPrefetch>;
-        case 3: return micro<R, 3, kPrefetch>;
-        case 4: return micro<R, 4, kPrefetch>;
-        case 5: return micro<R, 5, kPrefetch>;
-        case 6: return micro<R, 6, kPrefetch>;
-        case 7: return micro<R, 7, kPrefetch>;
-        default: return micro<R, 8, kPrefetch>;
+        case 1: return micro<R, 1>;
+        case 2: return micro<R, 2>;
+        case 3: return micro<R, 3>;
+        default: return micro<R, 4>;
     }
 }
 
-template <bool kPrefetch>
+// Rows per register block for a token chunk of t <= 4 tokens.
+int64_t rows_per_block(int64_t t) { return t <= 2 ? 8 : 6; }
+
 MicroFn micro_for(int64_t rows, int64_t tokens) {
     switch (rows) {
-        case 8: return micro_for_tokens<8, kPrefetch>(tokens);
-        case 6: return micro_for_tokens<6, kPrefetch>(tokens);
-        case 4: return micro_for_tokens<4, kPrefetch>(tokens);
-        case 3: return micro_for_tokens<3, kPrefetch>(tokens);
-        default: return micro_for_tokens<1, kPrefetch>(tokens);
+        case 8: return micro_for_tokens<8>(tokens);
+        case 6: return micro_for_tokens<6>(tokens);
+        default: return micro_for_tokens<1>(tokens);
     }
 }
 
-// Rows per register block for a token chunk of t tokens: R * T <= 24 accumulators.
-int64_t rows_per_block(int64_t t) {
-    static constexpr int64_t kRows[9] = {8, 8, 8, 6, 4, 4, 4, 3, 3};
-    return kRows[t < 8 ? t : 8];
+// k block length: the whole span while one token chunk covers all tokens (each weight
+// row is then used once, nothing to keep in L1); otherwise equal blocks of at most
+// kKBlockMax columns (multiples of 32), fewer still when the m x k token slice would
+// not stay in L2.
+int64_t k_block(int64_t span, int64_t m) {
+    if (m <= kTokenChunk) return span;
+    int64_t limit = std::min<int64_t>(kKBlockMax, std::max<int64_t>(256, kTokenBlockBytes / (2 * m)));
+    limit = limit / 32 * 32;
+    const int64_t blocks = (span + limit - 1) / limit;
+    return ((span + blocks - 1) / blocks + 31) / 32 * 32;
 }
 
 // j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
@@ -139,30 +154,35 @@ void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_
     const bf16* tokens = static_cast<const bf16*>(packed);
     if (m <= 0) return;
     const int64_t chunk = m <= kTokenChunk ? m : kTokenChunk;
-    const int64_t block_rows = rows_per_block(chunk);
-    // Prefetch only pays while the weight stream is the bottleneck (few tokens).
-    const bool prefetch = m <= 16;
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         int64_t j_lo, j_hi;
         segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
         if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
         const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-        const int64_t span = seg.k1 - seg.k0;
-        int64_t kc = span;
-        if (m * span * 2 > kTokenBlockBytes) kc = std::max<int64_t>(512, (kTokenBlockBytes / (2 * m)) / 32 * 32);
+        const int64_t kc = k_block(seg.k1 - seg.k0, m);
+        const auto row_ptr = [&](int64_t j) { return w + (seg.row0 + j * stride) * ldw; };
         for (int64_t kb = seg.k0; kb < seg.k1; kb += kc) {
             const int64_t ke = kb + kc < seg.k1 ? kb + kc : seg.k1;
             for (int64_t j = j_lo; j < j_hi;) {
+                // Full blocks of the widest chunk's row count; the last rows one at a time.
+                const int64_t block_rows = rows_per_block(chunk);
                 const int64_t rows = j_hi - j >= block_rows ? block_rows : 1;
                 const bf16* w_rows[8];
-                for (int64_t i = 0; i < rows; ++i) w_rows[i] = w + (seg.row0 + (j + i) * stride) * ldw;
+                const bf16* next_rows[8];
+                for (int64_t i = 0; i < rows; ++i) {
+                    w_rows[i] = row_ptr(j + i);
+                    // The next block's rows (past the segment's end: this block again, a
+                    // cache hit).
+                    next_rows[i] = j + rows + i < j_hi ? row_ptr(j + rows + i) : w_rows[i];
+                }
+                float* out_rows[8];
+                for (int64_t i = 0; i < rows; ++i) out_rows[i] = out + (seg.row0 + (j + i) * stride) * ldo;
                 for (int64_t t0 = 0; t0 < m; t0 += chunk) {
                     const int64_t nt = m - t0 < chunk ? m - t0 : chunk;
-                    float* out_rows[8];
-                    for (int64_t i = 0; i < rows; ++i) out_rows[i] = out + (seg.row0 + (j + i) * stride) * ldo + t0;
-                    const MicroFn fn = prefetch ? micro_for<true>(rows, nt) : micro_for<false>(rows, nt);
-                    fn(w_rows, tokens + t0 * k, k, kb, ke, out_rows);
+                    float* dst[8];
+                    for (int64_t i = 0; i < rows; ++i) dst[i] = out_rows[i] + t0;
+                    micro_for(rows, nt)(w_rows, next_rows, tokens + t0 * k, k, kb, ke, dst);
                 }
                 j += rows;
             }
