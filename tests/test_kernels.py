@@ -169,6 +169,21 @@ def test_matmul_strided_segments_row_range_and_k_tails(isa, m, rng):
         assert rel_fro(out[covered] - base[covered], ref[covered]) < MATMUL_TOL
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", (5, 9, 130))
+def test_matmul_long_k_blocks(isa, m, rng):
+    # k long enough that the dot-product kernels cut it into several k blocks (more than
+    # one token chunk), with segment edges inside blocks and off the 32-column grid.
+    # Error bound: as MATMUL_TOL, with sqrt(2500 / 640) ~ 2x more accumulation error.
+    rows, k = 29, 2500
+    weight = bf16(rng.standard_normal((rows, k)))
+    tokens = bf16(rng.standard_normal((m, k)))
+    segments = [[0, 1, rows, 0, 1001], [0, 1, rows, 1001, 2500], [3, 2, 9, 17, 2483]]
+    out, base, covered = run_matmul(isa, weight, segments, tokens, 0, rows, rng)
+    ref = segment_reference(weight, segments, tokens, 0, rows)
+    assert rel_fro(out[covered] - base[covered], ref[covered]) < 2 * MATMUL_TOL
+
+
 def test_matmul_is_an_accumulation(rng):
     weight = bf16(rng.standard_normal((40, 64)))
     tokens = bf16(rng.standard_normal((5, 64)))
