@@ -45,10 +45,10 @@ def test_run_rejects_conflicting_options(small_checkpoint):
 
 
 def test_bench_layer_small_shapes(monkeypatch):
-    from numa_moe import moe_run
+    from numa_moe.benchmarking import layer as layer_bench
 
-    monkeypatch.setitem(moe_run.BENCH_MODELS, "tiny", (6, 2, 256, 128))
-    rows = moe_run.bench_layer(models=("tiny",), tokens=(1, 4), repeats=2, echo=lambda s: None)
+    monkeypatch.setitem(layer_bench.BENCH_MODELS, "tiny", (6, 2, 256, 128))
+    rows = layer_bench.bench_layer(models=("tiny",), tokens=(1, 4), repeats=2, echo=lambda s: None)
     assert [r["tokens"] for r in rows] == [1, 4]
     for r in rows:
         assert r["rel_error_vs_fp32"] < 1e-2

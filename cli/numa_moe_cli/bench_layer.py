@@ -1,5 +1,5 @@
 """``numa-moe bench layer``: the MoE layer against the transformers-style torch loop and
-the read ceiling (see numa_moe.moe_run.bench_layer)."""
+the read ceiling (see numa_moe.benchmarking.layer)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import click
 def layer_command(models, tokens, repeats, virtual_nodes, isa, json_path):
     """ms per MoE layer: ours on 1 node and on a virtual N-node topology, the torch loop,
     and the read ceiling of the weights touched, all in one run."""
-    from numa_moe.moe_run import bench_layer
+    from numa_moe.benchmarking.layer import bench_layer
 
     rows = bench_layer(models or ("qwen3-30b-a3b", "mixtral-8x7b"), tokens or (1, 16), repeats=repeats,
                        virtual_nodes=virtual_nodes, isa=isa, echo=click.echo)
