@@ -170,10 +170,10 @@ def test_matmul_strided_segments_row_range_and_k_tails(isa, m, rng):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", (5, 9, 130))
+@pytest.mark.parametrize("m", (5, 9, 17, 130))
 def test_matmul_long_k_blocks(isa, m, rng):
     # k long enough that the dot-product kernels cut it into several k blocks (more than
-    # one token chunk), with segment edges inside blocks and off the 32-column grid.
+    # four token chunks: M = 17, 130), with segment edges inside blocks and off the 32-column grid.
     # Error bound: as MATMUL_TOL, with sqrt(2500 / 640) ~ 2x more accumulation error.
     rows, k = 29, 2500
     weight = bf16(rng.standard_normal((rows, k)))

@@ -30,12 +30,18 @@ namespace {
 // accumulators + R weight registers + one token register <= 32 zmm). Many rows per block
 // matter for few tokens: each k step then issues R independent weight loads.
 constexpr int64_t kTokenChunk = 4;
-// With more than two token chunks the k range is cut into blocks so that the R weight rows
+// With more than four token chunks the k range is cut into blocks so that the R weight rows
 // of a block (R x kKBlockMax x 2 bytes <= 32 KB) stay close (L1/L2) while the token
 // chunks pass over them, and the token slice (m x k block) stays in L2. Every block costs
 // one more horizontal-sum epilogue per output, so blocks stay long: measured on Zen 4
 // (1 thread, weights hot in L2), 2048 beat 1024 by ~10% at M = 16..128.
 constexpr int64_t kKBlockMax = 2048;
+// Up to four token chunks the k range is not blocked: a block's rows are reused by at most
+// three more chunks, from L2, and the extra horizontal sums of k blocks cost more than
+// that. Measured (2 threads, cold weights, qwen3-235b 4096 x 1536): M = 16 at 0.74 of the
+// vdpbf16ps peak with 2048-column blocks, 0.82 unblocked; M = 12 0.67 -> 0.80; M = 32
+// was no better unblocked.
+constexpr int64_t kUnblockedTokens = 4 * kTokenChunk;
 constexpr int64_t kTokenBlockBytes = 512 * 1024;
 constexpr int64_t kTokenPrefetchElements = 128;
 
@@ -159,12 +165,11 @@ MicroFn micro_for(int64_t rows, int64_t tokens, bool token_prefetch) {
     return token_prefetch ? micro_for_rows<true>(rows, tokens) : micro_for_rows<false>(rows, tokens);
 }
 
-// k block length: the whole span for up to two token chunks (the block's rows are
-// reused once, from L2; measured faster than blocking); otherwise equal blocks of at most
+// k block length: the whole span for up to kUnblockedTokens tokens; otherwise equal blocks of at most
 // kKBlockMax columns (multiples of 32), fewer still when the m x k token slice would
 // not stay in L2.
 int64_t k_block(int64_t span, int64_t m) {
-    if (m <= 2 * kTokenChunk) return span;
+    if (m <= kUnblockedTokens) return span;
     int64_t limit = std::min<int64_t>(kKBlockMax, std::max<int64_t>(256, kTokenBlockBytes / (2 * m)));
     limit = limit / 32 * 32;
     const int64_t blocks = (span + limit - 1) / limit;

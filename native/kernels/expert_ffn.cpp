@@ -1,20 +1,19 @@
-// expert_ffn: gather -> gate/up matmuls + silu_mul_pack (per thread on its own rows, no
-// barrier between them) -> join -> down matmul + combine_down (per thread on its own
-// hidden rows). Rows are split in multiples of 32 (silu_mul_pack's contract).
+// expert_ffn: gather (calling thread) -> one run on the kernel pool (kernel_pool.hpp):
+// phase 0 gate/up matmuls + silu_mul_pack, each thread on its own intermediate rows ->
+// barrier -> phase 1 down matmul + combine_down, each thread on its own hidden rows.
+// Rows are split in multiples of 32 (silu_mul_pack's contract).
 // Baseline x86-64 code: it only calls through the KernelOps table.
 #include "kernels/expert_ffn.hpp"
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <exception>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <new>
-#include <thread>
+#include <utility>
 
 #include "kernels/bf16.hpp"
+#include "kernels/kernel_pool.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -31,29 +30,12 @@ Buffer aligned_buffer(size_t bytes) {
     return Buffer(p);
 }
 
-// Calls body(begin, end) on `threads` threads over [0, n) in chunks that are multiples of 32.
-void parallel_rows(int threads, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
-    const int64_t chunk = std::max<int64_t>(32, (n + threads - 1) / threads + 31) / 32 * 32;
-    const int64_t pieces = (n + chunk - 1) / chunk;
-    if (pieces <= 1) {
-        body(0, n);
-        return;
-    }
-    std::exception_ptr error;
-    std::mutex error_mutex;
-    std::vector<std::thread> pool;
-    auto run = [&](int64_t begin, int64_t end) {
-        try {
-            body(begin, end);
-        } catch (...) {
-            std::lock_guard<std::mutex> lock(error_mutex);
-            if (!error) error = std::current_exception();
-        }
-    };
-    for (int64_t p = 1; p < pieces; ++p) pool.emplace_back(run, p * chunk, std::min(n, (p + 1) * chunk));
-    run(0, std::min(n, chunk));
-    for (auto& thread : pool) thread.join();
-    if (error) std::rethrow_exception(error);
+// Thread `index` of n_threads: its share of [0, n) in chunks that are multiples of 32
+// (silu_mul_pack's contract); empty for threads past the last chunk.
+std::pair<int64_t, int64_t> row_share(int64_t n, int index, int n_threads) {
+    const int64_t chunk = std::max<int64_t>(32, (n + n_threads - 1) / n_threads + 31) / 32 * 32;
+    const int64_t begin = std::min(n, index * chunk);
+    return {begin, std::min(n, begin + chunk)};
 }
 
 const Segment* segments_or_whole(const std::vector<Segment>& given, Segment* whole, int64_t rows, int64_t cols,
@@ -88,16 +70,6 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     const Segment* seg_u = segments_or_whole(a.up_segments, &whole_u, inter, hidden, &n_u);
     const Segment* seg_d = segments_or_whole(a.down_segments, &whole_d, hidden, inter, &n_d);
 
-    parallel_rows(threads, inter, [&](int64_t begin, int64_t end) {
-        std::memset(gate_f + begin * m, 0, sizeof(float) * (end - begin) * m);
-        std::memset(up_f + begin * m, 0, sizeof(float) * (end - begin) * m);
-        ops.matmul_segments(a.w_gate, hidden, seg_g, n_g, begin, end, x_packed.get(), m, hidden, gate_f, m);
-        ops.matmul_segments(a.w_up, hidden, seg_u, n_u, begin, end, x_packed.get(), m, hidden, up_f, m);
-        const float* gate_parts[1] = {gate_f};
-        const float* up_parts[1] = {up_f};
-        ops.silu_mul_pack(gate_parts, up_parts, 1, m, begin, end, m, inter, act.get());
-    });
-
     Buffer down = aligned_buffer(sizeof(float) * hidden * m);
     float* down_f = static_cast<float*>(down.get());
     Buffer y_scratch;
@@ -110,7 +82,16 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     std::vector<float> ones(m, 1.0f);
     for (int64_t t = 0; t < m; ++t) identity[t] = t;
 
-    parallel_rows(threads, hidden, [&](int64_t begin, int64_t end) {
+    auto gate_up_rows = [&](int64_t begin, int64_t end) {
+        std::memset(gate_f + begin * m, 0, sizeof(float) * (end - begin) * m);
+        std::memset(up_f + begin * m, 0, sizeof(float) * (end - begin) * m);
+        ops.matmul_segments(a.w_gate, hidden, seg_g, n_g, begin, end, x_packed.get(), m, hidden, gate_f, m);
+        ops.matmul_segments(a.w_up, hidden, seg_u, n_u, begin, end, x_packed.get(), m, hidden, up_f, m);
+        const float* gate_parts[1] = {gate_f};
+        const float* up_parts[1] = {up_f};
+        ops.silu_mul_pack(gate_parts, up_parts, 1, m, begin, end, m, inter, act.get());
+    };
+    auto down_rows = [&](int64_t begin, int64_t end) {
         std::memset(down_f + begin * m, 0, sizeof(float) * (end - begin) * m);
         ops.matmul_segments(a.w_down, inter, seg_d, n_d, begin, end, act.get(), m, inter, down_f, m);
         for (int64_t t = 0; t < m; ++t) std::memset(y + t * hidden + begin, 0, sizeof(float) * (end - begin));
@@ -121,6 +102,15 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
             for (int64_t t = 0; t < m; ++t)
                 for (int64_t h = begin; h < end; ++h) out[t * hidden + h] = float_to_bf16(y[t * hidden + h]);
         }
+    };
+    // Phase 0 writes act (all of it, across threads), phase 1 reads all of it.
+    run_phases(threads, 2, [&](int phase, int index, int n_threads) {
+        const auto [begin, end] = row_share(phase == 0 ? inter : hidden, index, n_threads);
+        if (begin >= end) return;
+        if (phase == 0)
+            gate_up_rows(begin, end);
+        else
+            down_rows(begin, end);
     });
 }
 

@@ -1,6 +1,6 @@
-// One expert's FFN, y = (silu(x Wg^T) * (x Wu^T)) Wd^T, driven through a KernelOps table
-// with a fork-join of std::threads per phase. A simple driver for tests, benchmarks and
-// single-node use; the per-node persistent workers live in native/workers.
+// One expert's FFN, y = (silu(x Wg^T) * (x Wu^T)) Wd^T, driven through a KernelOps table,
+// its two phases one run on the process-wide kernel pool (kernel_pool.hpp). A simple
+// driver for tests, benchmarks and single-node use; the NUMA layer lives in native/workers.
 #pragma once
 
 #include <cstdint>

@@ -19,6 +19,7 @@
 #include "kernels/expert_ffn.hpp"
 #include "kernels/isa_tables.hpp"
 #include "kernels/kernel_api.hpp"
+#include "kernels/kernel_pool.hpp"
 
 namespace py = pybind11;
 
@@ -278,6 +279,31 @@ void require_avx512(const char* what) {
     if (!has_avx512_bf16_kernels()) throw py::value_error(std::string(what) + ": needs AVX-512-BF16 on this CPU");
 }
 
+// Reads every span once on the kernel pool (each thread a contiguous share of each span),
+// one pool run with phase_break - 1 barriers: spans [0, phase_break) in phase 0, the rest in
+// phase 1 (so that an expert's read pays the dispatch and barrier of an expert_ffn call).
+// Returns the checksum.
+uint64_t read_spans_on_pool(const std::vector<std::pair<const char*, size_t>>& spans, int threads,
+                            size_t phase_break = SIZE_MAX) {
+    std::vector<uint64_t> sums(static_cast<size_t>(std::max(1, threads)) * 8, 0);  // a cache line each
+    const int n_phases = phase_break < spans.size() ? 2 : 1;
+    kernels::run_phases(threads, n_phases, [&](int phase, int id, int n_threads) {
+        const size_t first = phase == 0 ? 0 : phase_break, last = phase == 0 ? std::min(phase_break, spans.size()) : spans.size();
+        uint64_t sum = 0;
+        for (size_t s = first; s < last; ++s) {
+            const auto& [data, bytes] = spans[s];
+            const size_t share = (bytes / n_threads + 255) / 256 * 256;
+            const size_t begin = std::min(bytes, share * id);
+            const size_t end = id == n_threads - 1 ? bytes : std::min(bytes, begin + share);
+            sum += kernels::stream_read_avx512(data + begin, end - begin);
+        }
+        sums[static_cast<size_t>(id) * 8] += sum;
+    });
+    uint64_t total = 0;
+    for (uint64_t v : sums) total += v;
+    return total;
+}
+
 // Reads every buffer once with `threads` threads (each takes a contiguous share of each
 // buffer). Returns the checksum.
 uint64_t py_stream_read(const py::list& buffers, int threads) {
@@ -290,21 +316,7 @@ uint64_t py_stream_read(const py::list& buffers, int threads) {
     }
     threads = std::max(1, threads);
     py::gil_scoped_release release;
-    std::vector<uint64_t> sums(threads, 0);
-    auto body = [&](int id) {
-        for (const auto& [data, bytes] : spans) {
-            const size_t share = (bytes / threads + 255) / 256 * 256;
-            const size_t begin = std::min(bytes, share * id), end = id == threads - 1 ? bytes : std::min(bytes, begin + share);
-            sums[id] += kernels::stream_read_avx512(data + begin, end - begin);
-        }
-    };
-    std::vector<std::thread> pool;
-    for (int id = 1; id < threads; ++id) pool.emplace_back(body, id);
-    body(0);
-    for (auto& t : pool) t.join();
-    uint64_t total = 0;
-    for (uint64_t s : sums) total += s;
-    return total;
+    return read_spans_on_pool(spans, threads);
 }
 
 double py_dpbf16ps_peak(int64_t iterations, int threads) {
@@ -332,15 +344,19 @@ void py_amx_model_tile_dot(const py::array& config, bool int8, py::array& c, con
 // Benchmark loop in native code (no Python or argument-checking overhead per call):
 // runs expert_ffn `repeats` times, rotating over `experts` (tuples (w_gate, w_up, w_down),
 // validated once), and returns the seconds of each call.
-std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index,
-                                        const py::list& experts, int threads, int repeats, bool out_bf16) {
-    const KernelOps& ops = ops_for(isa);
+struct BenchCalls {
+    std::vector<kernels::ExpertFfnArgs> calls;
+    std::vector<std::vector<std::pair<const char*, size_t>>> spans;  // per expert: gate, up, down
+    std::vector<py::array> keep;  // the arrays behind the pointers (ensure() may have converted)
+};
+
+BenchCalls bench_calls(const py::array& x, const py::array& token_index, const py::list& experts, int threads,
+                       bool out_bf16) {
     check_array(x, "x", Kind::bf16, 2);
     check_token_index(token_index, x.shape(0), "token_index");
     if (experts.empty()) fail("experts: empty");
     const int64_t hidden = x.shape(1), m = token_index.shape(0);
-    std::vector<kernels::ExpertFfnArgs> calls;
-    std::vector<py::array> keep;
+    BenchCalls result;
     for (size_t e = 0; e < experts.size(); ++e) {
         const py::tuple triple = experts[e].cast<py::tuple>();
         if (triple.size() != 3) fail("experts: expected (w_gate, w_up, w_down) tuples");
@@ -364,19 +380,62 @@ std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array&
         args.w_down = static_cast<const bf16*>(wd.data());
         args.out_bf16 = out_bf16;
         args.threads = threads > 0 ? threads : default_threads();
-        calls.push_back(args);
-        keep.push_back(wg);
+        result.calls.push_back(args);
+        result.keep.insert(result.keep.end(), {wg, wu, wd});
+        result.spans.push_back({{static_cast<const char*>(wg.data()), static_cast<size_t>(wg.nbytes())},
+                                {static_cast<const char*>(wu.data()), static_cast<size_t>(wu.nbytes())},
+                                {static_cast<const char*>(wd.data()), static_cast<size_t>(wd.nbytes())}});
     }
+    return result;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index,
+                                        const py::list& experts, int threads, int repeats, bool out_bf16) {
+    const KernelOps& ops = ops_for(isa);
+    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
     std::vector<double> seconds;
     py::gil_scoped_release release;
-    std::vector<float> out(static_cast<size_t>(m * hidden) + 16);
-    for (auto& c : calls) c.out = out.data();
+    std::vector<float> out(static_cast<size_t>(token_index.shape(0) * x.shape(1)) + 16);
+    for (auto& c : bench.calls) c.out = out.data();
     for (int r = 0; r < repeats; ++r) {
         const auto start = std::chrono::steady_clock::now();
-        kernels::expert_ffn(ops, calls[r % calls.size()]);
-        seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        kernels::expert_ffn(ops, bench.calls[r % bench.calls.size()]);
+        seconds.push_back(seconds_since(start));
     }
     return seconds;
+}
+
+// Our kernel and the read ceiling measured interleaved, so that both see the same state
+// of a machine whose bandwidth drifts (shared with other VMs): repetition r runs
+// expert_ffn on expert 2r and then stream-reads expert 2r+1 (mod the count; its gate and
+// up in one phase, down in a second, on the same pool: the same dispatch and barrier
+// cost as the kernel). Returns (kernel seconds, read seconds) per repetition.
+std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
+    const std::string& isa, const py::array& x, const py::array& token_index, const py::list& experts, int threads,
+    int repeats, bool out_bf16) {
+    require_avx512("bench_expert_ffn_vs_read");
+    const KernelOps& ops = ops_for(isa);
+    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
+    const int read_threads = threads > 0 ? threads : default_threads();
+    std::vector<double> ours, read;
+    py::gil_scoped_release release;
+    std::vector<float> out(static_cast<size_t>(token_index.shape(0) * x.shape(1)) + 16);
+    for (auto& c : bench.calls) c.out = out.data();
+    const size_t n = bench.calls.size();
+    volatile uint64_t sink = 0;
+    for (int r = 0; r < repeats; ++r) {
+        auto start = std::chrono::steady_clock::now();
+        kernels::expert_ffn(ops, bench.calls[(2 * static_cast<size_t>(r)) % n]);
+        ours.push_back(seconds_since(start));
+        start = std::chrono::steady_clock::now();
+        sink = sink + read_spans_on_pool(bench.spans[(2 * static_cast<size_t>(r) + 1) % n], read_threads, 2);
+        read.push_back(seconds_since(start));
+    }
+    return {ours, read};
 }
 
 // The read ceiling: `threads` threads each read their share of every buffer in turn,
@@ -391,24 +450,12 @@ double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
     }
     threads = std::max(1, threads);
     py::gil_scoped_release release;
-    std::vector<uint64_t> sums(threads, 0);
-    auto body = [&](int id) {
-        for (int r = 0; r < repeats; ++r) {
-            const auto& [data, bytes] = spans[r % spans.size()];
-            const size_t share = (bytes / threads + 255) / 256 * 256;
-            const size_t begin = std::min(bytes, share * id), end = id == threads - 1 ? bytes : std::min(bytes, begin + share);
-            sums[id] += kernels::stream_read_avx512(data + begin, end - begin);
-        }
-    };
+    std::vector<std::pair<const char*, size_t>> order;
+    for (int r = 0; r < repeats; ++r) order.push_back(spans[r % spans.size()]);
     const auto start = std::chrono::steady_clock::now();
-    std::vector<std::thread> pool;
-    for (int id = 1; id < threads; ++id) pool.emplace_back(body, id);
-    body(0);
-    for (auto& t : pool) t.join();
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    volatile uint64_t sink = 0;
-    for (uint64_t v : sums) sink = sink + v;
-    return elapsed;
+    volatile uint64_t sink = read_spans_on_pool(order, threads);
+    (void)sink;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace
@@ -444,8 +491,14 @@ void register_kernels(py::module_& m) {
     m.def("bench_expert_ffn", &py_bench_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"),
           py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true,
           "Benchmark: seconds of each of `repeats` expert_ffn calls rotating over `experts`.");
+    m.def("bench_expert_ffn_vs_read", &py_bench_expert_ffn_vs_read, py::arg("isa"), py::arg("x"),
+          py::arg("token_index"), py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true,
+          "Benchmark: (kernel seconds, read seconds) per repetition; repetition r runs expert_ffn on expert 2r "
+          "and stream-reads expert 2r+1 (rotating), interleaved so both see the same machine state.");
     m.def("bench_stream_read", &py_bench_stream_read, py::arg("buffers"), py::arg("threads"), py::arg("repeats"),
           "Benchmark: seconds to stream-read `repeats` buffers (rotating) with `threads` threads.");
+    m.def("kernel_pool_start_count", &kernels::kernel_pool_start_count,
+          "Thread creations over the kernels' process-wide worker pools so far (none per call).");
     m.def("affinity_cpu_count", &default_threads, "CPUs in this process's affinity mask.");
 }
 

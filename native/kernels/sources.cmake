@@ -8,6 +8,7 @@ list(APPEND NUMA_MOE_SOURCES
   native/kernels/avx512_bf16.cpp
   native/kernels/amx_bf16.cpp
   native/kernels/amx_bf16_model.cpp
+  native/kernels/kernel_pool.cpp
   native/kernels/expert_ffn.cpp
   native/kernels/kernel_bindings.cpp
 )

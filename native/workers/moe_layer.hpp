@@ -29,7 +29,7 @@
 
 #include "common/segment.hpp"
 #include "kernels/kernel_api.hpp"
-#include "workers/worker_pool.hpp"
+#include "common/worker_pool.hpp"
 
 namespace numa_moe::workers {
 

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "workers/moe_layer.hpp"
-#include "workers/worker_pool.hpp"
+#include "common/worker_pool.hpp"
 
 namespace py = pybind11;
 
@@ -24,8 +24,6 @@ namespace {
 using workers::ExpertParts;
 using workers::MatrixPart;
 using workers::MoELayerCore;
-using workers::ThreadInfo;
-using workers::WorkerPool;
 
 // A 2-D array of 2-byte elements (bf16 as uint16 / int16 / ml_dtypes.bfloat16) with
 // contiguous rows.

@@ -1,6 +1,6 @@
 // Persistent per-node worker threads (see worker_pool.hpp). Linux only: futex(2),
 // pthread_setaffinity_np, pthread_atfork.
-#include "workers/worker_pool.hpp"
+#include "common/worker_pool.hpp"
 
 #include <algorithm>
 #include <climits>
@@ -22,7 +22,7 @@
 #define NUMA_MOE_PAUSE() ((void)0)
 #endif
 
-namespace numa_moe::workers {
+namespace numa_moe {
 namespace {
 
 std::atomic<uint64_t> g_fork_generation{0};
@@ -286,4 +286,4 @@ void WorkerPool::run(const Job& job, const std::function<bool()>& keep_going, in
     state.job = nullptr;
 }
 
-}  // namespace numa_moe::workers
+}  // namespace numa_moe

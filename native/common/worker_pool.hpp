@@ -26,7 +26,7 @@
 
 #include <pthread.h>
 
-namespace numa_moe::workers {
+namespace numa_moe {
 
 struct ThreadInfo {
     int node;    // index of the node in the pool (0 .. n_nodes-1)
@@ -102,4 +102,4 @@ private:
     int64_t start_count_ = 0;
 };
 
-}  // namespace numa_moe::workers
+}  // namespace numa_moe
