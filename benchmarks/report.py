@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Turns the JSON of `numa-moe bench kernels --json` and `numa-moe bench layer --json`
+into the tables and plots of docs/benchmarks.md.
+
+    python3 benchmarks/report.py --kernels kernels.json --layer layer.json --out docs/
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+
+def kernel_table(result: dict) -> str:
+    lines = [
+        "| shape | M | ours ms | torch ms | read ms | ours / read ceiling | GFLOP/s | / peak | speedup vs torch | target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        target = (f"{r['target_metric']} {r['target_value']:.2f} ≥ {r['target']:.2f}"
+                  if r.get("target") else "—")
+        lines.append(
+            f"| {r['shape']} | {r['m']} | {r['ours_ms']:.3f} | {r['torch_ms']:.3f} | {r['read_ms']:.3f} | "
+            f"{r['fraction_of_read']:.2f} | {r['gflop_s']:.0f} | {r['fraction_of_peak']:.2f} | "
+            f"{r['speedup_vs_torch']:.2f}x | {target} |")
+    return "\n".join(lines)
+
+
+def layer_table(rows: list) -> str:
+    lines = [
+        "| layer | tokens | touched MB | ours ms (1 node) | 2 virtual nodes ms | torch loop ms | read ms | "
+        "ours vs read | ours vs torch | rel. error vs fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ours = r["1 node ms"]
+        lines.append(
+            f"| {r['model']} | {r['tokens']} | {r['touched_mb']:.1f} | {ours:.3f} | {r['2 virtual nodes ms']:.3f} "
+            f"({r['2 virtual nodes ms'] / ours - 1:+.1%}) | {r['torch loop ms']:.3f} | {r['ceiling_ms']:.3f} | "
+            f"{ours / r['ceiling_ms']:.2f}x | {r['torch loop ms'] / ours:.2f}x faster | {r['rel_error_vs_fp32']:.1e} |")
+    return "\n".join(lines)
+
+
+def kernel_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in result["rows"] if r["shape"] == shape]
+        m = [r["m"] for r in rows]
+        ax.plot(m, [r["ours_ms"] for r in rows], "o-", label="numa-moe (avx512)")
+        ax.plot(m, [r["torch_ms"] for r in rows], "s--", label="torch F.linear bf16")
+        ax.plot(m, [r["read_ms"] for r in rows], ":", color="gray", label="streaming read (ceiling)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(m)
+        ax.set_xticklabels([str(v) for v in m])
+        ax.set_title(f"{shape} ({rows[0]['hidden']}x{rows[0]['intermediate']})", fontsize=10)
+        ax.set_xlabel("tokens per expert (M)")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ms per expert FFN (median)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Expert FFN, {result['threads']} threads, peak {result['peak_gflop_s']:.0f} GFLOP/s", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def layer_plot(rows: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = [f"{r['model']}\nT={r['tokens']}" for r in rows]
+    series = [("numa-moe, 1 node", "1 node ms"), ("numa-moe, 2 virtual nodes", "2 virtual nodes ms"),
+              ("torch loop (transformers)", "torch loop ms"), ("read of touched experts", "ceiling_ms")]
+    x = np.arange(len(rows))
+    width = 0.2
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    for i, (name, key) in enumerate(series):
+        ax.bar(x + (i - 1.5) * width, [r[key] / r["ceiling_ms"] for r in rows], width, label=name)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=9)
+    ax.set_ylabel("time / streaming-read time")
+    ax.set_title("MoE layer step, relative to reading the touched expert weights once (lower is better)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kernels", type=Path, required=True)
+    parser.add_argument("--layer", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("docs"))
+    args = parser.parse_args()
+    kernels = json.loads(args.kernels.read_text())
+    layer = json.loads(args.layer.read_text())
+    kernel_plot(kernels, args.out / "bench-kernels.png")
+    layer_plot(layer, args.out / "bench-layer.png")
+    print("## Expert FFN kernels\n")
+    print(kernel_table(kernels))
+    print("\n## MoE layer\n")
+    print(layer_table(layer))
+
+
+if __name__ == "__main__":
+    main()
