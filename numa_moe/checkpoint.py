@@ -427,6 +427,13 @@ class Checkpoint:
                     f"has {first_dims[2]} x [{first_dims[0]}, {first_dims[1]}]: all MoE layers must "
                     f"share one expert shape ({gate0.tensor.name!r} in {gate0.tensor.path})")
             first_dims = (I, H, n_experts)
+            if gate0.dtype != reference.dtype:
+                # The store allocates one buffer dtype for every layer; BF16 and F16 share a
+                # size, so a mixed checkpoint would otherwise load as silently wrong numbers.
+                raise CheckpointError(
+                    f"layer {layer}: experts are {gate0.dtype} ({gate0.tensor.name!r} in "
+                    f"{gate0.tensor.path}) but layer {reference.layer} is {reference.dtype}: "
+                    "all MoE layers must share one dtype")
             self.layers[layer] = ExpertLayer(
                 layer, H, I, n_experts, gate0.dtype,
                 {kind: tuple(kinds[kind][e] for e in range(n_experts)) for kind in KINDS},

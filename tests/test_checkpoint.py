@@ -337,3 +337,19 @@ def test_make_checkpoint_replaces_previous_shards(tmp_path, rng):
     assert [p.name for p in directory.glob("*.safetensors")] == ["model.safetensors"]
     assert not (directory / "model.safetensors.index.json").exists()
     shutil.rmtree(directory)
+
+
+def test_layers_with_different_dtypes_rejected(tmp_path):
+    # BF16 and F16 have the same size: loading an F16 layer into the store's bf16 buffers
+    # would give silently wrong numbers, so the checkpoint must be refused up front.
+    import ml_dtypes
+
+    directory = tmp_path / "mixed"
+    directory.mkdir()
+    plans = []
+    for layer, dtype in ((0, np.dtype(ml_dtypes.bfloat16)), (1, np.dtype(np.float16))):
+        for name, shape in _qwen_names(layers=layer + 1)[layer * 3 * E:]:
+            plans.append(TensorPlan(name, shape, dtype, shape[-1]))
+    write_safetensors(directory / "model.safetensors", plans, lambda p: [b"\x01" * p.nbytes])
+    with pytest.raises(CheckpointError, match=r"layer 1.*F16.*layer 0.*BF16"):
+        Checkpoint.open(directory)
