@@ -269,6 +269,7 @@ class MoELayer:
         if _is_torch(hidden):
             from numa_moe import ops  # registers the op
 
+            check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
             return ops.moe_forward(hidden, topk_ids, topk_weights, self.layer_id)
         return self.forward_numpy(hidden, topk_ids, topk_weights)
 
@@ -291,8 +292,7 @@ class MoELayer:
 
         if hidden.dtype != torch.bfloat16:
             raise TypeError(f"hidden: expected torch.bfloat16, got {hidden.dtype}")
-        if hidden.device.type != "cpu":
-            raise ValueError(f"hidden: expected a CPU tensor, got device {hidden.device}")
+        check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
         if topk_ids.dtype.is_floating_point or topk_ids.dtype in (torch.bool, torch.complex64):
             raise TypeError(f"topk_ids: expected an integer tensor, got {topk_ids.dtype}")
         if not topk_weights.dtype.is_floating_point:
@@ -370,6 +370,16 @@ class MoELayer:
     def __repr__(self) -> str:
         return (f"MoELayer(experts={self.n_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
                 f"nodes={list(self.node_ids)}, threads={self.pool.n_threads}, isa={self.isa or 'auto'})")
+
+
+def check_cpu_tensors(**tensors) -> None:
+    """Raises ValueError naming the first argument that is not a CPU tensor. The custom
+    op's dispatcher picks the fake (meta) implementation when any input is a meta
+    tensor, which would hand back an uninitialised CPU tensor for a CPU ``hidden``."""
+    for name, tensor in tensors.items():
+        device = getattr(tensor, "device", None)
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
 
 
 def get_layer(layer_id: int) -> MoELayer:

@@ -22,4 +22,9 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
 @moe_forward.register_fake
 def _(hidden, topk_ids, topk_weights, layer_id):
+    devices = {t.device for t in (hidden, topk_ids, topk_weights)}
+    if len(devices) > 1:
+        # Reached with real CPU tensors when one input is on the meta device: running
+        # nothing would return garbage, so say which input is elsewhere.
+        _moe.check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)

@@ -104,3 +104,30 @@ def test_torch_input_errors(rng):
         layer(x, ids + E, w)
     with pytest.raises(ValueError, match="contiguous"):
         layer(torch.empty(H, 3, dtype=torch.bfloat16).t(), ids, w)
+
+
+def test_inputs_on_other_devices_are_rejected(rng):
+    # A meta tensor among the inputs used to send the op to its fake implementation,
+    # which returned an uninitialised CPU tensor as the result.
+    layer, _, _ = make(rng)
+    x = torch.from_numpy(rng.standard_normal((3, H))).to(torch.bfloat16)
+    ids, w = routing(rng, 3, 2)
+    with pytest.raises(ValueError, match="topk_ids.*device meta"):
+        layer(x, ids.to("meta"), w)
+    with pytest.raises(ValueError, match="topk_weights.*device meta"):
+        layer(x, ids, w.to("meta"))
+    with pytest.raises(ValueError, match="topk_ids.*device meta"):
+        torch.ops.numa_moe.moe_forward(x, ids.to("meta"), w, layer.layer_id)
+
+
+def test_no_tokens_and_no_experts_per_token(rng):
+    layer, gate_up, down = make(rng)
+    x = torch.from_numpy(rng.standard_normal((4, H))).to(torch.bfloat16)
+    ids, w = routing(rng, 4, 2)
+    y = layer(x[:0], ids[:0], w[:0])
+    assert y.shape == (0, H) and y.dtype == torch.bfloat16
+    y = layer.forward_numpy(x[:0].view(torch.int16).numpy(), ids[:0].numpy(), w[:0].numpy())
+    assert y.shape == (0, H)
+    # k = 0: no expert contributes, the output is exactly zero
+    y = layer(x, ids[:, :0], w[:, :0])
+    assert y.shape == (4, H) and torch.equal(y.float(), torch.zeros(4, H))

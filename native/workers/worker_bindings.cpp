@@ -32,12 +32,14 @@ const uint16_t* bf16_matrix(const py::array& a, int64_t* rows, int64_t* cols, in
         throw py::value_error(what + ": expected bf16 data as a uint16/int16/bfloat16 array, got dtype " +
                               std::string(py::str(a.dtype())));
     if (a.ndim() != 2) throw py::value_error(what + ": expected a 2-D array, got " + std::to_string(a.ndim()) + "-D");
-    if (a.strides(1) != 2 || a.strides(0) % 2 != 0 || (a.shape(0) > 1 && a.strides(0) < 2 * a.shape(1)))
+    // An empty array has no bytes to lay out (numpy may report zero strides for it).
+    const bool empty = a.shape(0) == 0 || a.shape(1) == 0;
+    if (!empty && (a.strides(1) != 2 || a.strides(0) % 2 != 0 || (a.shape(0) > 1 && a.strides(0) < 2 * a.shape(1))))
         throw py::value_error(what + ": rows must be contiguous (strides " + std::to_string(a.strides(0)) + ", " +
                               std::to_string(a.strides(1)) + " bytes)");
     *rows = a.shape(0);
     *cols = a.shape(1);
-    *ld = a.shape(0) > 1 ? a.strides(0) / 2 : a.shape(1);
+    *ld = a.shape(0) > 1 && !empty ? a.strides(0) / 2 : a.shape(1);
     return static_cast<const uint16_t*>(a.data());
 }
 
