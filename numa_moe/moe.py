@@ -278,6 +278,8 @@ class MoELayer:
     def forward_numpy(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16") -> np.ndarray:
         import ml_dtypes
 
+        if out_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"out_dtype must be 'bfloat16' or 'float32', got {out_dtype!r}")
         x = self._check_hidden(np.asarray(hidden))
         ids, weights = self._check_routing(np.asarray(topk_ids), np.asarray(topk_weights), x.shape[0])
         if out_dtype == "float32":
@@ -395,6 +397,8 @@ def _check_stacked(gate_up_shape, down_shape) -> None:
     if len(gate_up_shape) != 3 or gate_up_shape[1] % 2:
         raise ValueError(f"gate_up: expected shape [E, 2I, H], got {list(gate_up_shape)}")
     E, two_i, H = gate_up_shape
+    if E == 0 or two_i == 0 or H == 0:
+        raise ValueError(f"gate_up: no experts or empty matrices, shape {list(gate_up_shape)}")
     if tuple(down_shape) != (E, H, two_i // 2):
         raise ValueError(f"down: expected shape [{E}, {H}, {two_i // 2}] to match gate_up "
                          f"{list(gate_up_shape)}, got {list(down_shape)}")
@@ -403,7 +407,12 @@ def _check_stacked(gate_up_shape, down_shape) -> None:
 def _stack_inputs(gate_up, down, gate, up):
     def stack(parts, what):
         if isinstance(parts, (list, tuple)):
-            return np.stack([_as_bf16_bits(p, f"{what}[{i}]") for i, p in enumerate(parts)])
+            arrays = [_as_bf16_bits(p, f"{what}[{i}]") for i, p in enumerate(parts)]
+            for i, a in enumerate(arrays[1:], 1):
+                if a.shape != arrays[0].shape:
+                    raise ValueError(f"{what}[{i}] has shape {list(a.shape)} but {what}[0] has "
+                                     f"{list(arrays[0].shape)}: all experts must share one shape")
+            return np.stack(arrays)
         return _as_bf16_bits(parts, what)
 
     if down is None:

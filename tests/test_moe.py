@@ -217,3 +217,19 @@ def test_isa_rule_and_forcing(rng):
     assert forced.last_stats()["expert_isa"] == ["ref", "ref"]
     with pytest.raises(ValueError, match="unknown ISA"):
         make_layer(weights, 1, kind="whole", isa="sse9")
+
+
+def test_bad_constructor_inputs_name_the_problem(rng):
+    gates, ups, downs = make_weights(rng, n_experts=2)
+    stacked_gate_up = np.stack([np.concatenate([g, u]) for g, u in zip(gates, ups)])
+    stacked_down = np.stack(downs)
+    with pytest.raises(ValueError, match=r"no experts.*\[0, 192, 128\]"):
+        MoELayer.from_tensors(stacked_gate_up[:0], stacked_down[:0], tables="theoretical",
+                              node_cpus=node_cpus(1))
+    with pytest.raises(ValueError, match=r"gate\[1\].*\[94, 128\].*gate\[0\].*\[96, 128\]"):
+        MoELayer.from_tensors(gate=[gates[0], gates[1][:-2]], up=ups, down=downs, tables="theoretical",
+                              node_cpus=node_cpus(1))
+    layer = make_layer((gates, ups, downs), 1, kind="whole")
+    ids, w = routing(rng, 2, 1, n_experts=2)
+    with pytest.raises(ValueError, match="out_dtype"):
+        layer.forward_numpy(random_bf16(rng, (2, H)), ids, w, out_dtype="float16")
