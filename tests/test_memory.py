@@ -283,3 +283,13 @@ def test_resident_pages_of_untouched_anonymous_memory():
     assert memory.resident_pages(view).tolist() == [False, True, False, False]
     del view
     mm.close()
+
+
+def test_zero_byte_buffers_cover_no_pages():
+    torch = pytest.importorskip("torch")
+    # page_nodes and page_map agree with resident_pages: zero bytes lie on zero pages
+    # (a zero-byte numpy array still has a heap address, which used to count as 1 page).
+    for buffer in (np.zeros(0, np.float32), np.zeros((4, 0), np.uint8), torch.zeros(0)):
+        assert memory.page_nodes(buffer).shape == (0,)
+        assert memory.resident_pages(buffer).shape == (0,)
+        assert memory.page_map(buffer).nodes.shape == (0,)

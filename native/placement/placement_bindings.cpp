@@ -35,8 +35,9 @@ void raise_syscall_error(const SyscallError& e) {
 std::vector<std::uintptr_t> pages_of(std::uintptr_t address, std::size_t nbytes) {
     const std::size_t page = placement::base_page_bytes();
     const std::uintptr_t first = address / page * page;
-    const std::uintptr_t end = address + std::max<std::size_t>(nbytes, 1);
     std::vector<std::uintptr_t> pages;
+    if (nbytes == 0) return pages;  // zero bytes cover no page (as resident_pages says)
+    const std::uintptr_t end = address + nbytes;
     pages.reserve((end - first + page - 1) / page);
     for (std::uintptr_t p = first; p < end; p += page) pages.push_back(p);
     return pages;
