@@ -233,3 +233,31 @@ def test_bad_constructor_inputs_name_the_problem(rng):
     ids, w = routing(rng, 2, 1, n_experts=2)
     with pytest.raises(ValueError, match="out_dtype"):
         layer.forward_numpy(random_bf16(rng, (2, H)), ids, w, out_dtype="float16")
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_every_output_element_is_written_into_a_poisoned_buffer(rng, out_dtype):
+    # forward_numpy allocates with np.empty, whose leftovers could hide an unwritten
+    # slice under a norm-wise error; here the native step writes into a NaN-filled
+    # buffer, with more threads than the h ranges comfortably split into, and every
+    # element is compared on its own. The bound is TOL_REF of the output's scale:
+    # per element the bf16 roundings of the activation and output stay far below it.
+    weights = make_weights(rng)
+    layer = make_layer(weights, 3, rng, threads_per_node=3)
+    T = 5
+    x = random_bf16(rng, (T, H))
+    ids, w = routing(rng, T, 3)
+    ids[0, :] = ids[0, 0]  # a duplicate-only row
+    expected = moe_reference(x, ids, w, *weights)
+    scale = np.abs(expected).max()
+    for k in (3, 0):
+        if out_dtype == "float32":
+            out = np.full((T, H), np.nan, np.float32)
+        else:
+            out = np.full((T, H), np.nan, np.float32).astype(BF16)
+        layer._core.forward(x.view(np.uint16), np.ascontiguousarray(ids[:, :k]),
+                            np.ascontiguousarray(w[:, :k]), out if out_dtype == "float32" else out.view(np.uint16))
+        got = out.astype(np.float64)
+        assert np.all(np.isfinite(got)), f"k={k}: unwritten elements at {np.argwhere(~np.isfinite(got))[:5].tolist()}"
+        want = expected if k else np.zeros_like(expected)
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL_REF * scale)
