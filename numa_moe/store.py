@@ -67,10 +67,14 @@ def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | No
         return None
     if isinstance(nodes, str):
         text = nodes.strip()
-        if "," not in text:
-            nodes = int(text)
-        else:
-            return tuple(int(part) for part in text.split(",") if part.strip())
+        try:
+            if "," not in text:
+                nodes = int(text)
+            else:
+                return tuple(int(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise ValueError(f"nodes must be a count N or a list of node ids such as 0,2; "
+                             f"got {nodes!r}") from None
     if isinstance(nodes, (int, np.integer)) and not isinstance(nodes, bool):
         if nodes < 1:
             raise ValueError(f"number of nodes must be >= 1, got {nodes}")

@@ -113,3 +113,16 @@ def test_cli_errors_are_messages(tmp_path):
     result = CliRunner().invoke(cli, ["make-checkpoint", "--like", "mixtral-8x7b", "--experts", "9",
                                       "-o", str(tmp_path / "x"), "--quiet"])
     assert result.exit_code == 1 and "experts must be in 1..8" in result.output
+
+
+def test_cli_bad_nodes_and_layers_are_messages(tmp_path):
+    ckpt = tmp_path / "ck"
+    make_checkpoint(ckpt, "qwen3-30b-a3b", layers=1, experts=2, progress=False)
+    for nodes in ("abc", "", "0", "-1", "0,x"):
+        result = CliRunner().invoke(cli, ["tables", str(ckpt), "--nodes", nodes, "-o", str(tmp_path / "t.json")])
+        assert isinstance(result.exception, SystemExit) and result.exit_code in (1, 2), (nodes, result.output)
+        assert "nodes" in result.output, result.output
+    result = CliRunner().invoke(cli, ["tables", str(ckpt), "--layers", "x", "-o", str(tmp_path / "t.json")])
+    assert isinstance(result.exception, SystemExit) and "--layers" in result.output, result.output
+    result = CliRunner().invoke(cli, ["inspect", str(ckpt), "--nodes", "abc"])
+    assert isinstance(result.exception, SystemExit) and "count N or a list" in result.output, result.output

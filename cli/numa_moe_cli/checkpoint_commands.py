@@ -118,8 +118,15 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     if group is not None and fmt == "bf16":
         raise click.UsageError("--group applies to --format int8/int4 only")
     ck = _open(checkpoint, pattern, kinds)
-    node_ids = parse_nodes(nodes)
-    layer_ids = None if layers is None else [int(x) for x in layers.split(",") if x.strip()]
+    try:
+        node_ids = parse_nodes(nodes)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--nodes") from None
+    try:
+        layer_ids = None if layers is None else [int(x) for x in layers.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected layer ids such as 0,3, got {layers!r}",
+                                 param_hint="--layers") from None
     try:
         tables = checkpoint_tables(ck, node_ids, page, fmt, group, scale_format, layer_ids,
                                    progress=not quiet)
