@@ -118,8 +118,10 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
         where = f"{path}: tensor {name!r}"
         try:
             dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = _json_ints(entry["shape"])
+            begin, end = _json_ints(entry["data_offsets"])
+            if not isinstance(dtype, str):
+                raise TypeError("dtype is not a string")
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{where}: malformed header entry {entry!r}") from err
         if dtype not in DTYPE_BYTES:
@@ -135,6 +137,14 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
                                   f"only {file_bytes} bytes (truncated file?)")
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, expected)
     return tensors, metadata
+
+
+def _json_ints(value) -> tuple[int, ...]:
+    """A JSON list of integers, strictly: int("48") would read a string as a shape and
+    int(2.5) would truncate, both turning a corrupted header into a plausible one."""
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise TypeError(f"expected a list of integers, got {value!r}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

@@ -353,3 +353,26 @@ def test_layers_with_different_dtypes_rejected(tmp_path):
     write_safetensors(directory / "model.safetensors", plans, lambda p: [b"\x01" * p.nbytes])
     with pytest.raises(CheckpointError, match=r"layer 1.*F16.*layer 0.*BF16"):
         Checkpoint.open(directory)
+
+
+@pytest.mark.parametrize("field,value", [("dtype", ["BF16"]), ("dtype", None), ("shape", "48"),
+                                         ("shape", [4, 2.5]), ("shape", [True, 8]),
+                                         ("data_offsets", [0, 64.0]), ("data_offsets", {"a": 1})])
+def test_malformed_header_fields_named(tmp_path, field, value):
+    # odd JSON types in a header entry: a CheckpointError naming the tensor, never a
+    # TypeError from deep inside, nor a silently reinterpreted shape ("48" -> [4, 8])
+    import ml_dtypes
+
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, [TensorPlan(name, (4, 8), np.dtype(ml_dtypes.bfloat16), 8)],
+                      lambda p: [b"\0" * p.nbytes])
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header[name][field] = value
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(CheckpointError, match=re.escape(name)):
+        read_safetensors_header(path)
