@@ -129,3 +129,31 @@ def test_interpreter_exit_with_running_pool_is_clean(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_bad_indices_and_segments_are_rejected_by_the_native_layer():
+    import numpy as np
+
+    pool, _ = make_pool(2)
+    with pytest.raises(ValueError, match="node 5.*2 nodes"):
+        pool.threads_of(5)
+    with pytest.raises(ValueError, match="node -1"):
+        pool.threads_of(-1)
+    core = _native.MoELayerCore(pool, 64, 32)
+    mat = lambda r, c: np.zeros((r, c), np.uint16)  # noqa: E731
+    whole = lambda r, c: [np.array([[0, 1, r, 0, c]], np.int64), np.zeros((0, 5), np.int64)]  # noqa: E731
+    core.add_expert(mat(32, 64), mat(32, 64), mat(64, 32), whole(32, 64), whole(32, 64), whole(64, 32))
+    with pytest.raises(ValueError, match="kind 'gates'"):
+        core.thread_rows(0, "gates")
+    with pytest.raises(ValueError, match="kind 'Down'"):
+        core.node_bytes(0, "Down")
+    with pytest.raises(ValueError, match="expert 3.*1 expert"):
+        core.thread_rows(3, "gate")
+    with pytest.raises(ValueError, match="group budget"):
+        core.set_group_budget_bytes(-1)
+    # row0 + (nrows - 1) * row_stride overflows int64: must be "outside the matrix" even
+    # without the partition check (which is all that caught it before)
+    huge = [np.array([[0, 1 << 62, 3, 0, 64]], np.int64), np.zeros((0, 5), np.int64)]
+    with pytest.raises(ValueError, match="lies outside the 32 x 64 matrix"):
+        core.add_expert(mat(32, 64), mat(32, 64), mat(64, 32), huge, whole(32, 64), whole(64, 32),
+                        verify_partition=False)

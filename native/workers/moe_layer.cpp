@@ -59,8 +59,10 @@ void prepare_matrix(MatrixPart& part, const WorkerPool& pool, const std::string&
                                     " nodes, the worker pool has " + std::to_string(n_nodes));
     for (int n = 0; n < n_nodes; ++n) {
         for (const Segment& s : part.node_segments[n]) {
+            // last row row0 + (nrows - 1) * row_stride < rows, written so that it cannot overflow
             const bool ok = s.row0 >= 0 && s.row_stride >= 1 && s.nrows >= 0 && s.k0 >= 0 && s.k0 < s.k1 &&
-                            s.k1 <= part.cols && (s.nrows == 0 || s.row0 + (s.nrows - 1) * s.row_stride < part.rows);
+                            s.k1 <= part.cols &&
+                            (s.nrows == 0 || (s.row0 < part.rows && s.nrows - 1 <= (part.rows - 1 - s.row0) / s.row_stride));
             if (!ok)
                 throw std::invalid_argument(what + ": segment " + segment_text(s) + " of node " + std::to_string(n) +
                                             " lies outside the " + std::to_string(part.rows) + " x " +

@@ -63,6 +63,18 @@ struct PyLayer {
     std::vector<py::object> keep_alive;
 };
 
+// The matrix `kind` ("gate", "up", "down") of an expert, with errors for a bad index or kind.
+const MatrixPart& matrix_part(const PyLayer& l, int64_t expert, const std::string& kind) {
+    if (expert < 0 || expert >= l.core->n_experts())
+        throw py::value_error("expert " + std::to_string(expert) + " is out of range (the layer has " +
+                              std::to_string(l.core->n_experts()) + " expert(s))");
+    const ExpertParts& p = l.core->expert(expert);
+    if (kind == "gate") return p.gate;
+    if (kind == "up") return p.up;
+    if (kind == "down") return p.down;
+    throw py::value_error("unknown matrix kind '" + kind + "' (gate, up, down)");
+}
+
 bool check_signals() {
     py::gil_scoped_acquire gil;
     return PyErr_CheckSignals() == 0;
@@ -87,7 +99,12 @@ node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first us
         .def_property_readonly("node_cpus", &WorkerPool::node_cpus)
         .def_property_readonly("started", &WorkerPool::started)
         .def_property_readonly("start_count", &WorkerPool::start_count)
-        .def("threads_of", &WorkerPool::threads_of)
+        .def("threads_of", [](const WorkerPool& p, int node) {
+            if (node < 0 || node >= p.n_nodes())
+                throw py::value_error("node " + std::to_string(node) + " is not in the pool (" +
+                                      std::to_string(p.n_nodes()) + " nodes)");
+            return p.threads_of(node);
+        }, py::arg("node"))
         .def("start", [](WorkerPool& p) {
             py::gil_scoped_release release;
             p.start();
@@ -202,12 +219,14 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              },
              py::arg("isa"), "Force one ISA for every expert, or None for the per-expert rule.")
         .def("set_amx_min_tokens", [](PyLayer& l, int64_t m) { l.core->set_amx_min_tokens(m); })
-        .def("set_group_budget_bytes", [](PyLayer& l, int64_t b) { l.core->set_group_budget_bytes(b); })
+        .def("set_group_budget_bytes", [](PyLayer& l, int64_t b) {
+            if (b < 0) throw py::value_error("group budget must be >= 0 bytes, got " + std::to_string(b));
+            l.core->set_group_budget_bytes(b);
+        })
         .def("isa_for_tokens", [](const PyLayer& l, int64_t m) { return std::string(l.core->isa_for_tokens(m)->name); })
         .def("thread_rows",
              [](const PyLayer& l, int64_t expert, const std::string& kind) {
-                 const ExpertParts& p = l.core->expert(expert);
-                 const MatrixPart& mp = kind == "gate" ? p.gate : kind == "up" ? p.up : p.down;
+                 const MatrixPart& mp = matrix_part(l, expert, kind);
                  py::list result;
                  for (const auto& node : mp.thread_rows) {
                      py::list per;
@@ -219,8 +238,7 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              py::arg("expert"), py::arg("kind"), "Row ranges [begin, end) per node per thread of a matrix.")
         .def("node_bytes",
              [](const PyLayer& l, int64_t expert, const std::string& kind) {
-                 const ExpertParts& p = l.core->expert(expert);
-                 return (kind == "gate" ? p.gate : kind == "up" ? p.up : p.down).node_bytes;
+                 return matrix_part(l, expert, kind).node_bytes;
              },
              py::arg("expert"), py::arg("kind"))
         .def("forward",
