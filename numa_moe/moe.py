@@ -295,7 +295,7 @@ class MoELayer:
         if hidden.dtype != torch.bfloat16:
             raise TypeError(f"hidden: expected torch.bfloat16, got {hidden.dtype}")
         check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype in (torch.bool, torch.complex64):
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
             raise TypeError(f"topk_ids: expected an integer tensor, got {topk_ids.dtype}")
         if not topk_weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights: expected a floating-point tensor, got {topk_weights.dtype}")

@@ -100,6 +100,9 @@ def test_torch_input_errors(rng):
         layer(x.float(), ids, w)
     with pytest.raises(TypeError, match="integer"):
         layer(x, ids.float(), w)
+    for dtype in (torch.complex64, torch.complex128, torch.bool):
+        with pytest.raises(TypeError, match="integer"):
+            layer(x, ids.to(dtype), w)
     with pytest.raises(ValueError, match="out of range"):
         layer(x, ids + E, w)
     with pytest.raises(ValueError, match="contiguous"):
