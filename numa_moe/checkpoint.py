@@ -273,9 +273,14 @@ class ModelDims:
 
 
 def _config_value(config: dict, *keys: str):
+    """(key, value) of the first of ``keys`` present in config.json, the value a positive
+    int (a string or a float there is a broken config, not a number to coerce)."""
     for key in keys:
-        if config.get(key) is not None:
-            return key, config[key]
+        value = config.get(key)
+        if value is not None:
+            if type(value) is not int or value < 1:
+                raise CheckpointError(f"config.json {key}={value!r} is not a positive integer")
+            return key, value
     return None, None
 
 

@@ -376,3 +376,11 @@ def test_malformed_header_fields_named(tmp_path, field, value):
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
     with pytest.raises(CheckpointError, match=re.escape(name)):
         read_safetensors_header(path)
+
+
+@pytest.mark.parametrize("key,value", [("num_experts", "many"), ("num_experts", 0), ("hidden_size", [H]),
+                                       ("num_experts_per_tok", "x"), ("moe_intermediate_size", 1.5)])
+def test_bad_config_values_named(tmp_path, key, value):
+    directory = _write_experts(tmp_path, _qwen_names(), {key: value})
+    with pytest.raises(CheckpointError, match=rf"config\.json.*{key}"):
+        Checkpoint.open(directory)
