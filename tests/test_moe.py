@@ -261,3 +261,18 @@ def test_every_output_element_is_written_into_a_poisoned_buffer(rng, out_dtype):
         assert np.all(np.isfinite(got)), f"k={k}: unwritten elements at {np.argwhere(~np.isfinite(got))[:5].tolist()}"
         want = expected if k else np.zeros_like(expected)
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL_REF * scale)
+
+
+def test_expert_weight_bytes_per_node_counts_each_nodes_segments(rng):
+    weights = make_weights(rng, n_experts=2)
+    layer = make_layer(weights, 3, rng)
+    for e in range(2):
+        expected = {n: 0 for n in range(3)}
+        for kind in ("gate", "up", "down"):
+            table = layer.tables[e][kind]
+            for n in range(3):
+                segs = np.asarray(table.node_array(n)).reshape(-1, 5) if n in table.nodes else np.zeros((0, 5))
+                expected[n] += int((segs[:, 2] * (segs[:, 4] - segs[:, 3])).sum()) * 2
+        got = layer.expert_weight_bytes_per_node(e)
+        assert got == expected
+        assert sum(got.values()) == 3 * H * I * 2
