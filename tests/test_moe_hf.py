@@ -93,3 +93,17 @@ def test_patch_moe_rejects_models_without_supported_blocks():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="no supported MoE experts module"):
         patch_moe(model)
+
+
+def test_release_weights_then_unpatch_is_refused(rng):
+    # after release_weights=True the original forward has no weights left to run on: the
+    # unpatched model would fail deep inside F.linear or return nonsense
+    model = prepare(mixtral(int(rng.integers(1 << 30))))
+    ids = torch.from_numpy(rng.integers(0, 96, (1, 5)))
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        patch_moe(model, topology=Topology.virtual(1), release_weights=True)
+        assert rel(model(ids).logits.float(), expected) < 3e-2
+        with pytest.raises(ValueError, match="release_weights"):
+            unpatch_moe(model)
+        assert rel(model(ids).logits.float(), expected) < 3e-2  # still patched, still right

@@ -72,9 +72,16 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
 
 
 def unpatch_moe(model) -> int:
-    """Restore the original expert forward of every patched block; returns how many."""
+    """Restore the original expert forward of every patched block; returns how many.
+    Raises ValueError (and changes nothing) when a block was patched with
+    ``release_weights=True``: its original forward has no weights left."""
+    patched = [(name, experts) for name, experts in find_expert_modules(model) if "forward" in vars(experts)]
+    released = [name for name, experts in patched if experts.gate_up_proj.numel() == 0]
+    if released:
+        raise ValueError(f"unpatch_moe: {released[0]} was patched with release_weights=True; its torch "
+                         "weights are gone, so the original forward cannot run (reload the model instead)")
     count = 0
-    for _, experts in find_expert_modules(model):
+    for _, experts in patched:
         if "forward" in vars(experts):
             del experts.forward
             del experts._numa_moe_layer
