@@ -238,6 +238,9 @@ def interleaved_empty(
         )
     node_ids = _validate_nodes(nodes, "mbind")
     nbytes = math.prod(int(s) for s in shape_t) * dt.itemsize
+    if nbytes >= 1 << 63:  # past what the native size_t / mmap can take
+        raise ValueError(f"interleaved_empty: shape {shape_t} of {dt} is {nbytes} bytes, "
+                         "more than any address space holds")
     threads = touch_threads if touch_threads is not None else len(os.sched_getaffinity(0))
     mapping = _call(_native.InterleavedMapping, nbytes, list(node_ids), huge, int(threads))
     _register(mapping)

@@ -293,3 +293,17 @@ def test_zero_byte_buffers_cover_no_pages():
         assert memory.page_nodes(buffer).shape == (0,)
         assert memory.resident_pages(buffer).shape == (0,)
         assert memory.page_map(buffer).nodes.shape == (0,)
+
+
+def test_sizes_past_the_address_space_are_named():
+    with pytest.raises(ValueError, match=r"interleaved_empty: .*bytes"):
+        memory.interleaved_empty((1 << 40, 1 << 40), np.uint8)
+    # a range that wraps around the end of the address space is an error, not zero pages
+    with pytest.raises(ValueError, match="wraps"):
+        _native.page_nodes((1 << 64) - 4096, 8192)
+    with pytest.raises(ValueError, match="wraps"):
+        _native.move_pages((1 << 64) - 4096, 8192, np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="wraps"):
+        _native.resident_pages((1 << 64) - 4096, 8192)
+    # the last page of the address space: counted, not a pointer walk that wraps to 0
+    assert _native.page_nodes((1 << 64) - 4096, 4095).shape == (1,)

@@ -38,8 +38,13 @@ std::vector<std::uintptr_t> pages_of(std::uintptr_t address, std::size_t nbytes)
     std::vector<std::uintptr_t> pages;
     if (nbytes == 0) return pages;  // zero bytes cover no page (as resident_pages says)
     const std::uintptr_t end = address + nbytes;
-    pages.reserve((end - first + page - 1) / page);
-    for (std::uintptr_t p = first; p < end; p += page) pages.push_back(p);
+    if (end < address)
+        throw py::value_error("the range [" + std::to_string(address) + ", +" + std::to_string(nbytes) +
+                              " bytes) wraps around the end of the address space");
+    // counted, not `p += page` until end: near the top of the address space p would wrap
+    const std::size_t n_pages = (end - 1 - first) / page + 1;
+    pages.reserve(n_pages);
+    for (std::size_t i = 0; i < n_pages; ++i) pages.push_back(first + i * page);
     return pages;
 }
 
@@ -144,6 +149,9 @@ which numpy/torch views prevent while they are alive.)doc")
         "resident_pages",
         [](std::uintptr_t address, std::size_t nbytes) {
             const std::size_t page = placement::base_page_bytes();
+            if (address + nbytes < address)
+                throw py::value_error("the range [" + std::to_string(address) + ", +" + std::to_string(nbytes) +
+                                      " bytes) wraps around the end of the address space");
             const std::uintptr_t first = address & ~(static_cast<std::uintptr_t>(page) - 1);
             const std::size_t length = nbytes == 0 ? 0 : address + nbytes - first;
             py::array_t<uint8_t> resident(static_cast<py::ssize_t>((length + page - 1) / page));
