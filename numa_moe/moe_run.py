@@ -159,6 +159,7 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     """Load experts interleaved, build and verify the tables, run decode-like steps with
     random routing over every loaded MoE layer, check step 1 against the torch loop."""
     from numa_moe import topology as topo_mod
+    from numa_moe.checkpoint import Checkpoint
     from numa_moe.store import ExpertStore
 
     if tokens < 1 or steps < 1:
@@ -178,7 +179,11 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
             store_nodes = wanted
     path = Path(checkpoint) if checkpoint is not None else ensure_default_checkpoint(echo=echo)
     echo(f"checkpoint: {path}")
-    store = ExpertStore.load(path, nodes=store_nodes, page=page, progress=progress)
+    ckpt = Checkpoint.open(path)
+    if ckpt.dtype != "BF16":
+        # checked before loading: the store would copy F16/F32 experts, the layer refuse them
+        raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16 experts")
+    store = ExpertStore.load(ckpt, nodes=store_nodes, page=page, progress=progress)
     table_summary = verify_store_tables(store)
     echo(f"tables: {table_summary['matrices']} matrices checked (exact partitions); measured == theoretical "
          f"for {table_summary['matching']}/{table_summary['matrices']}"

@@ -54,3 +54,21 @@ def test_bench_layer_small_shapes(monkeypatch):
         assert r["rel_error_vs_fp32"] < 1e-2
         assert r["1 node ms"] > 0 and r["2 virtual nodes ms"] > 0 and r["torch loop ms"] > 0
         assert r["ceiling_ms"] > 0 and np.isfinite(r["ceiling_gbps"])
+
+
+def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):
+    # the store loads F32 experts, the MoE layer runs bf16 only: one line, not a traceback
+    import json as json_module
+
+    from numa_moe.synthetic import TensorPlan, write_safetensors
+
+    directory = tmp_path / "f32"
+    directory.mkdir()
+    H, I, E = 64, 32, 2
+    plans = [TensorPlan(f"model.layers.0.mlp.experts.{e}.{k}_proj.weight", s, np.dtype(np.float32), s[-1])
+             for e in range(E) for k, s in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))]
+    write_safetensors(directory / "model.safetensors", plans, lambda p: [b"\0" * p.nbytes])
+    (directory / "config.json").write_text(json_module.dumps({"hidden_size": H, "num_experts": E}))
+    result = CliRunner().invoke(cli, ["run", str(directory), "--steps", "1"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.output
+    assert "F32" in result.output and "BF16" in result.output
