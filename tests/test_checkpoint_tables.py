@@ -126,3 +126,13 @@ def test_cli_bad_nodes_and_layers_are_messages(tmp_path):
     assert isinstance(result.exception, SystemExit) and "--layers" in result.output, result.output
     result = CliRunner().invoke(cli, ["inspect", str(ckpt), "--nodes", "abc"])
     assert isinstance(result.exception, SystemExit) and "count N or a list" in result.output, result.output
+
+
+def test_cli_inspect_plot_and_pages_misuse_are_messages(tmp_path):
+    ckpt = tmp_path / "ck"
+    make_checkpoint(ckpt, "qwen3-30b-a3b", layers=1, experts=2, progress=False)
+    result = CliRunner().invoke(cli, ["inspect", str(ckpt), "--plot", str(tmp_path / "missing" / "p.png")])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.output
+    assert "p.png" in result.output
+    result = CliRunner().invoke(cli, ["inspect", str(ckpt), "--pages"])
+    assert result.exit_code == 2 and "--pages" in result.output and "--json" in result.output

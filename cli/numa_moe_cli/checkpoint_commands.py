@@ -186,6 +186,8 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
     """Where the checkpoint's expert pages sit in memory now, and the cost of a naive split."""
     from numa_moe.placement_report import inspect_checkpoint, plot_placement
 
+    if pages and not as_json:
+        raise click.UsageError("--pages needs --json (the text report has no per-page lists)")
     ck = _open(checkpoint, pattern, kinds)
     try:
         report = inspect_checkpoint(ck, tensor=tensor, nodes=nodes, touch=touch,
@@ -199,6 +201,6 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
     if plot:
         try:
             drawn = plot_placement(report, plot)
-        except RuntimeError as err:
-            raise click.ClickException(str(err)) from None
+        except (RuntimeError, OSError) as err:
+            raise click.ClickException(f"cannot write the plot {plot}: {err}") from None
         click.echo(f"wrote {plot} ({drawn} of {len(report.tensors)} tensors)", err=as_json)
