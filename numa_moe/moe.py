@@ -269,6 +269,12 @@ class MoELayer:
         if _is_torch(hidden):
             from numa_moe import ops  # registers the op
 
+            import torch
+
+            # the op takes tensors only; routing from numpy or lists is converted (zero copy
+            # for numpy) rather than failing inside the dispatcher
+            topk_ids = topk_ids if _is_torch(topk_ids) else torch.as_tensor(np.asarray(topk_ids))
+            topk_weights = topk_weights if _is_torch(topk_weights) else torch.as_tensor(np.asarray(topk_weights))
             check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
             return ops.moe_forward(hidden, topk_ids, topk_weights, self.layer_id)
         return self.forward_numpy(hidden, topk_ids, topk_weights)

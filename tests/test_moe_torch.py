@@ -56,6 +56,9 @@ def test_forward_on_torch_tensors_matches_transformers_loop(rng):
     assert y.dtype == torch.bfloat16 and y.shape == (6, H)
     assert rel_error(y.float().numpy(), transformers_moe_loop(x, ids, w, gate_up, down).numpy()) < 1e-2
     # int32 ids and bf16 weights are accepted (converted)
+    # routing given as numpy arrays or lists with torch hidden states: same result
+    assert torch.equal(layer(x, ids.numpy(), w.numpy()), y)
+    assert torch.equal(layer(x, ids.tolist(), w.tolist()), y)
     y2 = layer(x, ids.to(torch.int32), w.to(torch.bfloat16))
     assert rel_error(y2.float().numpy(), transformers_moe_loop(x, ids, w.to(torch.bfloat16), gate_up, down).numpy()) < 1e-2
 
