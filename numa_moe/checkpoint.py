@@ -136,7 +136,19 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
             raise CheckpointError(f"{where}: data ends at byte {data_start + end} but the file has "
                                   f"only {file_bytes} bytes (truncated file?)")
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, expected)
+    _check_no_overlap(path, tensors)
     return tensors, metadata
+
+
+def _check_no_overlap(path: Path, tensors: dict) -> None:
+    """Two tensors sharing bytes is a corrupted (or crafted) header: the safetensors
+    library refuses it, and loading would hand one tensor's bytes to another."""
+    spans = sorted((info.file_offset, info.file_offset + info.nbytes, name)
+                   for name, info in tensors.items() if info.nbytes)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the file "
+                                  f"(corrupted safetensors header)")
 
 
 def _json_ints(value) -> tuple[int, ...]:
@@ -569,8 +581,12 @@ def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
         by_file[filename].append(name)
     tensors: dict[str, TensorInfo] = {}
     files = []
+    root = index.parent.resolve()
     for filename in sorted(by_file):
         path = index.parent / filename
+        if not isinstance(filename, str) or path.resolve().parent != root:
+            raise CheckpointError(f"{index}: shard {filename!r} is not a file name inside {index.parent} "
+                                  f"(an index may only name shards beside it)")
         if not path.exists():
             raise CheckpointError(f"{index}: shard {filename!r} (holding e.g. tensor "
                                   f"{by_file[filename][0]!r}) does not exist")

@@ -77,8 +77,12 @@ def _native_read_fn():
 
 def measure_read_ceiling(buffers, repeats: int = 3) -> ReadCeiling:
     """Streaming-read bandwidth over ``buffers`` (numpy arrays), best of ``repeats``."""
-    buffers = [np.ascontiguousarray(b) for b in buffers]
+    if not all(isinstance(b, np.ndarray) and b.flags.c_contiguous for b in buffers):
+        # a contiguous copy would be timed instead of the weights themselves
+        raise ValueError("measure_read_ceiling: buffers must be C-contiguous numpy arrays")
     total = sum(int(b.nbytes) for b in buffers)
+    if total == 0:
+        raise ValueError("measure_read_ceiling: no bytes to read")
     fn = _native_read_fn()
     if fn is not None and fn(buffers[:1]):
         best = None

@@ -384,3 +384,31 @@ def test_bad_config_values_named(tmp_path, key, value):
     directory = _write_experts(tmp_path, _qwen_names(), {key: value})
     with pytest.raises(CheckpointError, match=rf"config\.json.*{key}"):
         Checkpoint.open(directory)
+
+
+def test_overlapping_tensors_refused(tmp_path):
+    names = ["model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight"]
+    plans = [TensorPlan(name, (4, 8), np.dtype(np.float32), 8) for name in names]
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, plans, lambda p: [b"\0" * p.nbytes])
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header[names[1]]["data_offsets"] = list(header[names[0]]["data_offsets"])  # both claim the same bytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+    with pytest.raises(CheckpointError, match="overlap"):
+        read_safetensors_header(path)
+
+
+def test_index_may_not_name_files_outside_the_checkpoint(tmp_path, rng):
+    directory = _make(tmp_path, "qwen3-30b-a3b", rng, max_shard_bytes=40_000)
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(directory / next(iter(index["weight_map"].values())), outside)
+    index["weight_map"]["model.layers.0.mlp.experts.9.up_proj.weight"] = "../elsewhere.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="not a file name inside"):
+        Checkpoint.open(directory)
