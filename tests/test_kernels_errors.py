@@ -70,7 +70,9 @@ def test_native_side_checks_segments(rng):
     tokens = rng.standard_normal((2, 32)).astype(BF16).view(np.uint16)
     out = np.zeros((8, 2), np.float32)
     for bad, message in (([0, 1, 9, 0, 32], "rows outside"), ([0, 1, 8, 0, 33], "columns outside"),
-                         ([0, 0, 3, 0, 32], "row_stride"), ([0, 1, -1, 0, 8], "negative nrows")):
+                         ([0, 0, 3, 0, 32], "row_stride"), ([0, 1, -1, 0, 8], "negative nrows"),
+                         # row0 + (nrows - 1) * row_stride overflows int64 to a small number
+                         ([0, 2**62, 3, 0, 32], "rows outside"), ([8, 1, 1, 0, 32], "rows outside")):
         with pytest.raises(ValueError, match=message):
             _native.matmul_segments("ref", weight, np.array([bad], np.int64), tokens, out)
     with pytest.raises(ValueError, match=r"expected shape \[n, 5\]"):

@@ -103,7 +103,9 @@ std::vector<Segment> read_segments(const py::object& obj, const char* name, int6
                                   ", k0=" + std::to_string(s.k0) + ", k1=" + std::to_string(s.k1) + ")";
         if (s.nrows < 0) fail(where + ": negative nrows");
         if (s.nrows > 1 && s.row_stride < 1) fail(where + ": row_stride must be >= 1");
-        if (s.nrows > 0 && (s.row0 < 0 || s.row0 + (s.nrows - 1) * std::max<int64_t>(s.row_stride, 1) >= rows))
+        // last row = row0 + (nrows - 1) * stride < rows, written so that it cannot overflow
+        const int64_t stride = std::max<int64_t>(s.row_stride, 1);
+        if (s.nrows > 0 && (s.row0 < 0 || s.row0 >= rows || s.nrows - 1 > (rows - 1 - s.row0) / stride))
             fail(where + ": rows outside [0, " + std::to_string(rows) + ")");
         if (s.k0 < 0 || s.k1 < s.k0 || s.k1 > cols)
             fail(where + ": columns outside 0 <= k0 <= k1 <= " + std::to_string(cols));
