@@ -10,7 +10,6 @@
 // a block of 2 rows x 4 tokens of ymm accumulators, FMA, horizontal sums at the end.
 #include <immintrin.h>
 
-#include <cstring>
 
 #include "kernels/bf16.hpp"
 #include "kernels/isa_tables.hpp"
@@ -18,12 +17,6 @@
 namespace numa_moe::kernels {
 namespace {
 
-size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>(m * k) * sizeof(bf16); }
-
-void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    bf16* dst = static_cast<bf16*>(packed);
-    for (int64_t t = 0; t < m; ++t) std::memcpy(dst + t * k, x + token_index[t] * ldx, k * sizeof(bf16));
-}
 
 inline __m256 load8_bf16(const bf16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -105,9 +98,10 @@ void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_
 }  // namespace
 
 const KernelOps& avx2_ops() {
-    // The epilogues touch rows x tokens floats, nothing next to the weights: the
-    // reference versions serve (the plain token layout is the same).
-    static const KernelOps ops{Isa::avx2, "avx2", packed_bytes, gather, matmul_segments,
+    // The token layout is the plain one of the reference (its gather is a row copy), and
+    // the epilogues touch rows x tokens floats, nothing next to the weights: the
+    // reference versions serve.
+    static const KernelOps ops{Isa::avx2, "avx2", ref_ops().packed_bytes, ref_ops().gather, matmul_segments,
                                ref_ops().silu_mul_pack, ref_ops().combine_down};
     return ops;
 }

@@ -17,7 +17,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
@@ -45,12 +44,6 @@ constexpr int64_t kUnblockedTokens = 4 * kTokenChunk;
 constexpr int64_t kTokenBlockBytes = 512 * 1024;
 constexpr int64_t kTokenPrefetchElements = 128;
 
-size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>(m * k) * sizeof(bf16); }
-
-void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    bf16* dst = static_cast<bf16*>(packed);
-    for (int64_t t = 0; t < m; ++t) std::memcpy(dst + t * k, x + token_index[t] * ldx, k * sizeof(bf16));
-}
 
 // Four accumulators -> their four horizontal sums in one xmm (lane j = sum of a[j]).
 inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -270,8 +263,9 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 }  // namespace
 
 const KernelOps& avx512_ops() {
-    static const KernelOps ops{Isa::avx512, "avx512", packed_bytes, gather, matmul_segments, silu_mul_pack,
-                               combine_down_avx512};
+    // Plain token layout: the reference's row-copy gather serves.
+    static const KernelOps ops{Isa::avx512,          "avx512",        ref_ops().packed_bytes, ref_ops().gather,
+                               matmul_segments,      silu_mul_pack,   combine_down_avx512};
     return ops;
 }
 

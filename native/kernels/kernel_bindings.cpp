@@ -123,6 +123,23 @@ void check_token_index(const py::array& index, int64_t n_rows, const char* name)
                  std::to_string(n_rows) + ")");
 }
 
+// The operand pointers and sizes of one expert_ffn call, from arrays already checked
+// (x [T, H], token_index [m], w_gate/w_up [I, H], w_down [H, I]).
+kernels::ExpertFfnArgs expert_args(const py::array& x, const py::array& token_index, const py::array& w_gate,
+                                   const py::array& w_up, const py::array& w_down) {
+    kernels::ExpertFfnArgs args;
+    args.x = static_cast<const bf16*>(x.data());
+    args.ldx = x.shape(1);
+    args.token_index = static_cast<const int64_t*>(token_index.data());
+    args.m = token_index.shape(0);
+    args.hidden = x.shape(1);
+    args.intermediate = w_gate.shape(0);
+    args.w_gate = static_cast<const bf16*>(w_gate.data());
+    args.w_up = static_cast<const bf16*>(w_up.data());
+    args.w_down = static_cast<const bf16*>(w_down.data());
+    return args;
+}
+
 struct FreeDeleter {
     void operator()(void* p) const { std::free(p); }
 };
@@ -256,16 +273,7 @@ void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& 
     check_array(out, "out", out_bf16 ? Kind::bf16 : Kind::f32, 2, true);
     if (out.shape(0) != m || out.shape(1) != hidden)
         fail("out: shape " + shape_str(out) + ", expected [" + std::to_string(m) + ", " + std::to_string(hidden) + "]");
-    kernels::ExpertFfnArgs args;
-    args.x = static_cast<const bf16*>(x.data());
-    args.ldx = hidden;
-    args.token_index = static_cast<const int64_t*>(token_index.data());
-    args.m = m;
-    args.hidden = hidden;
-    args.intermediate = inter;
-    args.w_gate = static_cast<const bf16*>(w_gate.data());
-    args.w_up = static_cast<const bf16*>(w_up.data());
-    args.w_down = static_cast<const bf16*>(w_down.data());
+    kernels::ExpertFfnArgs args = expert_args(x, token_index, w_gate, w_up, w_down);
     args.gate_segments = read_segments(gate_segments, "gate_segments", inter, hidden);
     args.up_segments = read_segments(up_segments, "up_segments", inter, hidden);
     args.down_segments = read_segments(down_segments, "down_segments", hidden, inter);
@@ -357,7 +365,7 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
     check_array(x, "x", Kind::bf16, 2);
     check_token_index(token_index, x.shape(0), "token_index");
     if (experts.empty()) fail("experts: empty");
-    const int64_t hidden = x.shape(1), m = token_index.shape(0);
+    const int64_t hidden = x.shape(1);
     BenchCalls result;
     for (size_t e = 0; e < experts.size(); ++e) {
         const py::tuple triple = experts[e].cast<py::tuple>();
@@ -370,16 +378,7 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
         if (wg.shape(1) != hidden || wu.shape(0) != inter || wu.shape(1) != hidden || wd.shape(0) != hidden ||
             wd.shape(1) != inter)
             fail("experts[" + std::to_string(e) + "]: shapes do not match x [T, H] and each other");
-        kernels::ExpertFfnArgs args;
-        args.x = static_cast<const bf16*>(x.data());
-        args.ldx = hidden;
-        args.token_index = static_cast<const int64_t*>(token_index.data());
-        args.m = m;
-        args.hidden = hidden;
-        args.intermediate = inter;
-        args.w_gate = static_cast<const bf16*>(wg.data());
-        args.w_up = static_cast<const bf16*>(wu.data());
-        args.w_down = static_cast<const bf16*>(wd.data());
+        kernels::ExpertFfnArgs args = expert_args(x, token_index, wg, wu, wd);
         args.out_bf16 = out_bf16;
         args.threads = threads > 0 ? threads : default_threads();
         result.calls.push_back(args);
