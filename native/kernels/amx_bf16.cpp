@@ -96,21 +96,11 @@ void configure(const BlockShape& shape) {
     TILE_LOADCONFIG(&cfg);
 }
 
-size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>((k + 1) / 2) * 2 * m * sizeof(bf16); }
+size_t packed_bytes(int64_t m, int64_t k) { return static_cast<size_t>(packed_elements(pairs_layout(m), m, k)) * sizeof(bf16); }
 
-// packed[(c / 2) * 2m + 2t + c % 2] = x[token_index[t]][c]; the padding half of an odd
-// last pair is zero.
+// The pair layout {2, 1} (kernel_api.hpp): a transpose of 32-bit pairs.
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    bf16* dst = static_cast<bf16*>(packed);
-    const int64_t pairs = (k + 1) / 2;
-    for (int64_t t = 0; t < m; ++t) {
-        const bf16* src = x + token_index[t] * ldx;
-        for (int64_t p = 0; p < k / 2; ++p) std::memcpy(dst + p * 2 * m + 2 * t, src + 2 * p, 2 * sizeof(bf16));
-        if (k % 2) {
-            dst[(pairs - 1) * 2 * m + 2 * t] = src[k - 1];
-            dst[(pairs - 1) * 2 * m + 2 * t + 1] = 0;
-        }
-    }
+    gather_pairs_avx512(x, ldx, token_index, m, k, 1, packed);
 }
 
 // out[r][t] += w[r][c] * tokens[t][c] for one column c (a pair split by a segment edge).
@@ -217,7 +207,7 @@ void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_
 
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    silu_mul_pack_avx512<true>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, packed);
+    silu_mul_pack_avx512(pairs_layout(m), gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, packed);
 }
 
 }  // namespace
@@ -241,14 +231,14 @@ void amx_model_tile_dot(const void* config, bool int8, void* c, const void* a, c
 }
 
 const KernelOps& amx_model_ops() {
-    static const KernelOps ops{Isa::amx_model,          "amx_model",          AMX_NAMESPACE::packed_bytes,
+    static const KernelOps ops{Isa::amx_model,          "amx_model", pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
                                combine_down_avx512};
     return ops;
 }
 #else
 const KernelOps& amx_ops() {
-    static const KernelOps ops{Isa::amx,                "amx",                AMX_NAMESPACE::packed_bytes,
+    static const KernelOps ops{Isa::amx,                "amx", pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
                                combine_down_avx512};
     return ops;

@@ -1,22 +1,27 @@
-// AVX-512-BF16 kernels: the dot-product formulation over row-major weights (Zen 4,
-// Cooper Lake and later without AMX). Compiled with -mavx512f -mavx512bw -mavx512vl
-// -mavx512bf16 -mfma; dispatch only hands this table out when cpuid + XCR0 allow it.
+// AVX-512-BF16 kernels over row-major weights, for CPUs without AMX (Zen 4, Cooper Lake,
+// Ice Lake and later). Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma;
+// dispatch only hands this table out when cpuid + XCR0 allow it.
 //
-// Operand layouts:
+// Operand layouts (kernel_api.hpp):
 //   weights  w[r * ldw + c] bf16 row-major, never repacked
-//   tokens   plain row-major packed[t * k + c] bf16 (gather is a row copy)
+//   tokens   m <= 2: plain packed[t * k + c] (gather is a row copy)
+//            m >= 3: token lanes {2P, T}: column blocks of 2P columns, each holding every
+//            token's 2P columns in turn, tokens padded with zeros to a multiple of T = 16 / P
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
-// matmul: a block of R weight rows x T tokens of zmm accumulators; each step loads 32 bf16
-// of every row and of every token and issues R*T vdpbf16ps (pairs of bf16 products into
-// 16 fp32 lanes); one horizontal sum per output at the end of the k range (four outputs
-// per tree, see hsum4). R*T <= 24 keeps accumulators + operands in the 32 zmm registers.
-// For many tokens the k range is cut into blocks whose token slice stays in L2 while the
-// R weight rows of a block stay in L1 across the token chunks. The weights of the block
-// two on are prefetched into L2 while a block computes (see Block, matmul_segments).
+// Two formulations of out += W x^T, both vdpbf16ps (32 bf16 products into 16 fp32 lanes):
+//   dot product (1-2 tokens): a zmm holds 32 columns of one weight row or one token; a block
+//     of R = 8 rows x T tokens accumulates along k, one horizontal sum per output at the end.
+//   token lanes (3+ tokens): a zmm holds P column pairs of T tokens (T * P = 16); the weight
+//     row's matching 2P columns are broadcast to the T token slots, so each instruction does
+//     useful work in all 16 lanes however few the tokens, and each weight element loaded
+//     serves T tokens (see lane_micro).
+// Both stream the weights once, R rows at a time, and prefetch the block two on into L2
+// while a block computes (see Block).
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
@@ -25,149 +30,21 @@
 namespace numa_moe::kernels {
 namespace {
 
-// Register blocks: T tokens (<= 4) x R rows, R = 8 for T <= 2, 6 for T = 3, 4 (R*T <= 24
-// accumulators + R weight registers + one token register <= 32 zmm). Many rows per block
-// matter for few tokens: each k step then issues R independent weight loads.
-constexpr int64_t kTokenChunk = 4;
-// With more than four token chunks the k range is cut into blocks so that the R weight rows
-// of a block (R x kKBlockMax x 2 bytes <= 32 KB) stay close (L1/L2) while the token
-// chunks pass over them, and the token slice (m x k block) stays in L2. Every block costs
-// one more horizontal-sum epilogue per output, so blocks stay long: measured on Zen 4
-// (1 thread, weights hot in L2), 2048 beat 1024 by ~10% at M = 16..128.
-constexpr int64_t kKBlockMax = 2048;
-// Up to four token chunks the k range is not blocked: a block's rows are reused by at most
-// three more chunks, from L2, and the extra horizontal sums of k blocks cost more than
-// that. Measured (2 threads, cold weights, qwen3-235b 4096 x 1536): M = 16 at 0.74 of the
-// vdpbf16ps peak with 2048-column blocks, 0.82 unblocked; M = 12 0.67 -> 0.80; M = 32
-// was no better unblocked.
-constexpr int64_t kUnblockedTokens = 4 * kTokenChunk;
+// The token-lane kernels replace the dot-product ones from this many tokens on (at 1-2
+// tokens a lane vector would be mostly padding: T = 4 at M = 2 wastes half the lanes).
+constexpr int64_t kLaneMinTokens = 3;
+// Above this many tokens the token-lane kernels cut k into blocks whose token slice
+// (m_pad x block, bf16) stays in L2 while the R weight rows of a block pass over the
+// token vectors from L1; blocks of at most kKBlockMax columns.
+constexpr int64_t kLaneUnblockedTokens = 32;
 constexpr int64_t kTokenBlockBytes = 512 * 1024;
-constexpr int64_t kTokenPrefetchElements = 128;
+constexpr int64_t kKBlockMax = 2048;
 
-
-// Four accumulators -> their four horizontal sums in one xmm (lane j = sum of a[j]).
-inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    // 64-bit unpacks move float pairs; the add must be a float add.
-    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// L2 prefetch of the next register block while this one computes: the hardware
-// prefetcher alone stops at every 4 KB page of each of the R row streams and leaves the
-// loads waiting on DRAM, serialising memory and compute. Row r's columns
-// [begin, begin + len) are prefetched spread evenly over the k steps of one micro call
-// (step s: column begin + (s * step_fixed >> 16)), so that when a block is passed over
-// several times (token chunks) the memory stream stays busy through all of them rather
-// than only the first. prefetcht2 (L2), not t0: L1-filling prefetches took the L1 miss
-// buffers the demand loads need and were slower than none.
-// The rows of a register block lie at a constant stride (segment row stride x ldw), so a
-// block is a base pointer and a step: few general registers (with R separate row
-// pointers gcc spilled them inside the k loop).
-struct Block {
-    const bf16* w;          // row 0 of the block, column 0
-    int64_t w_step;         // elements between its rows
-    const bf16* pf;         // row 0 of the next block, first column to prefetch
-    int64_t pf_step_fixed;  // 16.16 fixed-point prefetch columns per k step
-    float* out;             // out row of block row 0, first token of the chunk
-    int64_t out_step;       // floats between the out rows
-};
-
-// out[r][t] += sum_{c in [k0, k1)} w[r][c] * tok[t][c] for R rows, T tokens.
-// kTokenPrefetch: with many token chunks the token rows come from L2, a 32- or 64-line
-// piece per row per call, too short for the hardware prefetcher to get ahead; prefetching
-// them 256 bytes ahead into L1 gained ~6% at M = 128 with cold weights (1 thread), lost
-// ~2% at M = 16 and ~3% at M = 8, so it is used from 5 chunks (M > 16) on.
-template <int R, int T, bool kTokenPrefetch>
-void micro(const Block& b, const bf16* tok, int64_t ldt, int64_t k0, int64_t k1) {
-    __m512 acc[R][T];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-    const int64_t w_step = b.w_step, pf_step = b.pf_step_fixed;
-    const bf16* w = b.w + k0;
-    const bf16* x = tok + k0;
-    const char* pf = reinterpret_cast<const char*>(b.pf);
-    int64_t pf_fixed = 0;
-    int64_t steps = (k1 - k0) / 32;
-    for (; steps > 0; --steps, w += 32, x += 32) {
-        __m512bh wv[R];
-        const char* pf_at = pf + (pf_fixed >> 16) * 2;
-        pf_fixed += pf_step;
-        for (int r = 0; r < R; ++r) {
-            _mm_prefetch(pf_at + r * w_step * 2, _MM_HINT_T2);
-            wv[r] = (__m512bh)_mm512_loadu_si512(w + r * w_step);
-        }
-        for (int t = 0; t < T; ++t) {
-            if constexpr (kTokenPrefetch)
-                _mm_prefetch(reinterpret_cast<const char*>(x + t * ldt + kTokenPrefetchElements), _MM_HINT_T0);
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * ldt);
-            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
-        }
-    }
-    const int64_t tail = (k1 - k0) % 32;
-    if (tail) {  // k tail: masked loads fill the missing bf16 with zeros, exact
-        const __mmask32 mask = static_cast<__mmask32>((1ull << tail) - 1ull);
-        __m512bh wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * w_step);
-        for (int t = 0; t < T; ++t) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + t * ldt);
-            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
-        }
-    }
-    const __m512 zero = _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-        for (int t0 = 0; t0 < T; t0 += 4) {
-            const __m128 sums = hsum4(acc[r][t0], t0 + 1 < T ? acc[r][t0 + 1] : zero,
-                                      t0 + 2 < T ? acc[r][t0 + 2] : zero, t0 + 3 < T ? acc[r][t0 + 3] : zero);
-            const int n = T - t0 < 4 ? T - t0 : 4;
-            const __mmask8 mask = static_cast<__mmask8>((1u << n) - 1u);
-            float* dst = b.out + r * b.out_step + t0;
-            _mm_mask_storeu_ps(dst, mask, _mm_add_ps(_mm_maskz_loadu_ps(mask, dst), sums));
-        }
-    }
-}
-
-using MicroFn = void (*)(const Block&, const bf16*, int64_t, int64_t, int64_t);
-
-template <int R, bool P>
-MicroFn micro_for_tokens(int64_t t) {
-    switch (t) {
-        case 1: return micro<R, 1, P>;
-        case 2: return micro<R, 2, P>;
-        case 3: return micro<R, 3, P>;
-        default: return micro<R, 4, P>;
-    }
-}
-
-// Rows per register block for a token chunk of t <= 4 tokens.
-int64_t rows_per_block(int64_t t) { return t <= 2 ? 8 : 6; }
-
-template <bool P>
-MicroFn micro_for_rows(int64_t rows, int64_t tokens) {
-    switch (rows) {
-        case 8: return micro_for_tokens<8, P>(tokens);
-        case 7: return micro_for_tokens<7, P>(tokens);
-        case 6: return micro_for_tokens<6, P>(tokens);
-        case 5: return micro_for_tokens<5, P>(tokens);
-        case 4: return micro_for_tokens<4, P>(tokens);
-        case 3: return micro_for_tokens<3, P>(tokens);
-        case 2: return micro_for_tokens<2, P>(tokens);
-        default: return micro_for_tokens<1, P>(tokens);
-    }
-}
-
-MicroFn micro_for(int64_t rows, int64_t tokens, bool token_prefetch) {
-    return token_prefetch ? micro_for_rows<true>(rows, tokens) : micro_for_rows<false>(rows, tokens);
-}
-
-// k block length: the whole span for up to kUnblockedTokens tokens; otherwise equal blocks of at most
-// kKBlockMax columns (multiples of 32), fewer still when the m x k token slice would
-// not stay in L2.
+// k block length: the whole span up to kLaneUnblockedTokens tokens; otherwise equal blocks
+// of at most kKBlockMax columns (multiples of 32), fewer still when the m x k token slice
+// would not stay in L2.
 int64_t k_block(int64_t span, int64_t m) {
-    if (m <= kUnblockedTokens) return span;
+    if (m <= kLaneUnblockedTokens) return span;
     int64_t limit = std::min<int64_t>(kKBlockMax, std::max<int64_t>(256, kTokenBlockBytes / (2 * m)));
     limit = limit / 32 * 32;
     const int64_t blocks = (span + limit - 1) / limit;
@@ -188,84 +65,444 @@ void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, i
     *j_hi = hi > lo ? hi : lo;
 }
 
-void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
-                     int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
-    const bf16* tokens = static_cast<const bf16*>(packed);
-    if (m <= 0) return;
-    const int64_t chunk = m <= kTokenChunk ? m : kTokenChunk;
-    const int64_t n_chunks = (m + chunk - 1) / chunk;
-    const int64_t block_rows = rows_per_block(chunk);
+// The block to prefetch while register block j (rows [j, j + rows), columns [kb, ke))
+// computes: the one two blocks on, so that a line is requested a whole block's compute
+// time before its use (measured under memory contention from other VMs, qwen3-235b,
+// M = 16: 1.70 ms against 2.01 ms for one block on); past the last rows the first rows of
+// the next k block (k_next0 < k_end), at the very end this block again (cache hits).
+// Prefetches past the segment's last row are harmless (prefetch never faults).
+struct PrefetchTarget {
+    int64_t j, k0, k1;
+};
+PrefetchTarget prefetch_target(int64_t j, int64_t rows, int64_t j_lo, int64_t j_hi, int64_t kb, int64_t ke, int64_t kc,
+                               int64_t k_end) {
+    PrefetchTarget target{j + 2 * rows, kb, ke};
+    if (target.j < j_hi) return target;
+    if (ke < k_end) return PrefetchTarget{j_lo + (target.j - j_hi), ke, std::min(ke + kc, k_end)};
+    return PrefetchTarget{j, kb, ke};
+}
+
+// The block after the first of a row range, prefetched up front (prefetch_target covers
+// the ones from the third on).
+void prefetch_second_block(const bf16* w, int64_t w_step, int64_t rows, int64_t k0, int64_t k1) {
+    const char* first = reinterpret_cast<const char*>(w + k0);
+    for (int64_t c = 0; c < (k1 - k0) * 2; c += 64)
+        for (int64_t r = 0; r < rows; ++r) _mm_prefetch(first + r * w_step * 2 + c, _MM_HINT_T2);
+}
+
+// L2 prefetch of a later register block while this one computes: the hardware prefetcher
+// alone stops at every 4 KB page of each of the R row streams and leaves the loads waiting
+// on DRAM, serialising memory and compute. Row r's columns [begin, begin + len) are
+// prefetched spread evenly over the 64-byte lines of the block (line s: column
+// begin + (s * step_fixed >> 16)), so that when a block is passed over several times
+// (token vector groups) the memory stream stays busy through all of them. prefetcht2
+// (L2), not t0: L1-filling prefetches took the L1 miss buffers the demand loads need and
+// were slower than none.
+// The rows of a register block lie at a constant stride (segment row stride x ldw), so a
+// block is a base pointer and a step: few general registers.
+struct Block {
+    const bf16* w;          // row 0 of the block, column 0
+    int64_t w_step;         // elements between its rows
+    const bf16* pf;         // row 0 of the block to prefetch, first column to prefetch
+    int64_t pf_step_fixed;  // 16.16 fixed-point prefetch columns per 64-byte line
+    float* out;             // out row of block row 0, first token of the block
+    int64_t out_step;       // floats between the out rows
+};
+
+// ---------------------------------------------------------------------------------------
+// Dot-product formulation (1-2 tokens).
+
+constexpr int kDotRows = 8;  // R: 8 x 2 accumulators + 8 weight + 1 token registers
+
+// Four accumulators -> their four horizontal sums in one xmm (lane j = sum of a[j]).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    // 64-bit unpacks move float pairs; the add must be a float add.
+    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[r][t] += sum_{c in [k0, k1)} w[r][c] * tok[t][c] for R rows, T tokens.
+template <int R, int T>  // T = 1 or 2
+void dot_micro(const Block& b, const bf16* tok, int64_t ldt, int64_t k0, int64_t k1) {
+    __m512 acc[R][T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    const int64_t w_step = b.w_step, pf_step = b.pf_step_fixed;
+    const bf16* w = b.w + k0;
+    const bf16* x = tok + k0;
+    const char* pf = reinterpret_cast<const char*>(b.pf);
+    int64_t pf_fixed = 0;
+    int64_t steps = (k1 - k0) / 32;
+    for (; steps > 0; --steps, w += 32, x += 32) {
+        __m512bh wv[R];
+        const char* pf_at = pf + (pf_fixed >> 16) * 2;
+        pf_fixed += pf_step;
+        for (int r = 0; r < R; ++r) {
+            _mm_prefetch(pf_at + r * w_step * 2, _MM_HINT_T2);
+            wv[r] = (__m512bh)_mm512_loadu_si512(w + r * w_step);
+        }
+        for (int t = 0; t < T; ++t) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * ldt);
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
+        }
+    }
+    const int64_t tail = (k1 - k0) % 32;
+    if (tail) {  // k tail: masked loads fill the missing bf16 with zeros, exact
+        const __mmask32 mask = static_cast<__mmask32>((1ull << tail) - 1ull);
+        __m512bh wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * w_step);
+        for (int t = 0; t < T; ++t) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + t * ldt);
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
+        }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    const __mmask8 mask = static_cast<__mmask8>((1u << T) - 1u);
+    for (int r = 0; r < R; ++r) {
+        const __m128 sums = hsum4(acc[r][0], T == 2 ? acc[r][T - 1] : zero, zero, zero);
+        float* dst = b.out + r * b.out_step;
+        _mm_mask_storeu_ps(dst, mask, _mm_add_ps(_mm_maskz_loadu_ps(mask, dst), sums));
+    }
+}
+
+using DotMicroFn = void (*)(const Block&, const bf16*, int64_t, int64_t, int64_t);
+
+template <int T>
+DotMicroFn dot_micro_for_rows(int64_t rows) {
+    switch (rows) {
+        case 8: return dot_micro<8, T>;
+        case 7: return dot_micro<7, T>;
+        case 6: return dot_micro<6, T>;
+        case 5: return dot_micro<5, T>;
+        case 4: return dot_micro<4, T>;
+        case 3: return dot_micro<3, T>;
+        case 2: return dot_micro<2, T>;
+        default: return dot_micro<1, T>;
+    }
+}
+
+void dot_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                         int64_t row_end, const bf16* tokens, int64_t m, int64_t k, float* out, int64_t ldo) {
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         int64_t j_lo, j_hi;
         segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
         if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
         const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-        const int64_t kc = k_block(seg.k1 - seg.k0, m);
         const int64_t w_step = stride * ldw;
-        // Full blocks of block_rows rows, then one block of the rows left: a row range
-        // that is not a multiple of block_rows (a thread's share, a pool work chunk)
-        // then costs one narrower block, not row-at-a-time passes (1 weight load per T
-        // vdpbf16ps, ~2.5x the time per row).
-        const auto rows_at = [&](int64_t j) { return j_hi - j >= block_rows ? block_rows : j_hi - j; };
+        const int64_t kb = seg.k0, ke = seg.k1, span = ke - kb;
+        // Full blocks of kDotRows rows, then one block of the rows left: a row range that is
+        // not a multiple of 8 (a thread's share) then costs one narrower block, not
+        // row-at-a-time passes (1 weight load per T vdpbf16ps, ~2.5x the time per row).
+        for (int64_t j = j_lo; j < j_hi;) {
+            const int64_t rows = std::min<int64_t>(kDotRows, j_hi - j);
+            if (j == j_lo && j + rows < j_hi)
+                prefetch_second_block(w + (seg.row0 + (j + rows) * stride) * ldw, w_step,
+                                      std::min<int64_t>(kDotRows, j_hi - j - rows), kb, ke);
+            const PrefetchTarget next = prefetch_target(j, rows, j_lo, j_hi, kb, ke, span, ke);
+            const int64_t steps = std::max<int64_t>(1, span / 32);
+            const Block block{w + (seg.row0 + j * stride) * ldw, w_step,
+                              w + (seg.row0 + next.j * stride) * ldw + next.k0, ((next.k1 - next.k0) << 16) / steps,
+                              out + (seg.row0 + j * stride) * ldo, stride * ldo};
+            (m == 1 ? dot_micro_for_rows<1>(rows) : dot_micro_for_rows<2>(rows))(block, tokens, k, kb, ke);
+            j += rows;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Token-lane formulation (3+ tokens). One zmm holds T tokens x P column pairs (T * P = 16
+// lanes of 32 bits): the token operand is in the layout {2P, T} (kernel_api.hpp), so token
+// vector g of column block q is
+//     tokens[q * 2P * m_pad + g * 32 ..+ 32] = x[gT + i][2Pq .. 2Pq + 2P) for i < T.
+// The weight row's matching 2P columns (4P bytes) are broadcast to all T token slots
+// (vpbroadcastd / q, vbroadcasti32x4), so one vdpbf16ps adds P pairs of products for each
+// of T tokens; at the end of the k range the P lanes of a token are summed (log2 P shuffle
+// steps, once per output). Against the dot-product kernel: every lane is useful at any
+// token count, each weight element loaded serves T tokens, and no token chunk re-reads the
+// weights; on Zen 4 (weights hot in L2, 1 thread) 0.85-0.88 of the vdpbf16ps peak from 16
+// tokens on, against 0.64 for the dot-product kernel.
+
+template <int P>
+inline __m512bh broadcast_columns(const bf16* p) {
+    if constexpr (P == 1) {
+        int32_t v;
+        std::memcpy(&v, p, sizeof(v));
+        return (__m512bh)_mm512_set1_epi32(v);
+    } else if constexpr (P == 2) {
+        int64_t v;
+        std::memcpy(&v, p, sizeof(v));
+        return (__m512bh)_mm512_set1_epi64(v);
+    } else {
+        static_assert(P == 4, "P is 1, 2 or 4");
+        return (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+}
+
+// Sums each token's P lanes; lane t (t < 16 / P) of the result is token t's sum.
+template <int P>
+inline __m512 sum_token_lanes(__m512 acc) {
+    if constexpr (P >= 2) acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xb1));  // swap lanes 2i, 2i+1
+    if constexpr (P >= 4) acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4e));  // swap lane pairs
+    if constexpr (P >= 2) {
+        // Lane t * P holds token t's sum: move it to lane t.
+        const __m512i first = _mm512_set_epi32(15 * P % 16, 14 * P % 16, 13 * P % 16, 12 * P % 16, 11 * P % 16,
+                                                10 * P % 16, 9 * P % 16, 8 * P % 16, 7 * P % 16, 6 * P % 16,
+                                                5 * P % 16, 4 * P % 16, 3 * P % 16, 2 * P % 16, P, 0);
+        acc = _mm512_permutexvar_ps(first, acc);
+    }
+    return acc;
+}
+
+// The token vectors of a register block: G vectors from the block's first token, over the
+// column blocks [q0, q1) (2P columns each) of a k block.
+struct LaneTokens {
+    const bf16* tokens;    // column block 0, the first token vector
+    int64_t block_stride;  // elements between column blocks (2P * m_pad)
+    int64_t tokens_left;   // tokens from the first one to m (masks the output)
+};
+
+// The R weight rows of a block usually lie a multiple of 4 KB apart (rows of 2048, 4096,
+// 14336 columns), so their lines share one L1 set: R <= 8 keeps them within its 8 ways for
+// the 16 / P steps each line is used.
+template <int P, int R, int G>
+void lane_micro(const Block& b, const LaneTokens& x_block, int64_t q0, int64_t q1) {
+    constexpr int T = 16 / P;
+    constexpr int64_t kBlocksPerLine = 16 / P;  // one 64-byte line of a weight row
+    __m512 acc[R][G];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+    const int64_t w_step = b.w_step;
+    const char* pf = reinterpret_cast<const char*>(b.pf);
+    int64_t pf_fixed = 0;
+    for (int64_t line = q0; line < q1; line += kBlocksPerLine) {
+        // R prefetches of a later block per line of this one (see Block).
+        const char* pf_at = pf + (pf_fixed >> 16) * 2;
+        pf_fixed += b.pf_step_fixed;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) _mm_prefetch(pf_at + r * w_step * 2, _MM_HINT_T2);
+        const int64_t line_end = line + kBlocksPerLine < q1 ? line + kBlocksPerLine : q1;
+        for (int64_t q = line; q < line_end; ++q) {
+            __m512bh x[G];
+#pragma GCC unroll 4
+            for (int g = 0; g < G; ++g) x[g] = (__m512bh)_mm512_load_si512(x_block.tokens + q * x_block.block_stride + g * 32);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m512bh wv = broadcast_columns<P>(b.w + r * w_step + 2 * P * q);
+#pragma GCC unroll 4
+                for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wv, x[g]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+        const int64_t n = x_block.tokens_left - g * T;
+        const __mmask16 mask = static_cast<__mmask16>(n >= T ? (1u << T) - 1u : (1u << n) - 1u);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            float* dst = b.out + r * b.out_step + g * T;
+            _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), sum_token_lanes<P>(acc[r][g])));
+        }
+    }
+}
+
+using LaneMicroFn = void (*)(const Block&, const LaneTokens&, int64_t, int64_t);
+
+// Rows per register block with G token vectors: R <= 8 (the L1 set, above), R * G
+// accumulators + G token vectors + one broadcast weight within the 32 vector registers.
+constexpr int lane_rows(int groups) { return groups <= 3 ? 8 : 6; }
+constexpr int kLaneMaxGroups = 4;
+
+template <int P, int R>
+LaneMicroFn lane_micro_for_groups(int64_t groups) {
+    switch (groups) {
+        case 1: return lane_micro<P, R, 1>;
+        case 2: return lane_micro<P, R, 2>;
+        case 3: return lane_micro<P, R, 3>;
+        default: if constexpr (R <= lane_rows(4)) return lane_micro<P, R, 4>; break;
+    }
+    return nullptr;
+}
+
+// The micro kernel for a block of `rows` rows (a value lane_block_rows returns) and
+// `groups` token vectors; R never exceeds lane_rows(groups).
+template <int P>
+LaneMicroFn lane_micro_for(int64_t rows, int64_t groups) {
+    switch (rows) {
+        case 8: return lane_micro_for_groups<P, 8>(groups);
+        case 6: return lane_micro_for_groups<P, 6>(groups);
+        case 4: return lane_micro_for_groups<P, 4>(groups);
+        case 2: return lane_micro_for_groups<P, 2>(groups);
+        default: return lane_micro_for_groups<P, 1>(groups);
+    }
+}
+
+// Rows of the next register block: the full lane_rows for the token vectors of a group
+// block, then the rows left in decreasing powers of two.
+int64_t lane_block_rows(int64_t rows_left, int64_t group_block) {
+    const int64_t full = lane_rows(static_cast<int>(group_block));
+    if (rows_left >= full) return full;
+    if (rows_left >= 4) return 4;
+    if (rows_left >= 2) return 2;
+    return 1;
+}
+
+// Columns of [c0, c1) outside whole 2P-column blocks (segment edges off the block grid):
+// added in scalar code, so that no column outside the segment is ever read.
+void lane_edge_columns(const bf16* w, int64_t w_step, int64_t rows, const bf16* tokens, TokenLayout layout,
+                       int64_t m, int64_t k, int64_t c0, int64_t c1, float* out, int64_t out_step) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = c0; c < c1; ++c) {
+            const float wv = bf16_to_float(w[r * w_step + c]);
+            for (int64_t t = 0; t < m; ++t)
+                out[r * out_step + t] += wv * bf16_to_float(tokens[packed_index(layout, m, k, t, c)]);
+        }
+}
+
+template <int P>
+void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                          int64_t row_end, const bf16* tokens, int64_t m, int64_t k, float* out, int64_t ldo) {
+    constexpr int64_t T = 16 / P, B = 2 * P;
+    const TokenLayout layout{B, T};
+    const int64_t m_pad = padded_tokens(layout, m);
+    const int64_t groups = m_pad / T;
+    const int64_t group_block = groups < kLaneMaxGroups ? groups : kLaneMaxGroups;
+    const int64_t n_group_blocks = (groups + group_block - 1) / group_block;
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+        const int64_t w_step = stride * ldw, out_step = stride * ldo;
+        const int64_t kc = k_block(seg.k1 - seg.k0, m);
         for (int64_t kb = seg.k0; kb < seg.k1; kb += kc) {
-            const int64_t ke = kb + kc < seg.k1 ? kb + kc : seg.k1;
+            const int64_t ke = std::min(kb + kc, seg.k1);
+            const int64_t q0 = (kb + B - 1) / B, q1 = ke / B;  // whole column blocks
             for (int64_t j = j_lo; j < j_hi;) {
-                const int64_t rows = rows_at(j);
-                // The block to prefetch while this one computes: without k blocking the
-                // one two blocks on (the second is fetched up front at the range start),
-                // so that a line's prefetch is issued a whole block's compute time
-                // before its use, not a quarter (M = 16) of it at the start of the next
-                // block; with k blocking the following rows or the first rows of the next
-                // k block. Near the end, the next block, then this block again (cache
-                // hits). Prefetches past the segment's last row are harmless (prefetch
-                // never faults).
-                if (j == j_lo && kc == seg.k1 - seg.k0 && j + rows < j_hi) {
-                    const int64_t rows2 = rows_at(j + rows);
-                    const char* b2 = reinterpret_cast<const char*>(w + (seg.row0 + (j + rows) * stride) * ldw + kb);
-                    for (int64_t c = 0; c < (ke - kb) * 2; c += 64)
-                        for (int64_t r = 0; r < rows2; ++r) _mm_prefetch(b2 + r * w_step * 2 + c, _MM_HINT_T2);
-                }
-                const int64_t ahead = kc == seg.k1 - seg.k0 && j + 2 * rows < j_hi ? 2 : 1;
-                int64_t next_j = j + ahead * rows, next_k0 = kb, next_k1 = ke;
-                if (next_j >= j_hi) {
-                    next_j = j_lo;
-                    next_k0 = ke;
-                    next_k1 = ke + kc < seg.k1 ? ke + kc : seg.k1;
-                    if (next_k0 >= seg.k1) next_j = j, next_k0 = kb, next_k1 = ke;
-                }
+                const int64_t rows = lane_block_rows(j_hi - j, group_block);
+                if (j == j_lo && kb == seg.k0 && j + rows < j_hi)
+                    prefetch_second_block(w + (seg.row0 + (j + rows) * stride) * ldw, w_step,
+                                          std::min(rows, j_hi - j - rows), kb, ke);
+                const PrefetchTarget next = prefetch_target(j, rows, j_lo, j_hi, kb, ke, kc, seg.k1);
                 const bf16* w_block = w + (seg.row0 + j * stride) * ldw;
-                const bf16* w_next = w + (seg.row0 + next_j * stride) * ldw;
+                const bf16* w_next = w + (seg.row0 + next.j * stride) * ldw;
                 float* out_block = out + (seg.row0 + j * stride) * ldo;
-                const int64_t steps = std::max<int64_t>(1, (ke - kb) / 32);
-                const int64_t next_len = next_k1 - next_k0;
-                for (int64_t c = 0; c < n_chunks; ++c) {
-                    const int64_t t0 = c * chunk;
-                    const int64_t nt = m - t0 < chunk ? m - t0 : chunk;
-                    // Chunk c prefetches its share of the next block's columns.
-                    const int64_t pf_begin = next_k0 + next_len * c / n_chunks;
-                    const int64_t pf_len = next_k0 + next_len * (c + 1) / n_chunks - pf_begin;
-                    const Block block{w_block, w_step, w_next + pf_begin, (pf_len << 16) / steps, out_block + t0,
-                                      stride * ldo};
-                    micro_for(rows, nt, n_chunks > 4)(block, tokens + t0 * k, k, kb, ke);
+                const int64_t lines = std::max<int64_t>(1, (q1 - q0) * B / 32);
+                const int64_t pf_len = next.k1 - next.k0;
+                for (int64_t gb = 0; q1 > q0 && gb < n_group_blocks; ++gb) {
+                    const int64_t g0 = gb * group_block;
+                    const int64_t ng = std::min(group_block, groups - g0);
+                    // Group block gb prefetches its share of the next block's columns.
+                    const int64_t share_begin = next.k0 + pf_len * gb / n_group_blocks;
+                    const int64_t share_len = next.k0 + pf_len * (gb + 1) / n_group_blocks - share_begin;
+                    const Block block{w_block, w_step, w_next + share_begin, (share_len << 16) / lines,
+                                      out_block + g0 * T, out_step};
+                    lane_micro_for<P>(rows, ng)(block, LaneTokens{tokens + g0 * 32, B * m_pad, m - g0 * T}, q0, q1);
                 }
+                // Columns outside whole blocks (segment edges off the 2P grid).
+                const int64_t head_end = std::min(ke, q0 * B), tail_begin = std::max(kb, q1 * B);
+                if (kb < head_end)
+                    lane_edge_columns(w_block, w_step, rows, tokens, layout, m, k, kb, head_end, out_block, out_step);
+                if (q1 >= q0 && tail_begin < ke)
+                    lane_edge_columns(w_block, w_step, rows, tokens, layout, m, k, tail_begin, ke, out_block, out_step);
                 j += rows;
             }
         }
     }
 }
 
+// Writes the token-lane layout {2P, T} (tokens padded with zeros to a multiple of T): token
+// t's columns [cB, cB + B) are one 4P-byte piece.
+template <int P>
+void lane_gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    constexpr int64_t T = 16 / P, B = 2 * P;
+    const int64_t m_pad = (m + T - 1) / T * T;
+    const int64_t whole = k / B;
+    bf16* dst = static_cast<bf16*>(packed);
+    for (int64_t t = 0; t < m_pad; ++t) {
+        const bf16* src = t < m ? x + token_index[t] * ldx : nullptr;
+        for (int64_t q = 0; q < whole; ++q) {
+            bf16* piece = dst + q * B * m_pad + t * B;
+            if (src)
+                std::memcpy(piece, src + q * B, B * sizeof(bf16));
+            else
+                std::memset(piece, 0, B * sizeof(bf16));
+        }
+        if (k % B) {  // the last, partial block: zero columns after k
+            bf16* piece = dst + whole * B * m_pad + t * B;
+            std::memset(piece, 0, B * sizeof(bf16));
+            if (src) std::memcpy(piece, src + whole * B, (k % B) * sizeof(bf16));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The KernelOps entries. The token operand's layout is chosen by the token count alone, so
+// that gather, silu_mul_pack and matmul_segments, which all see m, agree on it.
+
+bool uses_lanes(int64_t m) { return m >= kLaneMinTokens; }
+
+// Tokens per vector of the token-lane kernels. Measured on Zen 4 (2 threads, qwen3-235b,
+// cold weights, A/B in one process): M = 3-4 T = 4 at 0.97-1.01 of the read ceiling
+// against 0.91-0.94 for the dot-product kernel; M = 16 T = 8 at 0.81-0.85 of the vdpbf16ps
+// peak against 0.78-0.80 for T = 16 (each 64-bit weight broadcast then serves two token
+// vectors); M = 24 T = 8 0.86 against 0.68 (no padding); from M = 32 on T = 16 is as
+// good or better (M = 128: 0.92 against 0.88), so above 24 tokens the width with fewer
+// padding lanes wins, 16 on a tie.
+int64_t lane_tokens(int64_t m) {
+    if (m <= 4) return 4;
+    if (m <= 24) return 8;
+    return (m + 7) / 8 * 8 < (m + 15) / 16 * 16 ? 8 : 16;
+}
+
+TokenLayout token_layout(int64_t m) {
+    if (!uses_lanes(m)) return plain_layout(m);
+    const int64_t t = lane_tokens(m);
+    return TokenLayout{32 / t, t};
+}
+
+size_t packed_bytes(int64_t m, int64_t k) {
+    return static_cast<size_t>(packed_elements(token_layout(m), m, k)) * sizeof(bf16);
+}
+
+void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    if (!uses_lanes(m)) return ref_ops().gather(x, ldx, token_index, m, k, packed);
+    switch (lane_tokens(m)) {
+        case 16: return gather_pairs_avx512(x, ldx, token_index, m, k, 16, packed);
+        case 8: return lane_gather<2>(x, ldx, token_index, m, k, packed);
+        default: return lane_gather<4>(x, ldx, token_index, m, k, packed);
+    }
+}
+
+void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                     int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    if (m <= 0) return;
+    const bf16* x = static_cast<const bf16*>(packed);
+    if (!uses_lanes(m)) return dot_matmul_segments(w, ldw, segments, n_segments, row_begin, row_end, x, m, k, out, ldo);
+    switch (lane_tokens(m)) {
+        case 16: return lane_matmul_segments<1>(w, ldw, segments, n_segments, row_begin, row_end, x, m, k, out, ldo);
+        case 8: return lane_matmul_segments<2>(w, ldw, segments, n_segments, row_begin, row_end, x, m, k, out, ldo);
+        default: return lane_matmul_segments<4>(w, ldw, segments, n_segments, row_begin, row_end, x, m, k, out, ldo);
+    }
+}
+
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    silu_mul_pack_avx512<false>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, packed);
+    silu_mul_pack_avx512(token_layout(m), gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, packed);
 }
 
 }  // namespace
 
 const KernelOps& avx512_ops() {
-    // Plain token layout: the reference's row-copy gather serves.
-    static const KernelOps ops{Isa::avx512,          "avx512",        ref_ops().packed_bytes, ref_ops().gather,
-                               matmul_segments,      silu_mul_pack,   combine_down_avx512};
+    static const KernelOps ops{Isa::avx512,   "avx512",  token_layout,    packed_bytes, gather, matmul_segments,
+                               silu_mul_pack, combine_down_avx512};
     return ops;
 }
 

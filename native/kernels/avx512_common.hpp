@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/kernel_api.hpp"
 
@@ -72,6 +73,40 @@ inline void transpose16(__m512 r[16]) {
     for (int i = 0; i < 16; ++i) r[i] = out[i];
 }
 
+// packed[(c / 2) * 2 m_pad + 2t + c % 2] = x[token_index[t]][c], the pair layout {2,
+// token_multiple} (the padding half of an odd last pair and the padding tokens m <= t <
+// m_pad are zero). A pair is 32 bits, so this is a transpose of 32-bit elements:
+// [m tokens][k/2 pairs] -> [k/2 pairs][m_pad tokens], 16 x 16 at a time.
+inline void gather_pairs_avx512(const uint16_t* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k,
+                                int64_t token_multiple, void* packed) {
+    const int64_t whole_pairs = k / 2;
+    const int64_t m_pad = (m + token_multiple - 1) / token_multiple * token_multiple;
+    for (int64_t t0 = 0; t0 < m_pad; t0 += 16) {
+        const int64_t nt = m - t0 < 16 ? (m > t0 ? m - t0 : 0) : 16;
+        const int64_t nt_pad = m_pad - t0 < 16 ? m_pad - t0 : 16;
+        for (int64_t p0 = 0; p0 < whole_pairs; p0 += 16) {
+            const int64_t np = whole_pairs - p0 < 16 ? whole_pairs - p0 : 16;
+            const __mmask16 pair_mask = tail_mask16(np);
+            const __mmask16 token_mask = tail_mask16(nt_pad);
+            __m512 v[16];
+            for (int tt = 0; tt < 16; ++tt)
+                v[tt] = tt < nt ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(pair_mask, x + token_index[t0 + tt] * ldx + 2 * p0))
+                                : _mm512_setzero_ps();
+            transpose16(v);
+            uint16_t* dst = static_cast<uint16_t*>(packed) + p0 * 2 * m_pad + 2 * t0;
+            for (int pp = 0; pp < np; ++pp)
+                _mm512_mask_storeu_epi32(dst + pp * 2 * m_pad, token_mask, _mm512_castps_si512(v[pp]));
+        }
+    }
+    if (k % 2) {
+        uint16_t* last = static_cast<uint16_t*>(packed) + whole_pairs * 2 * m_pad;
+        for (int64_t t = 0; t < m_pad; ++t) {
+            last[2 * t] = t < m ? x[token_index[t] * ldx + k - 1] : 0;
+            last[2 * t + 1] = 0;
+        }
+    }
+}
+
 // Sum of parts[p][row * ld + t0 .. t0 + nt) over p, in part order (deterministic).
 inline __m512 sum_parts(const float* const* parts, int n_parts, int64_t offset, __mmask16 mask) {
     __m512 sum = _mm512_maskz_loadu_ps(mask, parts[0] + offset);
@@ -81,15 +116,20 @@ inline __m512 sum_parts(const float* const* parts, int n_parts, int64_t offset, 
 
 inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-// silu(g) * u over 16 rows x 16 tokens blocks, written in the plain or the pair layout.
-template <bool kPairs>
-void silu_mul_pack_avx512(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                          int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+// silu(g) * u over 16 rows x 16 tokens blocks, written in the token layout `layout`
+// (kernel_api.hpp): plain, pairs (AMX), or the token-lane column blocks; padding tokens
+// (m <= t < m_pad) are written as zeros.
+inline void silu_mul_pack_avx512(TokenLayout layout, const float* const* gate_parts, const float* const* up_parts,
+                                 int n_parts, int64_t ld, int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total,
+                                 void* packed) {
     bf16* act = static_cast<bf16*>(packed);
+    const int64_t m_pad = padded_tokens(layout, m);
+    const int64_t block = layout.block_columns;
     for (int64_t i0 = i_begin; i0 < i_end; i0 += 16) {
         const int64_t ni = i_end - i0 < 16 ? i_end - i0 : 16;
-        for (int64_t t0 = 0; t0 < m; t0 += 16) {
-            const int64_t nt = m - t0 < 16 ? m - t0 : 16;
+        for (int64_t t0 = 0; t0 < m_pad; t0 += 16) {
+            const int64_t nt = m - t0 < 16 ? (m > t0 ? m - t0 : 0) : 16;     // real tokens
+            const int64_t nt_pad = m_pad - t0 < 16 ? m_pad - t0 : 16;        // ... and padding
             const __mmask16 tmask = tail_mask16(nt);
             __m512 v[16];
             for (int ii = 0; ii < 16; ++ii) {
@@ -100,24 +140,36 @@ void silu_mul_pack_avx512(const float* const* gate_parts, const float* const* up
                 const int64_t offset = (i0 + ii) * ld + t0;
                 const __m512 g = sum_parts(gate_parts, n_parts, offset, tmask);
                 const __m512 u = sum_parts(up_parts, n_parts, offset, tmask);
-                v[ii] = _mm512_mul_ps(silu512(g), u);
+                v[ii] = _mm512_mul_ps(silu512(g), u);  // masked-off tokens: silu(0) * 0 = 0
             }
-            if constexpr (kPairs) {
+            if (block == 2) {
                 // Pair row i/2 holds (act[t][i], act[t][i+1]) interleaved over t.
                 const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-                const __mmask32 store_mask = nt >= 16 ? __mmask32(0xffffffffu) : __mmask32((1u << (2 * nt)) - 1u);
+                const __mmask32 store_mask = nt_pad >= 16 ? __mmask32(0xffffffffu) : __mmask32((1u << (2 * nt_pad)) - 1u);
                 for (int ii = 0; ii < ni; ii += 2) {
                     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(v[ii])),
                                                             to_bf16x16(v[ii + 1]), 1);
                     const __m512i pairs = _mm512_permutexvar_epi16(interleave, both);
-                    _mm512_mask_storeu_epi16(act + ((i0 + ii) / 2) * 2 * m + 2 * t0, store_mask, pairs);
+                    _mm512_mask_storeu_epi16(act + ((i0 + ii) / 2) * 2 * m_pad + 2 * t0, store_mask, pairs);
                 }
-            } else {
-                transpose16(v);
-                const __mmask16 imask = tail_mask16(ni);
-                for (int tt = 0; tt < nt; ++tt)
-                    _mm256_mask_storeu_epi16(act + (t0 + tt) * i_total + i0, imask, to_bf16x16(v[tt]));
+                continue;
+            }
+            transpose16(v);
+            for (int tt = 0; tt < nt_pad; ++tt) {
+                const __m256i row = to_bf16x16(v[tt]);  // token t0 + tt, columns i0 .. i0 + 15
+                if (block == 0) {
+                    _mm256_mask_storeu_epi16(act + (t0 + tt) * i_total + i0, tail_mask16(ni), row);
+                    continue;
+                }
+                // Column blocks of `block` (4, 8 or 16) columns: pieces of one token's row. A
+                // piece past i_end only exists at i_total, where it is the zero padding of
+                // the last block.
+                alignas(32) bf16 values[16];
+                _mm256_store_si256(reinterpret_cast<__m256i*>(values), row);
+                for (int64_t c = 0; c < ni; c += block)
+                    std::memcpy(act + ((i0 + c) / block) * block * m_pad + (t0 + tt) * block, values + c,
+                                block * sizeof(bf16));
             }
         }
     }

@@ -6,8 +6,9 @@
 //   weights  w[r * ldw + k]   row-major exactly as checkpoints store them (nn.Linear
 //                             [out, in]); never repacked. ldw is in elements.
 //   tokens   a "packed token operand" of m tokens x k columns, produced by gather() or
-//            silu_mul_pack(); its layout is the ISA's own (plain row-major x[t][k] for
-//            the dot-product kernels, pair-interleaved B[k/2][2t + k%2] for AMX).
+//            silu_mul_pack(); its layout is the ISA's own choice for m (token_layout
+//            below): plain row-major x[t][k] for the dot-product kernels, column blocks
+//            interleaved across tokens for AMX and the AVX-512 token-lane kernels.
 //   partials out[r * ldo + t] fp32, one row per weight row (the transposed result
 //            H^T[rows, tokens]); kernels add into it (+=), callers zero it.
 #pragma once
@@ -23,12 +24,46 @@ using bf16 = uint16_t;
 
 enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2, amx_model = 3, amx = 4 };
 
+// Layout of the packed token operand, m tokens x k columns of bf16. The columns come in
+// blocks of B = block_columns; a block stores every token's B columns in turn, tokens padded
+// with zeros to m_pad, a multiple of token_multiple:
+//     packed[(c / B) * (B * m_pad) + t * B + c % B]
+// (the last block of a k that is not a multiple of B is padded with zero columns).
+// block_columns == 0 means a single block of all k columns: plain row-major packed[t * k + c].
+//   dot-product kernels (ref, avx2, avx512 for few tokens)  {0, 1}   plain
+//   AMX B operand, pairs B[c / 2][2t + c % 2]               {2, 1}
+//   AVX-512 token lanes, T tokens per vector                 {32 / T, T}
+struct TokenLayout {
+    int64_t block_columns;
+    int64_t token_multiple;
+};
+
+inline int64_t padded_tokens(TokenLayout layout, int64_t m) {
+    return (m + layout.token_multiple - 1) / layout.token_multiple * layout.token_multiple;
+}
+
+inline int64_t packed_elements(TokenLayout layout, int64_t m, int64_t k) {
+    if (layout.block_columns == 0) return m * k;
+    const int64_t b = layout.block_columns;
+    return (k + b - 1) / b * b * padded_tokens(layout, m);
+}
+
+inline int64_t packed_index(TokenLayout layout, int64_t m, int64_t k, int64_t t, int64_t c) {
+    if (layout.block_columns == 0) return t * k + c;
+    const int64_t b = layout.block_columns;
+    return (c / b) * (b * padded_tokens(layout, m)) + t * b + c % b;
+}
+
 struct KernelOps {
     Isa isa;
     const char* name;
 
-    // Bytes of the packed token operand for m tokens of k columns (k even; callers
-    // allocate with 64-byte alignment).
+    // The layout gather and silu_mul_pack write, and matmul_segments reads, for m tokens.
+    // Only the bindings (tests) look at it; the worker layer treats the operand as bytes.
+    TokenLayout (*token_layout)(int64_t m);
+
+    // Bytes of the packed token operand for m tokens of k columns (callers allocate with
+    // 64-byte alignment); 2 * packed_elements(token_layout(m), m, k).
     size_t (*packed_bytes)(int64_t m, int64_t k);
 
     // packed <- rows token_index[0..m) of x (x[i * ldx + c], c < k), in this ISA's layout.
@@ -78,5 +113,8 @@ bool parse_isa(const char* name, Isa* isa);
 
 // The per-ISA tables (each defined in its own translation unit).
 const KernelOps& ref_ops();
+
+inline TokenLayout plain_layout(int64_t) { return TokenLayout{0, 1}; }
+inline TokenLayout pairs_layout(int64_t) { return TokenLayout{2, 1}; }
 
 }  // namespace numa_moe::kernels

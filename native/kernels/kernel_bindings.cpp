@@ -216,10 +216,9 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
         ops.silu_mul_pack(gates.data(), ups.data(), static_cast<int>(gates.size()), m, i_begin, i_end, m, inter,
                           packed.get());
         const auto* src = static_cast<const bf16*>(packed.get());
-        const bool pairs = ops.isa == Isa::amx || ops.isa == Isa::amx_model;
+        const kernels::TokenLayout layout = ops.token_layout(m);
         for (int64_t t = 0; t < m; ++t)
-            for (int64_t i = 0; i < inter; ++i)
-                res[t * inter + i] = pairs ? src[(i / 2) * 2 * m + 2 * t + i % 2] : src[t * inter + i];
+            for (int64_t i = 0; i < inter; ++i) res[t * inter + i] = src[kernels::packed_index(layout, m, inter, t, i)];
     }
     return result;
 }

@@ -72,7 +72,7 @@ void combine_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_
 }  // namespace
 
 const KernelOps& ref_ops() {
-    static const KernelOps ops{Isa::ref, "ref", packed_bytes, gather, matmul_segments, silu_mul_pack, combine_down};
+    static const KernelOps ops{Isa::ref, "ref", plain_layout, packed_bytes, gather, matmul_segments, silu_mul_pack, combine_down};
     return ops;
 }
 
