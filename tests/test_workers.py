@@ -157,3 +157,29 @@ def test_bad_indices_and_segments_are_rejected_by_the_native_layer():
     with pytest.raises(ValueError, match="lies outside the 32 x 64 matrix"):
         core.add_expert(mat(32, 64), mat(32, 64), mat(64, 32), huge, whole(32, 64), whole(64, 32),
                         verify_partition=False)
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="the joining caller needs a CPU of its own")
+def test_joining_caller_is_a_participant_and_its_affinity_is_restored():
+    # One worker on CPUS[1], the caller joins on CPUS[0]: the barrier counts both, the
+    # caller runs its share on its CPU whichever CPU it was on, and keeps its own affinity.
+    pool = _native.WorkerPool([[CPUS[1]]], caller_cpu=CPUS[0])
+    before = os.sched_getaffinity(0)
+    try:
+        assert pool.n_threads == 1 and pool.participants == 2
+        increments, failures = pool.barrier_check(200)
+        assert (increments, failures) == (400, 0)
+        for _ in range(20):
+            cpus, caller_affinity = pool.participant_cpus()
+            assert cpus[0] == CPUS[1]
+            # Moved only when it found itself on the worker's CPU.
+            assert cpus[1] != CPUS[1]
+            assert caller_affinity in ([CPUS[0]], sorted(before))
+        assert os.sched_getaffinity(0) == before
+    finally:
+        pool.shutdown()
+
+
+def test_caller_cpu_out_of_range_is_rejected():
+    with pytest.raises(ValueError, match="caller CPU"):
+        _native.WorkerPool([[CPUS[0]]], caller_cpu=1 << 20)

@@ -6,6 +6,8 @@
 #include <climits>
 #include <cstring>
 #include <ctime>
+#include <exception>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -109,8 +111,9 @@ struct ThreadArg {
 };
 }  // namespace
 
-WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_t spin_us)
-    : node_cpus_(std::move(node_cpus)), pin_(pin), spin_ns_(spin_us * 1000) {
+WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_t spin_us, int caller_cpu)
+    : node_cpus_(std::move(node_cpus)), pin_(pin), spin_ns_(spin_us * 1000), caller_cpu_(caller_cpu) {
+    if (caller_cpu_ >= CPU_SETSIZE) throw std::invalid_argument("WorkerPool: invalid caller CPU " + std::to_string(caller_cpu_));
     if (node_cpus_.empty()) throw std::invalid_argument("WorkerPool needs at least one node");
     std::set<int> distinct;
     for (size_t n = 0; n < node_cpus_.size(); ++n) {
@@ -129,7 +132,12 @@ WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_
     const unsigned hw = std::thread::hardware_concurrency();
     // More threads than CPUs (virtual nodes sharing CPUs): a spinning waiter would only
     // steal the time slice of the thread it waits for, so waiters sleep at once.
-    oversubscribed_ = infos_.size() > distinct.size() || (hw > 0 && infos_.size() > hw);
+    CPU_ZERO(&worker_cpus_);
+    if (pin_)
+        for (const int cpu : distinct) CPU_SET(cpu, &worker_cpus_);
+    if (caller_cpu_ >= 0) distinct.insert(caller_cpu_);
+    const size_t runners = infos_.size() + (caller_cpu_ >= 0 ? 1 : 0);
+    oversubscribed_ = runners > distinct.size() || (hw > 0 && runners > hw);
     fork_generation_ = fork_generation();
     state_ = std::make_unique<State>();
 }
@@ -206,7 +214,7 @@ void WorkerPool::start() {
     // Inside a step the other threads are about to arrive (phases are balanced), so a
     // barrier spins longer than an idle worker waiting for the next call does.
     const int64_t barrier_spin_ns = (oversubscribed_ || spin_ns_ == 0) ? 0 : std::max<int64_t>(spin_ns_, 250000);
-    state.barrier.reset(n_threads(), barrier_spin_ns);
+    state.barrier.reset(participants(), barrier_spin_ns);
     const uint32_t first_generation = state.job_generation.load();
     if (first_generation != 0) state.job_generation.store(0);
     for (const ThreadInfo& info : infos_) {
@@ -257,6 +265,32 @@ void WorkerPool::shutdown() {
     state.running = false;
 }
 
+ThreadInfo WorkerPool::caller_info() const { return ThreadInfo{0, threads_of(0), n_threads(), caller_cpu_}; }
+
+namespace {
+// Pins the calling thread to one CPU for its lifetime, then restores its affinity.
+class ScopedPin {
+public:
+    explicit ScopedPin(int cpu) {
+        CPU_ZERO(&saved_);
+        if (pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        pinned_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
+    }
+    ~ScopedPin() {
+        if (pinned_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+    }
+    ScopedPin(const ScopedPin&) = delete;
+    ScopedPin& operator=(const ScopedPin&) = delete;
+
+private:
+    cpu_set_t saved_;
+    bool pinned_ = false;
+};
+}  // namespace
+
 bool WorkerPool::aborted() const { return state_->abort.load(std::memory_order_relaxed); }
 
 void WorkerPool::barrier() { state_->barrier.arrive_and_wait(); }
@@ -273,6 +307,21 @@ void WorkerPool::run(const Job& job, const std::function<bool()>& keep_going, in
     const uint32_t done_seen = state.done_generation.load(std::memory_order_acquire);
     state.job_generation.fetch_add(1, std::memory_order_seq_cst);
     if (state.job_sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&state.job_generation);
+    std::exception_ptr caller_error;
+    if (caller_cpu_ >= 0) {
+        // Moving the caller costs two affinity syscalls (~10 us in a VM), so only when it
+        // sits on a worker's CPU.
+        const int cpu = sched_getcpu();
+        std::optional<ScopedPin> pin;
+        if (cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &worker_cpus_)) pin.emplace(caller_cpu_);
+        try {
+            job(caller_info());
+        } catch (...) {
+            caller_error = std::current_exception();  // rethrown once the workers are done
+        }
+        // The workers are about to finish too (jobs split work evenly): spin before sleeping.
+        spin_until_changed(state.done_generation, done_seen, oversubscribed_ ? 0 : spin_ns_);
+    }
     const timespec poll{poll_ms / 1000, static_cast<long>(poll_ms % 1000) * 1000000L};
     bool asked_abort = false;
     while (state.done_generation.load(std::memory_order_acquire) == done_seen) {
@@ -284,6 +333,7 @@ void WorkerPool::run(const Job& job, const std::function<bool()>& keep_going, in
         }
     }
     state.job = nullptr;
+    if (caller_error) std::rethrow_exception(caller_error);
 }
 
 }  // namespace numa_moe

@@ -55,10 +55,13 @@ WorkerPool& pool_for(int threads) {
     std::lock_guard<std::mutex> lock(c.mutex);
     auto& slot = c.pools[PoolKey(threads, cpus)];
     if (!slot) {
+        // With a CPU per thread: threads - 1 workers on cpus[1..], and the calling thread as
+        // the last participant on cpus[0] (see WorkerPool's caller CPU). Otherwise (more
+        // threads than CPUs) `threads` unpinned workers while the caller waits.
         const bool pin = !cpus.empty() && threads <= static_cast<int>(cpus.size());
         std::vector<int> node;
-        for (int i = 0; i < threads; ++i) node.push_back(cpus.empty() ? 0 : cpus[i % cpus.size()]);
-        slot = std::make_unique<WorkerPool>(std::vector<std::vector<int>>{node}, pin, kIdleSpinUs);
+        for (int i = pin ? 1 : 0; i < threads; ++i) node.push_back(cpus.empty() ? 0 : cpus[i % cpus.size()]);
+        slot = std::make_unique<WorkerPool>(std::vector<std::vector<int>>{node}, pin, kIdleSpinUs, pin ? cpus[0] : -1);
     }
     return *slot;
 }

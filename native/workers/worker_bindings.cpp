@@ -86,16 +86,17 @@ void register_workers(py::module_& m) {
     py::class_<WorkerPool, std::shared_ptr<WorkerPool>>(m, "WorkerPool", R"doc(
 Persistent worker threads, one group per node, each thread pinned to one CPU of its node.
 node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first use.)doc")
-        .def(py::init([](std::vector<std::vector<int>> node_cpus, bool pin, int64_t spin_us) {
+        .def(py::init([](std::vector<std::vector<int>> node_cpus, bool pin, int64_t spin_us, int caller_cpu) {
                  try {
-                     return std::make_shared<WorkerPool>(std::move(node_cpus), pin, spin_us);
+                     return std::make_shared<WorkerPool>(std::move(node_cpus), pin, spin_us, caller_cpu);
                  } catch (const std::invalid_argument& e) {
                      throw py::value_error(e.what());
                  }
              }),
-             py::arg("node_cpus"), py::arg("pin") = true, py::arg("spin_us") = 50)
+             py::arg("node_cpus"), py::arg("pin") = true, py::arg("spin_us") = 50, py::arg("caller_cpu") = -1)
         .def_property_readonly("n_nodes", &WorkerPool::n_nodes)
         .def_property_readonly("n_threads", &WorkerPool::n_threads)
+        .def_property_readonly("participants", &WorkerPool::participants)
         .def_property_readonly("node_cpus", &WorkerPool::node_cpus)
         .def_property_readonly("started", &WorkerPool::started)
         .def_property_readonly("start_count", &WorkerPool::start_count)
@@ -136,7 +137,7 @@ node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first us
             std::atomic<int64_t> failures{0};
             {
                 py::gil_scoped_release release;
-                const int n = p.n_threads();
+                const int n = p.participants();
                 p.run([&](const ThreadInfo&) {
                     for (int r = 0; r < rounds; ++r) {
                         counter.fetch_add(1);
@@ -148,6 +149,26 @@ node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first us
             }
             return py::make_tuple(counter.load(), failures.load());
         }, py::arg("rounds"), "Self-test of the barrier: returns (increments, failures).")
+        .def("participant_cpus", [](WorkerPool& p) {
+            // The CPU each participant of one run is on (caller last when it joins), and
+            // the calling thread's affinity during its share.
+            std::vector<int> cpus(p.participants(), -2);
+            std::vector<int> caller_affinity;
+            {
+                py::gil_scoped_release release;
+                p.run([&](const ThreadInfo& ti) {
+                    cpus[ti.global] = sched_getcpu();
+                    if (ti.global == p.n_threads()) {
+                        cpu_set_t set;
+                        CPU_ZERO(&set);
+                        if (sched_getaffinity(0, sizeof(set), &set) == 0)
+                            for (int c = 0; c < CPU_SETSIZE; ++c)
+                                if (CPU_ISSET(c, &set)) caller_affinity.push_back(c);
+                    }
+                });
+            }
+            return py::make_tuple(cpus, caller_affinity);
+        }, "Runs a job that reports the CPU of every participant and the caller's affinity.")
         .def("busy_job", [](WorkerPool& p, double seconds) {
             // Every thread works in 1 ms slices for `seconds`, stopping early when the
             // caller aborts; Ctrl-C on the caller raises KeyboardInterrupt (tests).
