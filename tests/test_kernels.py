@@ -24,7 +24,7 @@ from numa_moe import kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ISAS = kernels.available_isas()
-M_VALUES = (1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 64, 128)
+M_VALUES = (1, 2, 3, 4, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 48, 64, 128)
 MATMUL_TOL = 1e-5
 FFN_TOL_F32 = 2e-3
 FFN_TOL_BF16 = 2e-3 + 2.0**-8
@@ -170,10 +170,11 @@ def test_matmul_strided_segments_row_range_and_k_tails(isa, m, rng):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", (5, 9, 17, 130))
+@pytest.mark.parametrize("m", (1, 4, 5, 9, 17, 40, 130))
 def test_matmul_long_k_blocks(isa, m, rng):
-    # k long enough that the dot-product kernels cut it into several k blocks (more than
-    # four token chunks: M = 17, 130), with segment edges inside blocks and off the 32-column grid.
+    # k long enough that the token-lane kernels cut it into several k blocks (more than 32
+    # tokens: M = 40, 130), with segment edges inside blocks and off the 32-column grid
+    # (and off every column-block grid of the token-lane layouts: 2, 4, 8 columns).
     # Error bound: as MATMUL_TOL, with sqrt(2500 / 640) ~ 2x more accumulation error.
     rows, k = 29, 2500
     weight = bf16(rng.standard_normal((rows, k)))
@@ -182,6 +183,21 @@ def test_matmul_long_k_blocks(isa, m, rng):
     out, base, covered = run_matmul(isa, weight, segments, tokens, 0, rows, rng)
     ref = segment_reference(weight, segments, tokens, 0, rows)
     assert rel_fro(out[covered] - base[covered], ref[covered]) < 2 * MATMUL_TOL
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_every_token_count_up_to_50(isa, rng):
+    # Each token count selects its own register blocks and, for AVX-512, its own token
+    # layout (dot product at 1-2 tokens, 4-, 8- or 16-token lanes, 1-4 token vectors per
+    # block, padding tokens): sweep them all on a small matrix with split column pairs.
+    rows, k = 23, 136
+    weight = bf16(rng.standard_normal((rows, k)))
+    segments = [[0, 1, rows, 0, 67], [0, 1, rows, 67, 133], [1, 2, 11, 133, 136]]
+    for m in range(1, 51):
+        tokens = bf16(rng.standard_normal((m, k)))
+        out, base, covered = run_matmul(isa, weight, segments, tokens, 0, rows, rng)
+        ref = segment_reference(weight, segments, tokens, 0, rows)
+        assert rel_fro(out[covered] - base[covered], ref[covered]) < MATMUL_TOL, m
 
 
 def test_matmul_is_an_accumulation(rng):
@@ -197,8 +213,10 @@ def test_matmul_is_an_accumulation(rng):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_silu_mul_pack_two_parts(isa, rng):
-    inter, m = 96 + 7, 19  # i_total not a multiple of 32 (nor even)
+@pytest.mark.parametrize("m", (2, 3, 19, 40, 64))
+def test_silu_mul_pack_two_parts(isa, m, rng):
+    # i_total not a multiple of 32 (nor even); m covers every AVX-512 token layout.
+    inter = 96 + 7
     gate = [rng.standard_normal((inter, m)).astype(np.float32) for _ in range(2)]
     up = [rng.standard_normal((inter, m)).astype(np.float32) for _ in range(2)]
     act = kernels.silu_mul_pack(gate, up, 32, inter, isa=isa).astype(np.float64)
