@@ -418,27 +418,64 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
     }
 }
 
-// Writes the token-lane layout {2P, T} (tokens padded with zeros to a multiple of T): token
-// t's columns [cB, cB + B) are one 4P-byte piece.
+// 8 x 8 transpose of 64-bit elements: r[j] <- element j of every r[i].
+inline void transpose8x64(__m512i r[8]) {
+    __m512i t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi64(r[2 * i], r[2 * i + 1]);      // [i0 j0 | i2 j2 | i4 j4 | i6 j6]
+        t[2 * i + 1] = _mm512_unpackhi_epi64(r[2 * i], r[2 * i + 1]);  // [i1 j1 | i3 j3 | ...]
+    }
+    for (int h = 0; h < 2; ++h) {  // rows 0-3, rows 4-7
+        u[4 * h + 0] = _mm512_shuffle_i64x2(t[4 * h], t[4 * h + 2], 0x88);      // elements 0, 4
+        u[4 * h + 1] = _mm512_shuffle_i64x2(t[4 * h], t[4 * h + 2], 0xdd);      // elements 2, 6
+        u[4 * h + 2] = _mm512_shuffle_i64x2(t[4 * h + 1], t[4 * h + 3], 0x88);  // elements 1, 5
+        u[4 * h + 3] = _mm512_shuffle_i64x2(t[4 * h + 1], t[4 * h + 3], 0xdd);  // elements 3, 7
+    }
+    r[0] = _mm512_shuffle_i64x2(u[0], u[4], 0x88);
+    r[4] = _mm512_shuffle_i64x2(u[0], u[4], 0xdd);
+    r[2] = _mm512_shuffle_i64x2(u[1], u[5], 0x88);
+    r[6] = _mm512_shuffle_i64x2(u[1], u[5], 0xdd);
+    r[1] = _mm512_shuffle_i64x2(u[2], u[6], 0x88);
+    r[5] = _mm512_shuffle_i64x2(u[2], u[6], 0xdd);
+    r[3] = _mm512_shuffle_i64x2(u[3], u[7], 0x88);
+    r[7] = _mm512_shuffle_i64x2(u[3], u[7], 0xdd);
+}
+
+// 4 x 4 transpose of 128-bit elements: r[j] <- element j of every r[i].
+inline void transpose4x128(__m512i r[4]) {
+    const __m512i a = _mm512_shuffle_i64x2(r[0], r[1], 0x44), b = _mm512_shuffle_i64x2(r[0], r[1], 0xee);
+    const __m512i c = _mm512_shuffle_i64x2(r[2], r[3], 0x44), d = _mm512_shuffle_i64x2(r[2], r[3], 0xee);
+    r[0] = _mm512_shuffle_i64x2(a, c, 0x88);
+    r[1] = _mm512_shuffle_i64x2(a, c, 0xdd);
+    r[2] = _mm512_shuffle_i64x2(b, d, 0x88);
+    r[3] = _mm512_shuffle_i64x2(b, d, 0xdd);
+}
+
+// Writes the token-lane layout {2P, T} (P = 2 or 4; tokens padded with zeros to a multiple
+// of T): token t's columns [qB, qB + B) are one 4P-byte element, so this is a transpose of
+// 8-byte (P = 2) or 16-byte (P = 4) elements, [m tokens][k / B] -> [k / B][m_pad tokens],
+// T tokens x T elements (one zmm of each token) at a time. Columns past k are zero.
 template <int P>
 void lane_gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    static_assert(P == 2 || P == 4, "the 16-token layout is gather_pairs_avx512's");
     constexpr int64_t T = 16 / P, B = 2 * P;
     const int64_t m_pad = (m + T - 1) / T * T;
-    const int64_t whole = k / B;
+    const int64_t blocks = (k + B - 1) / B;
     bf16* dst = static_cast<bf16*>(packed);
-    for (int64_t t = 0; t < m_pad; ++t) {
-        const bf16* src = t < m ? x + token_index[t] * ldx : nullptr;
-        for (int64_t q = 0; q < whole; ++q) {
-            bf16* piece = dst + q * B * m_pad + t * B;
-            if (src)
-                std::memcpy(piece, src + q * B, B * sizeof(bf16));
+    for (int64_t t0 = 0; t0 < m_pad; t0 += T) {
+        for (int64_t c0 = 0; c0 < k; c0 += 32) {  // 32 columns = T blocks
+            const __mmask32 columns = k - c0 >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (k - c0)) - 1u);
+            __m512i v[T];
+            for (int i = 0; i < T; ++i)
+                v[i] = t0 + i < m ? _mm512_maskz_loadu_epi16(columns, x + token_index[t0 + i] * ldx + c0)
+                                  : _mm512_setzero_si512();
+            if constexpr (P == 2)
+                transpose8x64(v);
             else
-                std::memset(piece, 0, B * sizeof(bf16));
-        }
-        if (k % B) {  // the last, partial block: zero columns after k
-            bf16* piece = dst + whole * B * m_pad + t * B;
-            std::memset(piece, 0, B * sizeof(bf16));
-            if (src) std::memcpy(piece, src + whole * B, (k % B) * sizeof(bf16));
+                transpose4x128(v);
+            const int64_t q0 = c0 / B;
+            for (int j = 0; j < T && q0 + j < blocks; ++j)
+                _mm512_store_si512(dst + (q0 + j) * B * m_pad + t0 * B, v[j]);
         }
     }
 }

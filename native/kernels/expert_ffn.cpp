@@ -30,6 +30,35 @@ Buffer aligned_buffer(size_t bytes) {
     return Buffer(p);
 }
 
+// The call's work buffers, kept per calling thread from one call to the next: glibc
+// returns blocks of 128 KiB and more to the kernel on free, so fresh buffers cost page
+// faults on every call (a qwen3-30b-a3b expert at M = 16 needs six buffers of 24-128 KiB).
+// A buffer above kKeptBytes (long prefill) is the call's own and freed after it.
+enum Slot { kTokens, kGate, kUp, kAct, kDown, kOut, kSlots };
+constexpr size_t kKeptBytes = size_t(4) << 20;
+
+class Scratch {
+public:
+    void* get(Slot slot, size_t bytes, Buffer* call_owned) {
+        if (bytes > kKeptBytes) {
+            *call_owned = aligned_buffer(bytes);
+            return call_owned->get();
+        }
+        if (bytes > sizes_[slot]) {
+            buffers_[slot].reset();
+            buffers_[slot] = aligned_buffer(bytes);
+            sizes_[slot] = bytes;
+        }
+        return buffers_[slot].get();
+    }
+
+private:
+    Buffer buffers_[kSlots];
+    size_t sizes_[kSlots] = {};
+};
+
+thread_local Scratch t_scratch;
+
 // Thread `index` of n_threads: its share of [0, n) in chunks that are multiples of 32
 // (silu_mul_pack's contract); empty for threads past the last chunk.
 std::pair<int64_t, int64_t> row_share(int64_t n, int index, int n_threads) {
@@ -56,28 +85,22 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     const int threads = std::max(1, a.threads);
     if (m == 0) return;
 
-    Buffer x_packed = aligned_buffer(ops.packed_bytes(m, hidden));
-    ops.gather(a.x, a.ldx, a.token_index, m, hidden, x_packed.get());
+    Buffer owned[kSlots];  // only buffers above kKeptBytes
+    void* x_packed = t_scratch.get(kTokens, ops.packed_bytes(m, hidden), &owned[kTokens]);
+    ops.gather(a.x, a.ldx, a.token_index, m, hidden, x_packed);
 
-    Buffer gate = aligned_buffer(sizeof(float) * inter * m);
-    Buffer up = aligned_buffer(sizeof(float) * inter * m);
-    Buffer act = aligned_buffer(ops.packed_bytes(m, inter));
-    float* gate_f = static_cast<float*>(gate.get());
-    float* up_f = static_cast<float*>(up.get());
+    float* gate_f = static_cast<float*>(t_scratch.get(kGate, sizeof(float) * inter * m, &owned[kGate]));
+    float* up_f = static_cast<float*>(t_scratch.get(kUp, sizeof(float) * inter * m, &owned[kUp]));
+    void* act = t_scratch.get(kAct, ops.packed_bytes(m, inter), &owned[kAct]);
     Segment whole_g, whole_u, whole_d;
     int64_t n_g, n_u, n_d;
     const Segment* seg_g = segments_or_whole(a.gate_segments, &whole_g, inter, hidden, &n_g);
     const Segment* seg_u = segments_or_whole(a.up_segments, &whole_u, inter, hidden, &n_u);
     const Segment* seg_d = segments_or_whole(a.down_segments, &whole_d, hidden, inter, &n_d);
 
-    Buffer down = aligned_buffer(sizeof(float) * hidden * m);
-    float* down_f = static_cast<float*>(down.get());
-    Buffer y_scratch;
+    float* down_f = static_cast<float*>(t_scratch.get(kDown, sizeof(float) * hidden * m, &owned[kDown]));
     float* y = static_cast<float*>(a.out);
-    if (a.out_bf16) {
-        y_scratch = aligned_buffer(sizeof(float) * m * hidden);
-        y = static_cast<float*>(y_scratch.get());
-    }
+    if (a.out_bf16) y = static_cast<float*>(t_scratch.get(kOut, sizeof(float) * m * hidden, &owned[kOut]));
     std::vector<int64_t> identity(m);
     std::vector<float> ones(m, 1.0f);
     for (int64_t t = 0; t < m; ++t) identity[t] = t;
@@ -85,15 +108,15 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     auto gate_up_rows = [&](int64_t begin, int64_t end) {
         std::memset(gate_f + begin * m, 0, sizeof(float) * (end - begin) * m);
         std::memset(up_f + begin * m, 0, sizeof(float) * (end - begin) * m);
-        ops.matmul_segments(a.w_gate, hidden, seg_g, n_g, begin, end, x_packed.get(), m, hidden, gate_f, m);
-        ops.matmul_segments(a.w_up, hidden, seg_u, n_u, begin, end, x_packed.get(), m, hidden, up_f, m);
+        ops.matmul_segments(a.w_gate, hidden, seg_g, n_g, begin, end, x_packed, m, hidden, gate_f, m);
+        ops.matmul_segments(a.w_up, hidden, seg_u, n_u, begin, end, x_packed, m, hidden, up_f, m);
         const float* gate_parts[1] = {gate_f};
         const float* up_parts[1] = {up_f};
-        ops.silu_mul_pack(gate_parts, up_parts, 1, m, begin, end, m, inter, act.get());
+        ops.silu_mul_pack(gate_parts, up_parts, 1, m, begin, end, m, inter, act);
     };
     auto down_rows = [&](int64_t begin, int64_t end) {
         std::memset(down_f + begin * m, 0, sizeof(float) * (end - begin) * m);
-        ops.matmul_segments(a.w_down, inter, seg_d, n_d, begin, end, act.get(), m, inter, down_f, m);
+        ops.matmul_segments(a.w_down, inter, seg_d, n_d, begin, end, act, m, inter, down_f, m);
         for (int64_t t = 0; t < m; ++t) std::memset(y + t * hidden + begin, 0, sizeof(float) * (end - begin));
         const float* parts[1] = {down_f};
         ops.combine_down(parts, 1, m, begin, end, m, identity.data(), ones.data(), y, hidden);
