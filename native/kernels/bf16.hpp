@@ -15,12 +15,17 @@ inline float bf16_to_float(uint16_t value) {
     return result;
 }
 
+// Branch-free, so that loops over it (floats_to_bf16) vectorise in baseline code.
 inline uint16_t float_to_bf16(float value) {
     uint32_t bits;
     std::memcpy(&bits, &value, sizeof(bits));
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
+    const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+inline void floats_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }

@@ -99,8 +99,15 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     const Segment* seg_d = segments_or_whole(a.down_segments, &whole_d, hidden, inter, &n_d);
 
     float* down_f = static_cast<float*>(t_scratch.get(kDown, sizeof(float) * hidden * m, &owned[kDown]));
+    // fp32 output: combined straight into out. bf16 output: into an fp32 scratch whose rows
+    // are padded by a cache line, so that the token rows of a 16 x 16 combine tile do not
+    // all fall into one L1 set (rows of 2048 or 4096 floats are multiples of 4 KB apart).
     float* y = static_cast<float*>(a.out);
-    if (a.out_bf16) y = static_cast<float*>(t_scratch.get(kOut, sizeof(float) * m * hidden, &owned[kOut]));
+    int64_t ldy = hidden;
+    if (a.out_bf16) {
+        ldy = hidden + 16;
+        y = static_cast<float*>(t_scratch.get(kOut, sizeof(float) * m * ldy, &owned[kOut]));
+    }
     std::vector<int64_t> identity(m);
     std::vector<float> ones(m, 1.0f);
     for (int64_t t = 0; t < m; ++t) identity[t] = t;
@@ -117,13 +124,12 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     auto down_rows = [&](int64_t begin, int64_t end) {
         std::memset(down_f + begin * m, 0, sizeof(float) * (end - begin) * m);
         ops.matmul_segments(a.w_down, inter, seg_d, n_d, begin, end, act, m, inter, down_f, m);
-        for (int64_t t = 0; t < m; ++t) std::memset(y + t * hidden + begin, 0, sizeof(float) * (end - begin));
+        for (int64_t t = 0; t < m; ++t) std::memset(y + t * ldy + begin, 0, sizeof(float) * (end - begin));
         const float* parts[1] = {down_f};
-        ops.combine_down(parts, 1, m, begin, end, m, identity.data(), ones.data(), y, hidden);
+        ops.combine_down(parts, 1, m, begin, end, m, identity.data(), ones.data(), y, ldy);
         if (a.out_bf16) {
             bf16* out = static_cast<bf16*>(a.out);
-            for (int64_t t = 0; t < m; ++t)
-                for (int64_t h = begin; h < end; ++h) out[t * hidden + h] = float_to_bf16(y[t * hidden + h]);
+            for (int64_t t = 0; t < m; ++t) floats_to_bf16(y + t * ldy + begin, out + t * hidden + begin, end - begin);
         }
     };
     // Phase 0 writes act (all of it, across threads), phase 1 reads all of it.

@@ -390,7 +390,7 @@ bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const i
             } else {
                 bf16* o = static_cast<bf16*>(out);
                 for (int64_t t = 0; t < n_tokens; ++t)
-                    for (int64_t h = hr.begin; h < hr.end; ++h) o[t * H + h] = kernels::float_to_bf16(y[t * H + h]);
+                    kernels::floats_to_bf16(y + t * H + hr.begin, o + t * H + hr.begin, hr.end - hr.begin);
             }
         };
         pool.run(job, keep_going);
