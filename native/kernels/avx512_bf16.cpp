@@ -65,18 +65,22 @@ void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, i
     *j_hi = hi > lo ? hi : lo;
 }
 
-// The block to prefetch while register block j (rows [j, j + rows), columns [kb, ke))
-// computes: the one two blocks on, so that a line is requested a whole block's compute
-// time before its use (measured under memory contention from other VMs, qwen3-235b,
-// M = 16: 1.70 ms against 2.01 ms for one block on); past the last rows the first rows of
-// the next k block (k_next0 < k_end), at the very end this block again (cache hits).
-// Prefetches past the segment's last row are harmless (prefetch never faults).
+// The blocks to prefetch while register block j (rows [j, j + rows), columns [kb, ke))
+// computes: the one `ahead` blocks on. Every line is prefetched twice, two blocks and one
+// block before its use: two blocks so that the request comes a whole block's compute time
+// early (under memory contention from other VMs, qwen3-235b, M = 16: 1.70 ms against 2.01
+// ms for one block on), and again one block on, which gained another 1-6% (one core, cold
+// weights, M = 8: 0.65-0.67 -> 0.68-0.71 of the peak; 2 threads, memory at 53 GB/s: M = 1
+// deepseek-v3 0.87 -> 0.90 of the read ceiling, M = 2 qwen3-30b-a3b 0.87 -> 0.92), as if
+// some of the first requests were lost. Past the last rows the first rows of the next k block
+// (k_next0 < k_end), at the very end this block again (cache hits). Prefetches past the
+// segment's last row are harmless (prefetch never faults).
 struct PrefetchTarget {
     int64_t j, k0, k1;
 };
-PrefetchTarget prefetch_target(int64_t j, int64_t rows, int64_t j_lo, int64_t j_hi, int64_t kb, int64_t ke, int64_t kc,
-                               int64_t k_end) {
-    PrefetchTarget target{j + 2 * rows, kb, ke};
+PrefetchTarget prefetch_target(int64_t j, int64_t rows, int ahead, int64_t j_lo, int64_t j_hi, int64_t kb, int64_t ke,
+                               int64_t kc, int64_t k_end) {
+    PrefetchTarget target{j + ahead * rows, kb, ke};
     if (target.j < j_hi) return target;
     if (ke < k_end) return PrefetchTarget{j_lo + (target.j - j_hi), ke, std::min(ke + kc, k_end)};
     return PrefetchTarget{j, kb, ke};
@@ -103,7 +107,8 @@ void prefetch_second_block(const bf16* w, int64_t w_step, int64_t rows, int64_t 
 struct Block {
     const bf16* w;          // row 0 of the block, column 0
     int64_t w_step;         // elements between its rows
-    const bf16* pf;         // row 0 of the block to prefetch, first column to prefetch
+    const bf16* pf;         // row 0 of the block two on, first column to prefetch
+    const bf16* pf_again;   // row 0 of the block one on, the same column
     int64_t pf_step_fixed;  // 16.16 fixed-point prefetch columns per 64-byte line
     float* out;             // out row of block row 0, first token of the block
     int64_t out_step;       // floats between the out rows
@@ -135,14 +140,17 @@ void dot_micro(const Block& b, const bf16* tok, int64_t ldt, int64_t k0, int64_t
     const bf16* w = b.w + k0;
     const bf16* x = tok + k0;
     const char* pf = reinterpret_cast<const char*>(b.pf);
+    const char* pf_again = reinterpret_cast<const char*>(b.pf_again);
     int64_t pf_fixed = 0;
     int64_t steps = (k1 - k0) / 32;
     for (; steps > 0; --steps, w += 32, x += 32) {
         __m512bh wv[R];
         const char* pf_at = pf + (pf_fixed >> 16) * 2;
+        const char* again_at = pf_again + (pf_fixed >> 16) * 2;
         pf_fixed += pf_step;
         for (int r = 0; r < R; ++r) {
             _mm_prefetch(pf_at + r * w_step * 2, _MM_HINT_T2);
+            _mm_prefetch(again_at + r * w_step * 2, _MM_HINT_T2);
             wv[r] = (__m512bh)_mm512_loadu_si512(w + r * w_step);
         }
         for (int t = 0; t < T; ++t) {
@@ -203,10 +211,12 @@ void dot_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, in
             if (j == j_lo && j + rows < j_hi)
                 prefetch_second_block(w + (seg.row0 + (j + rows) * stride) * ldw, w_step,
                                       std::min<int64_t>(kDotRows, j_hi - j - rows), kb, ke);
-            const PrefetchTarget next = prefetch_target(j, rows, j_lo, j_hi, kb, ke, span, ke);
+            const PrefetchTarget next = prefetch_target(j, rows, 2, j_lo, j_hi, kb, ke, span, ke);
+            const PrefetchTarget near = prefetch_target(j, rows, 1, j_lo, j_hi, kb, ke, span, ke);
             const int64_t steps = std::max<int64_t>(1, span / 32);
             const Block block{w + (seg.row0 + j * stride) * ldw, w_step,
-                              w + (seg.row0 + next.j * stride) * ldw + next.k0, ((next.k1 - next.k0) << 16) / steps,
+                              w + (seg.row0 + next.j * stride) * ldw + next.k0,
+                              w + (seg.row0 + near.j * stride) * ldw + near.k0, ((next.k1 - next.k0) << 16) / steps,
                               out + (seg.row0 + j * stride) * ldo, stride * ldo};
             (m == 1 ? dot_micro_for_rows<1>(rows) : dot_micro_for_rows<2>(rows))(block, tokens, k, kb, ke);
             j += rows;
@@ -280,13 +290,17 @@ void lane_micro(const Block& b, const LaneTokens& x_block, int64_t q0, int64_t q
         for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
     const int64_t w_step = b.w_step;
     const char* pf = reinterpret_cast<const char*>(b.pf);
+    const char* pf_again = reinterpret_cast<const char*>(b.pf_again);
     int64_t pf_fixed = 0;
     for (int64_t line = q0; line < q1; line += kBlocksPerLine) {
         // R prefetches of a later block per line of this one (see Block).
         const char* pf_at = pf + (pf_fixed >> 16) * 2;
+        const char* again_at = pf_again + (pf_fixed >> 16) * 2;
         pf_fixed += b.pf_step_fixed;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) _mm_prefetch(pf_at + r * w_step * 2, _MM_HINT_T2);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) _mm_prefetch(again_at + r * w_step * 2, _MM_HINT_T2);
         const int64_t line_end = line + kBlocksPerLine < q1 ? line + kBlocksPerLine : q1;
         for (int64_t q = line; q < line_end; ++q) {
             __m512bh x[G];
@@ -390,9 +404,11 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
                 if (j == j_lo && kb == seg.k0 && j + rows < j_hi)
                     prefetch_second_block(w + (seg.row0 + (j + rows) * stride) * ldw, w_step,
                                           std::min(rows, j_hi - j - rows), kb, ke);
-                const PrefetchTarget next = prefetch_target(j, rows, j_lo, j_hi, kb, ke, kc, seg.k1);
+                const PrefetchTarget next = prefetch_target(j, rows, 2, j_lo, j_hi, kb, ke, kc, seg.k1);
+                const PrefetchTarget near = prefetch_target(j, rows, 1, j_lo, j_hi, kb, ke, kc, seg.k1);
                 const bf16* w_block = w + (seg.row0 + j * stride) * ldw;
                 const bf16* w_next = w + (seg.row0 + next.j * stride) * ldw;
+                const bf16* w_near = w + (seg.row0 + near.j * stride) * ldw + near.k0 - next.k0;
                 float* out_block = out + (seg.row0 + j * stride) * ldo;
                 const int64_t lines = std::max<int64_t>(1, (q1 - q0) * B / 32);
                 const int64_t pf_len = next.k1 - next.k0;
@@ -402,8 +418,8 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
                     // Group block gb prefetches its share of the next block's columns.
                     const int64_t share_begin = next.k0 + pf_len * gb / n_group_blocks;
                     const int64_t share_len = next.k0 + pf_len * (gb + 1) / n_group_blocks - share_begin;
-                    const Block block{w_block, w_step, w_next + share_begin, (share_len << 16) / lines,
-                                      out_block + g0 * T, out_step};
+                    const Block block{w_block, w_step, w_next + share_begin, w_near + share_begin,
+                                      (share_len << 16) / lines, out_block + g0 * T, out_step};
                     lane_micro_for<P>(rows, ng)(block, LaneTokens{tokens + g0 * 32, B * m_pad, m - g0 * T}, q0, q1);
                 }
                 // Columns outside whole blocks (segment edges off the 2P grid).

@@ -95,15 +95,25 @@ def random_bf16_bits(rng: np.random.Generator, shape) -> np.ndarray:
     return (bits & np.uint16(0x80FF)) | np.uint16(0x3C00)
 
 
-def measure_peak_gflop_s(threads: int, seconds: float = 0.2) -> float:
+def measure_peak_gflop_s(threads: int, seconds: float = 0.1, tries: int = 5) -> float:
+    """The register-only vdpbf16ps rate on `threads` threads: the best of `tries` runs of
+    about `seconds` each. Another process on the cores can only lower a run (one disturbed
+    0.2 s run read 425 instead of 465 GFLOP/s), and a low peak would flatter every
+    fraction of it, so the best run is the yardstick."""
     iterations = 1000
     while True:
         start = time.perf_counter()
         flops = _native.dpbf16ps_peak(iterations, threads)
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
-            return flops / elapsed / 1e9
+            break
         iterations *= max(2, int(seconds / max(elapsed, 1e-6)))
+    best = flops / elapsed / 1e9
+    for _ in range(tries - 1):
+        start = time.perf_counter()
+        flops = _native.dpbf16ps_peak(iterations, threads)
+        best = max(best, flops / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def _torch_ffn_times(experts_t, x_t, repeats: int, threads: int) -> list[float]:
