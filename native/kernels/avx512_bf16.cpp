@@ -16,7 +16,7 @@
 //     row's matching 2P columns are broadcast to the T token slots, so each instruction does
 //     useful work in all 16 lanes however few the tokens, and each weight element loaded
 //     serves T tokens (see lane_micro).
-// Both stream the weights once, R rows at a time, and prefetch the block two on into L2
+// Both stream the weights once, R rows at a time, and prefetch the blocks two on and one on into L2
 // while a block computes (see Block).
 #include <immintrin.h>
 
@@ -94,7 +94,7 @@ void prefetch_second_block(const bf16* w, int64_t w_step, int64_t rows, int64_t 
         for (int64_t r = 0; r < rows; ++r) _mm_prefetch(first + r * w_step * 2 + c, _MM_HINT_T2);
 }
 
-// L2 prefetch of a later register block while this one computes: the hardware prefetcher
+// L2 prefetch of later register blocks while this one computes: the hardware prefetcher
 // alone stops at every 4 KB page of each of the R row streams and leaves the loads waiting
 // on DRAM, serialising memory and compute. Row r's columns [begin, begin + len) are
 // prefetched spread evenly over the 64-byte lines of the block (line s: column
