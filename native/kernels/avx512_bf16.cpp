@@ -16,8 +16,8 @@
 //     row's matching 2P columns are broadcast to the T token slots, so each instruction does
 //     useful work in all 16 lanes however few the tokens, and each weight element loaded
 //     serves T tokens (see lane_micro).
-// Both stream the weights once, R rows at a time, and prefetch the blocks two on and one on into L2
-// while a block computes (see Block).
+// Both stream the weights once, R rows at a time, and prefetch the blocks two on and one
+// on into L2 while a block computes (see Block, prefetch_target).
 #include <immintrin.h>
 
 #include <algorithm>
