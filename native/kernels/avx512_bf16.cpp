@@ -65,6 +65,19 @@ void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, i
     *j_hi = hi > lo ? hi : lo;
 }
 
+// Calls fn(seg, j_lo, j_hi, stride) for every segment with rows in [row_begin, row_end) and
+// a non-empty column range.
+template <class Fn>
+void for_each_segment_rows(const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end, Fn&& fn) {
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+        fn(seg, j_lo, j_hi, seg.row_stride > 0 ? seg.row_stride : 1);
+    }
+}
+
 // The blocks to prefetch while register block j (rows [j, j + rows), columns [kb, ke))
 // computes: the one `ahead` blocks on. Every line is prefetched twice, two blocks and one
 // block before its use: two blocks so that the request comes a whole block's compute time
@@ -195,12 +208,8 @@ DotMicroFn dot_micro_for_rows(int64_t rows) {
 
 void dot_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
                          int64_t row_end, const bf16* tokens, int64_t m, int64_t k, float* out, int64_t ldo) {
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
-        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
-        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t stride) {
         const int64_t w_step = stride * ldw;
         const int64_t kb = seg.k0, ke = seg.k1, span = ke - kb;
         // Full blocks of kDotRows rows, then one block of the rows left: a row range that is
@@ -221,7 +230,7 @@ void dot_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, in
             (m == 1 ? dot_micro_for_rows<1>(rows) : dot_micro_for_rows<2>(rows))(block, tokens, k, kb, ke);
             j += rows;
         }
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -388,12 +397,8 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
     const int64_t groups = m_pad / T;
     const int64_t group_block = groups < kLaneMaxGroups ? groups : kLaneMaxGroups;
     const int64_t n_group_blocks = (groups + group_block - 1) / group_block;
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
-        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
-        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t stride) {
         const int64_t w_step = stride * ldw, out_step = stride * ldo;
         const int64_t kc = k_block(seg.k1 - seg.k0, m);
         for (int64_t kb = seg.k0; kb < seg.k1; kb += kc) {
@@ -431,7 +436,7 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
                 j += rows;
             }
         }
-    }
+    });
 }
 
 // 8 x 8 transpose of 64-bit elements: r[j] <- element j of every r[i].
