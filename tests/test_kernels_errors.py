@@ -144,3 +144,14 @@ def test_amx_model_faults(shapes, palette, message):
     tiles = [np.zeros((16, 64), np.uint8) for _ in range(3)]
     with pytest.raises(RuntimeError, match=message.replace("/", "/").replace("(", r"\(")):
         _native.amx_model_tile_dot(cfg, False, *tiles)
+
+
+@pytest.mark.skipif("avx512" not in kernels.available_isas(), reason="the streaming read is AVX-512 code")
+def test_stream_reads_refuse_strided_buffers(rng):
+    strided = rng.standard_normal((64, 64)).astype(np.float32)[:, ::2]
+    for call in (lambda b: _native.stream_read(b, 1), lambda b: _native.bench_stream_read(b, 1, 1)):
+        with pytest.raises(ValueError, match="C-contiguous"):
+            call([strided])
+    # A contiguous buffer reads, and its checksum depends on its bytes.
+    data = rng.integers(1, 255, size=4096, dtype=np.uint8)
+    assert _native.stream_read([data], 1) != _native.stream_read([np.zeros_like(data)], 1)

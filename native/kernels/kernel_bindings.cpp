@@ -313,16 +313,22 @@ uint64_t read_spans_on_pool(const std::vector<std::pair<const char*, size_t>>& s
     return total;
 }
 
+// (data, bytes) of every array in `buffers`, which must be C-contiguous.
+std::vector<std::pair<const char*, size_t>> array_spans(const py::list& buffers, const char* what) {
+    std::vector<std::pair<const char*, size_t>> spans;
+    for (const auto& item : buffers) {
+        const py::array a = py::array::ensure(item);
+        if (!a || !(a.flags() & py::array::c_style)) fail(std::string(what) + ": buffers must be C-contiguous arrays");
+        spans.emplace_back(static_cast<const char*>(a.data()), static_cast<size_t>(a.nbytes()));
+    }
+    return spans;
+}
+
 // Reads every buffer once with `threads` threads (each takes a contiguous share of each
 // buffer). Returns the checksum.
 uint64_t py_stream_read(const py::list& buffers, int threads) {
     require_avx512("stream_read");
-    std::vector<std::pair<const char*, size_t>> spans;
-    for (const auto& item : buffers) {
-        const py::array a = py::array::ensure(item);
-        if (!a || !(a.flags() & py::array::c_style)) fail("stream_read: buffers must be C-contiguous arrays");
-        spans.emplace_back(static_cast<const char*>(a.data()), static_cast<size_t>(a.nbytes()));
-    }
+    const auto spans = array_spans(buffers, "stream_read");
     threads = std::max(1, threads);
     py::gil_scoped_release release;
     return read_spans_on_pool(spans, threads);
@@ -442,12 +448,7 @@ std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
 // `repeats` passes over the list, with no per-call overhead; returns the elapsed seconds.
 double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
     require_avx512("bench_stream_read");
-    std::vector<std::pair<const char*, size_t>> spans;
-    for (const auto& item : buffers) {
-        const py::array a = py::array::ensure(item);
-        if (!a || !(a.flags() & py::array::c_style)) fail("bench_stream_read: buffers must be C-contiguous arrays");
-        spans.emplace_back(static_cast<const char*>(a.data()), static_cast<size_t>(a.nbytes()));
-    }
+    const auto spans = array_spans(buffers, "bench_stream_read");
     threads = std::max(1, threads);
     py::gil_scoped_release release;
     std::vector<std::pair<const char*, size_t>> order;
