@@ -13,3 +13,17 @@ def test_bench_group_lists_kernels():
 def test_bench_kernels_rejects_unknown_shape():
     result = CliRunner().invoke(cli, ["bench", "kernels", "--shapes", "gpt-5", "--no-torch"])
     assert result.exit_code != 0 and "unknown shape 'gpt-5'" in result.output
+
+
+def test_bench_kernels_rejects_unknown_page_size():
+    result = CliRunner().invoke(cli, ["bench", "kernels", "--page", "1g", "--no-torch"])
+    assert result.exit_code != 0 and "'1g' is not one of '2m', '4k'" in result.output
+
+
+def test_bench_kernels_names_missing_huge_pages(monkeypatch):
+    from numa_moe import memory
+
+    monkeypatch.setattr(memory, "_thp_mode", lambda: "never")
+    result = CliRunner().invoke(cli, ["bench", "kernels", "--shapes", "qwen3-30b-a3b", "--m", "1", "--no-torch",
+                                      "--page", "2m"])
+    assert result.exit_code != 0 and "needs transparent huge pages, but THP is 'never'" in result.output

@@ -25,16 +25,19 @@ def _int_list(text: str) -> list[int]:
 @click.option("--threads", default=None, type=int, help="Threads (default: CPUs in the affinity mask).")
 @click.option("--isa", default=None, help="Kernel ISA (default: the dispatcher's choice).")
 @click.option("--no-torch", is_flag=True, help="Skip the torch F.linear baseline.")
+@click.option("--page", type=click.Choice(["2m", "4k"]), default="2m", show_default=True,
+              help="Page size of the weight copies (2m: transparent huge pages, as a serving host would use).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results as JSON.")
-def kernels_command(shapes, m_values, repeats, threads, isa, no_torch, json_path):
+def kernels_command(shapes, m_values, repeats, threads, isa, no_torch, page, json_path):
     """Expert FFN: our kernel vs torch F.linear vs a streaming read of the same weights."""
     from numa_moe.benchmarking import kernels as kernel_bench
+    from numa_moe.memory import PlacementError
 
     try:
         result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
                                   repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
-                                  progress=lambda line: click.echo(line, err=True))
-    except ValueError as error:
+                                  page=page, progress=lambda line: click.echo(line, err=True))
+    except (ValueError, PlacementError) as error:
         raise click.ClickException(str(error)) from None
     click.echo(kernel_bench.format_table(result))
     if json_path:
