@@ -25,6 +25,24 @@ def kernel_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def target_summary(result: dict) -> str:
+    """One row per shape: the target metric at every M that has a target (read fraction at
+    M <= 8, fraction of max(memory, compute) at 16, fraction of the peak at 128), and the
+    read ceiling's range in GB/s, so runs on different page sizes or days compare at a glance.
+    ✗ marks a miss at the printed two decimals (the runs scatter by more than that)."""
+    rows = [r for r in result["rows"] if r.get("target")]
+    m_values = sorted({r["m"] for r in rows})
+    lines = ["| shape | " + " | ".join(f"M = {m}" for m in m_values) + " | read GB/s |",
+             "|---|" + "---:|" * (len(m_values) + 1)]
+    for shape in dict.fromkeys(r["shape"] for r in result["rows"]):
+        cells = {r["m"]: r for r in rows if r["shape"] == shape}
+        gb_s = [r["read_gb_s"] for r in result["rows"] if r["shape"] == shape]
+        lines.append(f"| {shape} | " + " | ".join(
+            f"{cells[m]['target_value']:.2f}" + ("" if round(cells[m]["target_value"], 2) >= cells[m]["target"] else " ✗")
+            if m in cells else "—" for m in m_values) + f" | {min(gb_s):.0f}-{max(gb_s):.0f} |")
+    return "\n".join(lines)
+
+
 def layer_table(rows: list) -> str:
     lines = [
         "| layer | tokens | touched MB | ours ms (1 node) | 2 virtual nodes ms | torch loop ms | read ms | "
@@ -100,6 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kernels", type=Path, required=True)
     parser.add_argument("--layer", type=Path, required=True)
+    parser.add_argument("--kernels-4k", type=Path, default=None,
+                        help="the kernel benchmark on 4 KB pages (--page 4k), summarised after the main table")
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args()
     kernels = json.loads(args.kernels.read_text())
@@ -108,6 +128,12 @@ def main() -> None:
     layer_plot(layer, args.out / "bench-layer.png")
     print("## Expert FFN kernels\n")
     print(kernel_table(kernels))
+    print(f"\nTargets, {kernels.get('page', '?')} pages:\n")
+    print(target_summary(kernels))
+    if args.kernels_4k:
+        kernels_4k = json.loads(args.kernels_4k.read_text())
+        print(f"\nTargets, {kernels_4k.get('page', '?')} pages:\n")
+        print(target_summary(kernels_4k))
     print("\n## MoE layer\n")
     print(layer_table(layer))
 

@@ -15,5 +15,7 @@ else
 fi
 mkdir -p benchmarks/results
 "${numa_moe[@]}" bench kernels --repeats 20 --json benchmarks/results/kernels.json
+"${numa_moe[@]}" bench kernels --repeats 20 --page 4k --json benchmarks/results/kernels-4k.json
 "${numa_moe[@]}" bench layer --repeats 20 --json benchmarks/results/layer.json
-"${python[@]}" benchmarks/report.py --kernels benchmarks/results/kernels.json --layer benchmarks/results/layer.json --out docs
+"${python[@]}" benchmarks/report.py --kernels benchmarks/results/kernels.json --layer benchmarks/results/layer.json \
+  --kernels-4k benchmarks/results/kernels-4k.json --out docs
