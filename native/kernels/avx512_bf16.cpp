@@ -287,7 +287,7 @@ struct LaneTokens {
 
 // The R weight rows of a block usually lie a multiple of 4 KB apart (rows of 2048, 4096,
 // 14336 columns), so their lines share one L1 set: R <= 8 keeps them within its 8 ways for
-// the 16 / P steps each line is used.
+// the 16 / P steps each line is used (lane_rows: fewer when the token lines pass too).
 template <int P, int R, int G>
 void lane_micro(const Block& b, const LaneTokens& x_block, int64_t q0, int64_t q1) {
     constexpr int T = 16 / P;
@@ -337,20 +337,31 @@ void lane_micro(const Block& b, const LaneTokens& x_block, int64_t q0, int64_t q
 
 using LaneMicroFn = void (*)(const Block&, const LaneTokens&, int64_t, int64_t);
 
-// Rows per register block with G token vectors: R <= 8 (the L1 set, above), R * G
-// accumulators + G token vectors + one broadcast weight within the 32 vector registers.
-constexpr int lane_rows(int groups) { return groups <= 3 ? 8 : 6; }
+// Rows per register block with G token vectors: 8 with one token vector, 6 with two or
+// more. 8 rows fill the 8 ways of the L1 set their lines share (above); with G >= 2 each
+// step also loads G token lines, and 6 rows leave them room. Measured on Zen 4 (one core,
+// weights cold in DRAM, 2 MiB pages, a native loop over matmul_segments, medians of 5):
+// M = 16 on 384 x 2048 rows 0.78 -> 0.86 of the vdpbf16ps peak, on 512 x 4096 0.86 ->
+// 0.95, on 1024 x 768 (not aliasing) 0.77 -> 0.80; M = 32 0.89 -> 0.93; 7 and 5 rows were
+// no better. With G = 1 (5-8 tokens) 8 rows stay faster (0.74 against 0.69 at M = 8): six
+// accumulators do not hide the vdpbf16ps latency. R * G accumulators + G token vectors + one
+// broadcast weight fit the 32 vector registers up to G = 4.
+constexpr int lane_rows(int groups) { return groups == 1 ? 8 : 6; }
 constexpr int kLaneMaxGroups = 4;
 
 template <int P, int R>
 LaneMicroFn lane_micro_for_groups(int64_t groups) {
-    switch (groups) {
-        case 1: return lane_micro<P, R, 1>;
-        case 2: return lane_micro<P, R, 2>;
-        case 3: return lane_micro<P, R, 3>;
-        default: if constexpr (R <= lane_rows(4)) return lane_micro<P, R, 4>; break;
+    if constexpr (R > lane_rows(2)) {
+        return groups == 1 ? lane_micro<P, R, 1> : nullptr;
+    } else {
+        switch (groups) {
+            case 1: return lane_micro<P, R, 1>;
+            case 2: return lane_micro<P, R, 2>;
+            case 3: return lane_micro<P, R, 3>;
+            case 4: return lane_micro<P, R, 4>;
+            default: return nullptr;
+        }
     }
-    return nullptr;
 }
 
 // The micro kernel for a block of `rows` rows (a value lane_block_rows returns) and
