@@ -28,6 +28,7 @@ __all__ = [
     "matmul_segments",
     "silu_mul_pack",
     "combine_down",
+    "store_down",
 ]
 
 ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
@@ -257,3 +258,12 @@ def combine_down(parts, h_begin: int, h_end: int, token_index, token_weight, y: 
     weight = np.ascontiguousarray(token_weight, dtype=np.float32)
     _native.combine_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), index, weight, y)
     return y
+
+
+def store_down(parts, h_begin: int, h_end: int, out: np.ndarray, *, isa: str | None = None) -> np.ndarray:
+    """Low-level: ``out[t, h] = sum_p parts[p][h, t]`` for h in ``[h_begin, h_end)``, stored
+    (not added) and rounded to bf16 when `out` is bfloat16 (else float32); parts are float32
+    ``[H, M]``, out ``[M, H]``. The single-expert down epilogue of `expert_ffn`."""
+    target = out.view(np.uint16) if out.dtype == _BF16 else out
+    _native.store_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), target)
+    return out

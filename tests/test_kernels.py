@@ -229,6 +229,36 @@ def test_silu_mul_pack_two_parts(isa, m, rng):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m", [1, 5, 16, 21, 40])
+def test_store_down_transposes_the_part_sum(isa, out_dtype, m, rng):
+    hidden = 80 + 5
+    parts = [rng.standard_normal((hidden, m)).astype(np.float32) for _ in range(3)]
+    dtype = np.float32 if out_dtype == "float32" else ml_dtypes.bfloat16
+    out0 = rng.standard_normal((m, hidden)).astype(dtype)  # what store_down must leave outside its range
+    out = out0.copy()
+    h_begin, h_end = 16, 77
+    kernels.store_down(parts, h_begin, h_end, out, isa=isa)
+    ref = sum(p.astype(np.float64) for p in parts).T[:, h_begin:h_end]
+    # float32: the three-term fp32 sum; bf16: one rounding to nearest, at most 2^-8 relative
+    # (half a unit of its 8-bit significand).
+    rtol = 1e-6 if out_dtype == "float32" else 2.0**-8
+    np.testing.assert_allclose(out[:, h_begin:h_end].astype(np.float64), ref, rtol=rtol, atol=1e-6)
+    if out_dtype == "bfloat16":  # nearest even, as ml_dtypes rounds the fp32 sum
+        fp32_sum = sum(parts).T[:, h_begin:h_end]
+        assert np.array_equal(out[:, h_begin:h_end].view(np.uint16), fp32_sum.astype(dtype).view(np.uint16))
+    untouched = np.ones(out.shape, dtype=bool)
+    untouched[:, h_begin:h_end] = False
+    assert np.array_equal(out[untouched].view(np.uint8), out0[untouched].view(np.uint8))
+
+
+def test_store_down_names_a_wrong_output_shape(rng):
+    parts = [rng.standard_normal((64, 4)).astype(np.float32)]
+    with pytest.raises(ValueError, match=r"out: shape \(64, 4\), expected \(4, 64\)"):
+        kernels.store_down(parts, 0, 64, np.zeros((64, 4), np.float32), isa="ref")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_combine_down_scatter_with_weights(isa, rng):
     hidden, m, n_tokens = 80 + 5, 21, 30
     parts = [rng.standard_normal((hidden, m)).astype(np.float32) for _ in range(3)]

@@ -233,14 +233,14 @@ void amx_model_tile_dot(const void* config, bool int8, void* c, const void* a, c
 const KernelOps& amx_model_ops() {
     static const KernelOps ops{Isa::amx_model,          "amx_model", pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
-                               combine_down_avx512};
+                               combine_down_avx512,     store_down_avx512};
     return ops;
 }
 #else
 const KernelOps& amx_ops() {
     static const KernelOps ops{Isa::amx,                "amx", pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
-                               combine_down_avx512};
+                               combine_down_avx512,     store_down_avx512};
     return ops;
 }
 #endif

@@ -199,5 +199,32 @@ inline void combine_down_avx512(const float* const* parts, int n_parts, int64_t 
     }
 }
 
+// out[t][h] = sum_p parts[p][h * ld + t] (bf16 or fp32), transposed 16 x 16 in registers
+// like combine_down_avx512 and stored once: no fp32 rows to clear, add into and convert.
+// The bf16 rounding is vcvtneps2bf16's (nearest even, as float_to_bf16; it flushes
+// denormal inputs, which an FFN output does not reach in practice).
+inline void store_down_avx512(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end,
+                              int64_t m, void* out, int64_t ldo, bool out_bf16) {
+    for (int64_t t0 = 0; t0 < m; t0 += 16) {
+        const int64_t nt = m - t0 < 16 ? m - t0 : 16;
+        const __mmask16 tmask = tail_mask16(nt);
+        for (int64_t h0 = h_begin; h0 < h_end; h0 += 16) {
+            const int64_t nh = h_end - h0 < 16 ? h_end - h0 : 16;
+            __m512 v[16];
+            for (int hh = 0; hh < 16; ++hh)
+                v[hh] = hh < nh ? sum_parts(parts, n_parts, (h0 + hh) * ld + t0, tmask) : _mm512_setzero_ps();
+            transpose16(v);
+            const __mmask16 hmask = tail_mask16(nh);
+            for (int tt = 0; tt < nt; ++tt) {
+                const int64_t offset = (t0 + tt) * ldo + h0;
+                if (out_bf16)
+                    _mm256_mask_storeu_epi16(static_cast<bf16*>(out) + offset, hmask, to_bf16x16(v[tt]));
+                else
+                    _mm512_mask_storeu_ps(static_cast<float*>(out) + offset, hmask, v[tt]);
+            }
+        }
+    }
+}
+
 }  // namespace
 }  // namespace numa_moe::kernels

@@ -1,6 +1,6 @@
 // expert_ffn: gather (calling thread) -> one run on the kernel pool (kernel_pool.hpp):
 // phase 0 gate/up matmuls + silu_mul_pack, each thread on its own intermediate rows ->
-// barrier -> phase 1 down matmul + combine_down, each thread on its own hidden rows.
+// barrier -> phase 1 down matmul + store_down, each thread on its own hidden rows.
 // Rows are split in multiples of 32 (silu_mul_pack's contract).
 // Baseline x86-64 code: it only calls through the KernelOps table.
 #include "kernels/expert_ffn.hpp"
@@ -12,7 +12,6 @@
 #include <new>
 #include <utility>
 
-#include "kernels/bf16.hpp"
 #include "kernels/kernel_pool.hpp"
 
 namespace numa_moe::kernels {
@@ -32,9 +31,9 @@ Buffer aligned_buffer(size_t bytes) {
 
 // The call's work buffers, kept per calling thread from one call to the next: glibc
 // returns blocks of 128 KiB and more to the kernel on free, so fresh buffers cost page
-// faults on every call (a qwen3-30b-a3b expert at M = 16 needs six buffers of 24-128 KiB).
+// faults on every call (a qwen3-30b-a3b expert at M = 16 needs five buffers of 24-128 KiB).
 // A buffer above kKeptBytes (long prefill) is the call's own and freed after it.
-enum Slot { kTokens, kGate, kUp, kAct, kDown, kOut, kSlots };
+enum Slot { kTokens, kGate, kUp, kAct, kDown, kSlots };
 constexpr size_t kKeptBytes = size_t(4) << 20;
 
 class Scratch {
@@ -99,18 +98,6 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     const Segment* seg_d = segments_or_whole(a.down_segments, &whole_d, hidden, inter, &n_d);
 
     float* down_f = static_cast<float*>(t_scratch.get(kDown, sizeof(float) * hidden * m, &owned[kDown]));
-    // fp32 output: combined straight into out. bf16 output: into an fp32 scratch whose rows
-    // are padded by a cache line, so that the token rows of a 16 x 16 combine tile do not
-    // all fall into one L1 set (rows of 2048 or 4096 floats are multiples of 4 KB apart).
-    float* y = static_cast<float*>(a.out);
-    int64_t ldy = hidden;
-    if (a.out_bf16) {
-        ldy = hidden + 16;
-        y = static_cast<float*>(t_scratch.get(kOut, sizeof(float) * m * ldy, &owned[kOut]));
-    }
-    std::vector<int64_t> identity(m);
-    std::vector<float> ones(m, 1.0f);
-    for (int64_t t = 0; t < m; ++t) identity[t] = t;
 
     auto gate_up_rows = [&](int64_t begin, int64_t end) {
         std::memset(gate_f + begin * m, 0, sizeof(float) * (end - begin) * m);
@@ -124,13 +111,8 @@ void expert_ffn(const KernelOps& ops, const ExpertFfnArgs& a) {
     auto down_rows = [&](int64_t begin, int64_t end) {
         std::memset(down_f + begin * m, 0, sizeof(float) * (end - begin) * m);
         ops.matmul_segments(a.w_down, inter, seg_d, n_d, begin, end, act, m, inter, down_f, m);
-        for (int64_t t = 0; t < m; ++t) std::memset(y + t * ldy + begin, 0, sizeof(float) * (end - begin));
         const float* parts[1] = {down_f};
-        ops.combine_down(parts, 1, m, begin, end, m, identity.data(), ones.data(), y, ldy);
-        if (a.out_bf16) {
-            bf16* out = static_cast<bf16*>(a.out);
-            for (int64_t t = 0; t < m; ++t) floats_to_bf16(y + t * ldy + begin, out + t * hidden + begin, end - begin);
-        }
+        ops.store_down(parts, 1, m, begin, end, m, a.out, hidden, a.out_bf16);
     };
     // Phase 0 writes act (all of it, across threads), phase 1 reads all of it.
     run_phases(threads, 2, [&](int phase, int index, int n_threads) {

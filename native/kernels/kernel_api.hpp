@@ -99,6 +99,14 @@ struct KernelOps {
     void (*combine_down)(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin,
                          int64_t h_end, int64_t m, const int64_t* token_index,
                          const float* token_weight, float* y, int64_t ldy);
+
+    // The down epilogue of a single expert (expert_ffn): for h in [h_begin, h_end), t < m,
+    //     out[t * ldo + h] = sum_p parts[p][h * ld + t]
+    // stored, not added, as bf16 (round to nearest even) when out_bf16, else as fp32: the
+    // transpose of combine_down without an fp32 staging pass. Disjoint [h_begin, h_end)
+    // ranges may run concurrently.
+    void (*store_down)(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end,
+                       int64_t m, void* out, int64_t ldo, bool out_bf16);
 };
 
 // The table for an ISA, or nullptr when this CPU (or OS) cannot run it.

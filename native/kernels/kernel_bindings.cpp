@@ -244,6 +244,22 @@ void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_be
     ops.combine_down(pointers.data(), static_cast<int>(pointers.size()), m, h_begin, h_end, m, idx, tw, yp, hidden);
 }
 
+void py_store_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end, py::array& out) {
+    const KernelOps& ops = ops_for(isa);
+    const py::array first = py::array::ensure(parts.empty() ? py::object(py::none()) : py::object(parts[0]));
+    if (!first || first.ndim() != 2) fail("parts: expected a list of float32 [H, m] arrays");
+    const int64_t hidden = first.shape(0), m = first.shape(1);
+    const auto pointers = part_pointers(parts, "parts", hidden, m);
+    const bool out_bf16 = has_kind(out, Kind::bf16);
+    check_array(out, "out", out_bf16 ? Kind::bf16 : Kind::f32, 2, true);
+    if (out.shape(0) != m || out.shape(1) != hidden)
+        fail("out: shape " + shape_str(out) + ", expected (" + std::to_string(m) + ", " + std::to_string(hidden) + ")");
+    if (h_begin < 0 || h_end > hidden || h_begin > h_end) fail("[h_begin, h_end) must lie in [0, H)");
+    void* dst = out.mutable_data();
+    py::gil_scoped_release release;
+    ops.store_down(pointers.data(), static_cast<int>(pointers.size()), m, h_begin, h_end, m, dst, hidden, out_bf16);
+}
+
 int default_threads() {
     const unsigned n = std::thread::hardware_concurrency();
     cpu_set_t set;
@@ -271,7 +287,7 @@ void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& 
     const bool out_bf16 = has_kind(out, Kind::bf16);
     check_array(out, "out", out_bf16 ? Kind::bf16 : Kind::f32, 2, true);
     if (out.shape(0) != m || out.shape(1) != hidden)
-        fail("out: shape " + shape_str(out) + ", expected [" + std::to_string(m) + ", " + std::to_string(hidden) + "]");
+        fail("out: shape " + shape_str(out) + ", expected (" + std::to_string(m) + ", " + std::to_string(hidden) + ")");
     kernels::ExpertFfnArgs args = expert_args(x, token_index, w_gate, w_up, w_down);
     args.gate_segments = read_segments(gate_segments, "gate_segments", inter, hidden);
     args.up_segments = read_segments(up_segments, "up_segments", inter, hidden);
@@ -479,6 +495,8 @@ void register_kernels(py::module_& m) {
     m.def("combine_down", &py_combine_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),
           py::arg("token_index"), py::arg("token_weight"), py::arg("y"),
           "y[token_index[t], h] += token_weight[t] * sum_p parts[p][h, t].");
+    m.def("store_down", &py_store_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),
+          py::arg("out"), "out[t, h] = sum_p parts[p][h, t] (stored, bf16 or float32) for h in [h_begin, h_end).");
     m.def("expert_ffn", &py_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"), py::arg("w_gate"),
           py::arg("w_up"), py::arg("w_down"), py::arg("gate_segments"), py::arg("up_segments"),
           py::arg("down_segments"), py::arg("out"), py::arg("threads") = 0,

@@ -69,10 +69,25 @@ void combine_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_
     }
 }
 
+void store_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end, int64_t m,
+                void* out, int64_t ldo, bool out_bf16) {
+    for (int64_t t = 0; t < m; ++t) {
+        for (int64_t h = h_begin; h < h_end; ++h) {
+            float sum = 0.0f;
+            for (int p = 0; p < n_parts; ++p) sum += parts[p][h * ld + t];
+            if (out_bf16)
+                static_cast<bf16*>(out)[t * ldo + h] = float_to_bf16(sum);
+            else
+                static_cast<float*>(out)[t * ldo + h] = sum;
+        }
+    }
+}
+
 }  // namespace
 
 const KernelOps& ref_ops() {
-    static const KernelOps ops{Isa::ref, "ref", plain_layout, packed_bytes, gather, matmul_segments, silu_mul_pack, combine_down};
+    static const KernelOps ops{Isa::ref,      "ref",        plain_layout, packed_bytes, gather, matmul_segments,
+                               silu_mul_pack, combine_down, store_down};
     return ops;
 }
 
