@@ -27,3 +27,4 @@ def test_bench_kernels_names_missing_huge_pages(monkeypatch):
     result = CliRunner().invoke(cli, ["bench", "kernels", "--shapes", "qwen3-30b-a3b", "--m", "1", "--no-torch",
                                       "--page", "2m"])
     assert result.exit_code != 0 and "needs transparent huge pages, but THP is 'never'" in result.output
+    assert "--page 4k runs without them" in result.output

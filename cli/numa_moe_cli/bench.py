@@ -37,8 +37,11 @@ def kernels_command(shapes, m_values, repeats, threads, isa, no_torch, page, jso
         result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
                                   repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
                                   page=page, progress=lambda line: click.echo(line, err=True))
-    except (ValueError, PlacementError) as error:
+    except ValueError as error:
         raise click.ClickException(str(error)) from None
+    except PlacementError as error:
+        hint = " (--page 4k runs without them)" if page == "2m" else ""
+        raise click.ClickException(f"{error}{hint}") from None
     click.echo(kernel_bench.format_table(result))
     if json_path:
         kernel_bench.to_json(result, json_path)
