@@ -21,14 +21,16 @@ def _int_list(text: str) -> list[int]:
 @click.option("--shapes", default=None, help="Comma list of expert shapes (default: all). "
               "Known: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, qwen3-235b.")
 @click.option("--m", "m_values", default="1,2,4,8,16,32,128", show_default=True, help="Comma list of token counts.")
-@click.option("--repeats", default=20, show_default=True, help="Timed calls per point (median reported).")
+@click.option("--repeats", default=20, show_default=True, help="Timed calls per point at least (median reported).")
+@click.option("--min-seconds", default=0.25, show_default=True, type=click.FloatRange(min=0.0),
+              help="... and enough calls per point to span this long (small experts).")
 @click.option("--threads", default=None, type=int, help="Threads (default: CPUs in the affinity mask).")
 @click.option("--isa", default=None, help="Kernel ISA (default: the dispatcher's choice).")
 @click.option("--no-torch", is_flag=True, help="Skip the torch F.linear baseline.")
 @click.option("--page", type=click.Choice(["2m", "4k"]), default="2m", show_default=True,
               help="Page size of the weight copies (2m: transparent huge pages, as a serving host would use).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results as JSON.")
-def kernels_command(shapes, m_values, repeats, threads, isa, no_torch, page, json_path):
+def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, json_path):
     """Expert FFN: our kernel vs torch F.linear vs a streaming read of the same weights."""
     from numa_moe.benchmarking import kernels as kernel_bench
     from numa_moe.memory import PlacementError
@@ -36,7 +38,7 @@ def kernels_command(shapes, m_values, repeats, threads, isa, no_torch, page, jso
     try:
         result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
                                   repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
-                                  page=page, progress=lambda line: click.echo(line, err=True))
+                                  page=page, min_seconds=min_seconds, progress=lambda line: click.echo(line, err=True))
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     except PlacementError as error:

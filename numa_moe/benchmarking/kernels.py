@@ -60,6 +60,7 @@ class Row:
     target_metric: str = ""
     target_value: float = 0.0
     target: float = 0.0
+    repetitions: int = 0  # timed (kernel, read) pairs behind the medians
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Result:
     threads: int
     repeats: int
     page: str
+    min_seconds: float
     peak_gflop_s: float
     l3_bytes: int
     rows: list[Row] = field(default_factory=list)
@@ -144,16 +146,30 @@ def _torch_ffn_times(experts_t, x_t, repeats: int, threads: int) -> list[float]:
     return times
 
 
+def repetitions(repeats: int, copies: int, pair_seconds: float, min_seconds: float) -> int:
+    """Timed (kernel, read) pairs for one point: at least `repeats`, one pass over the
+    `copies`, and enough pairs to span `min_seconds`. A small expert's 20 calls last a few
+    ms, so one disturbance from another VM could move their median (Qwen3-30B-A3B at M = 16
+    read 0.45-0.87 of its target over five such runs); spread over a quarter of a second,
+    the median outlasts it."""
+    by_time = math.ceil(min_seconds / pair_seconds) if pair_seconds > 0 else 0
+    return max(repeats, copies, by_time)
+
+
 def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None = None, isa: str | None = None,
-        with_torch: bool = True, seed: int = 0, page: str = "2m", progress=print) -> Result:
+        with_torch: bool = True, seed: int = 0, page: str = "2m", min_seconds: float = 0.25,
+        progress=print) -> Result:
     """Runs the benchmark; returns a Result (see format_table / to_json). `page`: "2m" or
-    "4k", the page size of the weight copies (random_weights)."""
+    "4k", the page size of the weight copies (random_weights). Each point times
+    `repetitions(repeats, copies, ..., min_seconds)` kernel calls."""
     shapes = list(SHAPES) if shapes is None else list(shapes)
     for name in shapes:
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     if page not in ("4k", "2m"):
         raise ValueError(f"page must be '4k' or '2m', got {page!r}")
+    if not min_seconds >= 0:
+        raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
     isa = isa or kernels.default_isa()
     threads = threads or _native.affinity_cpu_count()
     rng = np.random.default_rng(seed)
@@ -166,7 +182,8 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     peak = measure_peak_gflop_s(threads)
     progress(f"vdpbf16ps peak: {peak:.0f} GFLOP/s on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa}; "
              f"{page} pages")
-    result = Result(isa=isa, threads=threads, repeats=repeats, page=page, peak_gflop_s=peak, l3_bytes=cache,
+    result = Result(isa=isa, threads=threads, repeats=repeats, page=page, min_seconds=min_seconds,
+                    peak_gflop_s=peak, l3_bytes=cache,
                     torch_version=torch_version)
     for name in shapes:
         hidden, inter = SHAPES[name]
@@ -182,12 +199,13 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
 
             as_t = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
             experts_t = [tuple(as_t(w) for w in triple) for triple in experts]
-        reps = max(repeats, copies)
         for m in m_values:
             x = random_bf16_bits(rng, (m, hidden))
             index = np.arange(m, dtype=np.int64)
             # Kernel and read interleaved call by call (see the module docstring); torch right after.
-            _native.bench_expert_ffn_vs_read(isa, x, index, experts, threads, copies)  # warm-up
+            warm_ours, warm_read = _native.bench_expert_ffn_vs_read(isa, x, index, experts, threads, copies)
+            reps = repetitions(repeats, copies, statistics.median(warm_ours) + statistics.median(warm_read),
+                               min_seconds)
             ours, read_s = _native.bench_expert_ffn_vs_read(isa, x, index, experts, threads, reps)
             torch_s = None
             if with_torch:
@@ -195,6 +213,7 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
                 _torch_ffn_times(experts_t, x_t, copies, threads)
                 torch_s = _torch_ffn_times(experts_t, x_t, reps, threads)
             row = _make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s, peak)
+            row.repetitions = reps
             result.rows.append(row)
             progress(_format_row(row))
         del experts, experts_t
