@@ -193,15 +193,28 @@ std::vector<const float*> part_pointers(const py::list& parts, const char* name,
     return pointers;
 }
 
+// A list of fp32 partial arrays, all shaped like the first ([rows, cols]); `shape_name`
+// names the expected shape in the error ("[H, m]").
+struct PartList {
+    int64_t rows, cols;
+    std::vector<const float*> pointers;
+};
+PartList part_list(const py::list& parts, const char* name, const char* shape_name) {
+    const py::array first = py::array::ensure(parts.empty() ? py::object(py::none()) : py::object(parts[0]));
+    if (!first || first.ndim() != 2)
+        fail(std::string(name) + ": expected a list of float32 " + shape_name + " arrays");
+    const int64_t rows = first.shape(0), cols = first.shape(1);
+    return PartList{rows, cols, part_pointers(parts, name, rows, cols)};
+}
+
 // silu_mul_pack over [i_begin, i_end) from partials [I, m]; returns act [m, I] (uint16
 // bf16 bits, unpacked from the ISA layout; columns outside the range are 0).
 py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, const py::list& up_parts,
                            int64_t i_begin, int64_t i_end) {
     const KernelOps& ops = ops_for(isa);
-    const py::array first = py::array::ensure(gate_parts.empty() ? py::object(py::none()) : py::object(gate_parts[0]));
-    if (!first || first.ndim() != 2) fail("gate_parts: expected a list of float32 [I, m] arrays");
-    const int64_t inter = first.shape(0), m = first.shape(1);
-    const auto gates = part_pointers(gate_parts, "gate_parts", inter, m);
+    const PartList gate = part_list(gate_parts, "gate_parts", "[I, m]");
+    const int64_t inter = gate.rows, m = gate.cols;
+    const auto& gates = gate.pointers;
     const auto ups = part_pointers(up_parts, "up_parts", inter, m);
     if (gates.size() != ups.size()) fail("gate_parts and up_parts: different numbers of parts");
     if (i_begin < 0 || i_end > inter || i_begin > i_end || i_begin % 32 || (i_end % 32 && i_end != inter))
@@ -226,10 +239,9 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
 void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end,
                      const py::array& token_index, const py::array& token_weight, py::array& y) {
     const KernelOps& ops = ops_for(isa);
-    const py::array first = py::array::ensure(parts.empty() ? py::object(py::none()) : py::object(parts[0]));
-    if (!first || first.ndim() != 2) fail("parts: expected a list of float32 [H, m] arrays");
-    const int64_t hidden = first.shape(0), m = first.shape(1);
-    const auto pointers = part_pointers(parts, "parts", hidden, m);
+    const PartList down = part_list(parts, "parts", "[H, m]");
+    const int64_t hidden = down.rows, m = down.cols;
+    const auto& pointers = down.pointers;
     check_array(y, "y", Kind::f32, 2, true);
     if (y.shape(1) != hidden) fail("y: shape " + shape_str(y) + ", expected [T, " + std::to_string(hidden) + "]");
     check_token_index(token_index, y.shape(0), "token_index");
@@ -246,10 +258,9 @@ void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_be
 
 void py_store_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end, py::array& out) {
     const KernelOps& ops = ops_for(isa);
-    const py::array first = py::array::ensure(parts.empty() ? py::object(py::none()) : py::object(parts[0]));
-    if (!first || first.ndim() != 2) fail("parts: expected a list of float32 [H, m] arrays");
-    const int64_t hidden = first.shape(0), m = first.shape(1);
-    const auto pointers = part_pointers(parts, "parts", hidden, m);
+    const PartList down = part_list(parts, "parts", "[H, m]");
+    const int64_t hidden = down.rows, m = down.cols;
+    const auto& pointers = down.pointers;
     const bool out_bf16 = has_kind(out, Kind::bf16);
     check_array(out, "out", out_bf16 ? Kind::bf16 : Kind::f32, 2, true);
     if (out.shape(0) != m || out.shape(1) != hidden)
