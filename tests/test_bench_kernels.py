@@ -38,6 +38,12 @@ def test_run_rejects_an_unknown_page_size():
                          progress=lambda line: None)
 
 
+def test_run_rejects_a_negative_time_floor():
+    with pytest.raises(ValueError, match="min_seconds must be >= 0, got -1"):
+        kernel_bench.run(shapes=["qwen3-30b-a3b"], m_values=[1], repeats=1, with_torch=False, min_seconds=-1,
+                         progress=lambda line: None)
+
+
 def test_small_run_reports_its_page_size_and_consistent_ratios():
     lines = []
     result = kernel_bench.run(shapes=["qwen3-30b-a3b"], m_values=[2], repeats=3, with_torch=False, page="4k",

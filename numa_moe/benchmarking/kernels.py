@@ -120,12 +120,13 @@ def measure_peak_gflop_s(threads: int, seconds: float = 0.1, tries: int = 5) -> 
 
 
 def random_weights(rng: np.random.Generator, shape, page: str) -> np.ndarray:
-    """Random bf16 bits (uint16) on a fresh mapping with `page`-sized pages.
+    """Random bf16 bits (uint16) on a fresh mapping with `page`-sized pages, interleaved over
+    the nodes this process may use (memory.interleaved_empty), as the layer's weights are.
 
     The page size is chosen here, not left to numpy: numpy asks for huge pages on arrays of
     4 MiB and more only, so Qwen3-30B-A3B's 3 MiB matrices would stream from 4 KB pages and
-    the larger shapes from 2 MiB pages. In this VM that alone moved the read ceiling by
-    1.6x and the M = 16 kernel time by 10% (2 threads, docs/kernels.md)."""
+    the larger shapes from 2 MiB pages. In this VM that alone moved the read ceiling by up
+    to 1.6x and the M = 16 kernel time by up to 10% (docs/kernels.md)."""
     weights = memory.interleaved_empty(shape, np.uint16, page=page)
     weights[...] = random_bf16_bits(rng, shape)
     return weights
