@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from numa_moe import _native, kernels, memory
+from numa_moe import _bench, _native, kernels, memory
 
 # Routed-expert shapes (hidden H, intermediate I) from the models' published configs.
 SHAPES: dict[str, tuple[int, int]] = {
@@ -106,7 +106,7 @@ def measure_peak_gflop_s(threads: int, seconds: float = 0.1, tries: int = 5) -> 
     iterations = 1000
     while True:
         start = time.perf_counter()
-        flops = _native.dpbf16ps_peak(iterations, threads)
+        flops = _bench.peak_flops("avx512", iterations, threads)
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             break
@@ -114,7 +114,7 @@ def measure_peak_gflop_s(threads: int, seconds: float = 0.1, tries: int = 5) -> 
     best = flops / elapsed / 1e9
     for _ in range(tries - 1):
         start = time.perf_counter()
-        flops = _native.dpbf16ps_peak(iterations, threads)
+        flops = _bench.peak_flops("avx512", iterations, threads)
         best = max(best, flops / (time.perf_counter() - start) / 1e9)
     return best
 
@@ -204,10 +204,10 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
             x = random_bf16_bits(rng, (m, hidden))
             index = np.arange(m, dtype=np.int64)
             # Kernel and read interleaved call by call (see the module docstring); torch right after.
-            warm_ours, warm_read = _native.bench_expert_ffn_vs_read(isa, x, index, experts, threads, copies)
+            warm_ours, warm_read = _bench.bench_expert_ffn_vs_read(isa, x, index, experts, threads, copies)
             reps = repetitions(repeats, copies, statistics.median(warm_ours) + statistics.median(warm_read),
                                min_seconds)
-            ours, read_s = _native.bench_expert_ffn_vs_read(isa, x, index, experts, threads, reps)
+            ours, read_s = _bench.bench_expert_ffn_vs_read(isa, x, index, experts, threads, reps)
             torch_s = None
             if with_torch:
                 x_t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)

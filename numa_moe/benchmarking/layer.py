@@ -69,10 +69,10 @@ def _settle() -> None:
 
 
 def _stream_read_seconds(buffers, threads: int) -> float:
-    from numa_moe import _native
+    from numa_moe import _bench
 
     start = time.perf_counter()
-    _native.stream_read(list(buffers), threads)
+    _bench.stream_read(list(buffers), threads)
     return time.perf_counter() - start
 
 
