@@ -10,6 +10,7 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <system_error>
 #include <thread>
 #include <unistd.h>
 
@@ -165,11 +166,22 @@ void parallel_first_touch(void* address, std::size_t length, std::size_t stride_
         touch(0, strides);
         return;
     }
+    // Threads that could not be created (address-space or process limits) leave their
+    // share to the calling thread: first touch only has to happen, in parallel where
+    // possible. A std::thread that fails to start throws, and every joinable thread must
+    // be joined before that can propagate.
     std::vector<std::thread> pool;
     pool.reserve(workers);
-    for (std::size_t w = 0; w < workers; ++w) {
-        pool.emplace_back(touch, strides * w / workers, strides * (w + 1) / workers);
+    std::size_t started = 1;
+    for (; started < workers; ++started) {
+        try {
+            pool.emplace_back(touch, strides * started / workers, strides * (started + 1) / workers);
+        } catch (const std::system_error&) {
+            break;
+        }
     }
+    touch(0, strides / workers);
+    touch(strides * started / workers, strides);
     for (auto& t : pool) t.join();
 }
 

@@ -1,0 +1,52 @@
+"""The built objects: nothing compiled with ISA flags may share a weak (COMDAT) symbol
+with another object, or the linker could hand a wide-ISA copy to baseline code."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WEAK_TYPES = {"W", "V", "u", "i"}
+
+
+def isa_sources() -> set[str]:
+    """Sources given ISA flags: the numa_moe_isa_source(...) lines of the CMake files."""
+    sources = set()
+    for cmake in (ROOT / "native").glob("*/sources.cmake"):
+        sources.update(re.findall(r"numa_moe_isa_source\((\S+)", cmake.read_text()))
+    return sources
+
+
+def object_dirs() -> list[Path]:
+    """The object folders of every CMake build of the extension in this checkout."""
+    return sorted(d for d in (ROOT / "build").glob("**/CMakeFiles/_native.dir") if d.is_dir())
+
+
+def weak_symbols(obj: Path) -> set[str]:
+    out = subprocess.run(["nm", "--defined-only", str(obj)], capture_output=True, text=True, check=True).stdout
+    return {parts[2] for parts in (line.split() for line in out.splitlines()) if len(parts) == 3 and parts[1] in WEAK_TYPES}
+
+
+def test_isa_sources_are_listed():
+    assert {"native/kernels/avx512_bf16.cpp", "native/kernels/amx_bf16.cpp", "native/bench/avx512_loops.cpp"} <= isa_sources()
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
+def test_isa_objects_share_no_weak_symbol():
+    dirs = object_dirs()
+    if not dirs:
+        pytest.skip("no CMake object files under build/ (the extension was built elsewhere)")
+    isa = isa_sources()
+    for obj_dir in dirs:
+        objects = {str(o.relative_to(obj_dir))[: -len(".o")]: o for o in obj_dir.glob("native/**/*.o")}
+        assert isa <= set(objects), f"{obj_dir}: ISA objects missing: {isa - set(objects)}"
+        symbols = {name: weak_symbols(path) for name, path in objects.items()}
+        for name in isa:
+            others = set().union(*(s for other, s in symbols.items() if other != name))
+            shared = symbols[name] & others
+            assert not shared, f"{obj_dir}: {name} shares weak symbols with other objects: {sorted(shared)[:5]}"
