@@ -99,7 +99,9 @@ void layer_forward(PyLayer& l, const py::array& hidden, const py::array& topk_id
 
 }  // namespace
 
-void register_engine(py::module_& m) {
+namespace {
+
+void register_worker_pool(py::module_& m) {
     py::class_<WorkerPool, std::shared_ptr<WorkerPool>>(m, "WorkerPool", R"doc(
 Persistent worker threads, one group per node, each thread pinned to one CPU of its node.
 node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first use.)doc")
@@ -136,7 +138,9 @@ node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first us
             for (const ThreadInfo& ti : p.threads()) result.append(py::make_tuple(ti.node, ti.local, cpus[ti.global]));
             return result;
         }, "(node, local index, CPU affinity) as seen by each worker thread itself.");
+}
 
+void register_layer(py::module_& m) {
     py::class_<PyLayer>(m, "MoELayerCore", R"doc(
 The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer).)doc")
         .def(py::init([](std::shared_ptr<WorkerPool> pool, int64_t hidden, int64_t intermediate) {
@@ -204,6 +208,13 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
             d["phase_ns"] = s.times.phase_ns;
             return d;
         });
+}
+
+}  // namespace
+
+void register_engine(py::module_& m) {
+    register_worker_pool(m);
+    register_layer(m);
 }
 
 }  // namespace numa_moe::bindings

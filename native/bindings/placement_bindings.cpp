@@ -67,9 +67,7 @@ py::dict cpu_features_dict() {
     return d;
 }
 
-}  // namespace
-
-void register_placement(py::module_& m) {
+void register_constants_and_errors(py::module_& m) {
     g_syscall_error = PyErr_NewExceptionWithDoc(
         "numa_moe._native.SyscallError",
         "A placement system call failed: OSError with errno, and `.call` naming the call.",
@@ -101,6 +99,9 @@ void register_placement(py::module_& m) {
         },
         "Asks Linux for AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM); returns (granted, reason).");
 
+}
+
+void register_mapping(py::module_& m) {
     py::class_<placement::InterleavedMapping>(m, "InterleavedMapping", py::buffer_protocol(), R"doc(
 Anonymous private mapping with MPOL_INTERLEAVE over `nodes`, bound before first touch,
 MADV_HUGEPAGE (2 MiB aligned) or MADV_NOHUGEPAGE, populated by `touch_threads` threads.
@@ -129,6 +130,10 @@ which numpy/torch views prevent while they are alive.)doc")
     m.def("live_interleaved_mappings", [] { return placement::InterleavedMapping::live_count().load(); },
           "Number of InterleavedMapping objects not yet unmapped.");
 
+}
+
+// Page queries and policies of address ranges, and affinity.
+void register_page_calls(py::module_& m) {
     m.def(
         "page_nodes",
         [](std::uintptr_t address, std::size_t nbytes) {
@@ -202,6 +207,14 @@ which numpy/torch views prevent while they are alive.)doc")
           py::arg("pid") = 0);
     m.def("sched_setaffinity", &placement::set_affinity, py::arg("pid"), py::arg("cpus"));
     m.def("hardware_threads", [] { return std::thread::hardware_concurrency(); });
+}
+
+}  // namespace
+
+void register_placement(py::module_& m) {
+    register_constants_and_errors(m);
+    register_mapping(m);
+    register_page_calls(m);
 }
 
 }  // namespace numa_moe::bindings
