@@ -43,13 +43,13 @@ def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_tor
     try:
         result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
                                   repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
-                                  page=page, min_seconds=min_seconds, progress=lambda line: click.echo(line, err=True))
+                                  page=page, min_seconds=min_seconds, progress=lambda line: click.echo(line, err=True),
+                                  table=click.echo)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     except PlacementError as error:
         hint = " (--page 4k runs without them)" if page == "2m" else ""
         raise click.ClickException(f"{error}{hint}") from None
-    click.echo(kernel_bench.format_table(result))
     if json_path:
         kernel_bench.to_json(result, json_path)
         wrote(json_path)
