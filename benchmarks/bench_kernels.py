@@ -3,6 +3,7 @@
 numa_moe/benchmarking/kernels.py; same code as `numa-moe bench kernels`)."""
 
 import argparse
+import sys
 
 from numa_moe.benchmarking import kernels as bench
 
@@ -24,6 +25,7 @@ def main() -> None:
                        page=args.page, min_seconds=args.min_seconds, table=print)
     if args.json:
         bench.to_json(result, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
 
 
 if __name__ == "__main__":
