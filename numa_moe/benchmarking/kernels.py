@@ -197,8 +197,11 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
         raise ValueError(f"page must be '4k' or '2m', got {page!r}")
     if not min_seconds >= 0:
         raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
+    # checked before anything is allocated
     if isa is not None and isa not in kernels.ISAS:
         raise ValueError(f"isa must be one of {', '.join(kernels.ISAS)}, got {isa!r}")
+    if isa is not None and isa not in kernels.available_isas():
+        raise ValueError(f"isa {isa!r} is not available on this CPU (available: {', '.join(kernels.available_isas())})")
     table = table or (lambda line: None)
     isa = isa or kernels.default_isa()
     threads = threads or native_loops.affinity_cpu_count()
