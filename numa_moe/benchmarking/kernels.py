@@ -4,8 +4,8 @@ measured register-only peak of the ISA that ran (vdpbf16ps for avx512; see
 native_loops.PEAK_INSTRUCTIONS) for the compute-bound rows.
 
 Weights rotate over enough expert copies that they are not in cache (>= 4x L3, at least
-2 copies); every measurement is a median over repetitions, all in one run so that they
-share the machine's state. The read ceiling is measured interleaved with our kernel
+2 copies); every time is a median over repetitions, all in one run so that they share
+the machine's state. The read ceiling is measured interleaved with our kernel
 (repetition r: one kernel call on expert copy 2r, then a streaming read of copy 2r+1, on
 the same worker pool, so both pay the same dispatch cost): the machine's DRAM bandwidth is
 shared with other VMs and drifts between runs minutes apart. The ceiling of a point is
