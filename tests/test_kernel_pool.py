@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from numa_moe import _native, kernels
+from numa_moe import _bench, _native, kernels
 from test_kernels import FFN_TOL_F32, ffn_reference, random_expert, rel_fro
 
 ISA = kernels.default_isa()
@@ -24,11 +24,11 @@ def run_ffn(rng, m=9, threads=2, hidden=256, inter=384):
 
 def test_no_thread_creation_per_call(rng):
     assert run_ffn(rng) < FFN_TOL_F32  # creates the 2-thread pool if not there yet
-    before = _native.kernel_pool_start_count()
+    before = _native.process_pool_start_count()
     assert before >= 1
     for _ in range(5):
         assert run_ffn(rng) < FFN_TOL_F32
-    assert _native.kernel_pool_start_count() == before
+    assert _native.process_pool_start_count() == before
 
 
 def test_forked_child_runs_expert_ffn(rng):
@@ -73,9 +73,9 @@ def test_bench_expert_ffn_vs_read_interleaves(rng):
     hidden, inter, m = 256, 128, 4
     x, *_ = random_expert(rng, hidden, inter, n_tokens=m)
     experts = [tuple(w.view(np.uint16) for w in random_expert(rng, hidden, inter, 1)[1:]) for _ in range(3)]
-    ours, read = _native.bench_expert_ffn_vs_read(ISA, x.view(np.uint16), np.arange(m, dtype=np.int64), experts, 2, 7)
+    ours, read = _bench.bench_expert_ffn_vs_read(ISA, x.view(np.uint16), np.arange(m, dtype=np.int64), experts, 2, 7)
     assert len(ours) == len(read) == 7
     assert all(t > 0 for t in ours) and all(t > 0 for t in read)
     with pytest.raises(ValueError, match="shapes do not match"):
         bad = [(experts[0][0], experts[0][1], experts[0][2][:, :64].copy())]
-        _native.bench_expert_ffn_vs_read(ISA, x.view(np.uint16), np.arange(m, dtype=np.int64), bad, 2, 1)
+        _bench.bench_expert_ffn_vs_read(ISA, x.view(np.uint16), np.arange(m, dtype=np.int64), bad, 2, 1)

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from numa_moe import _native, kernels
+from numa_moe import _bench, _native, kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -108,7 +108,7 @@ def test_amx_model_tdpbf16ps_matches_definition(rng):
     tiles["b"][:pairs, : 4 * n] = np.ascontiguousarray(b_pairs).view(np.uint8)
     tiles["c"][:rows, : 4 * n] = c0.view(np.uint8)
     cfg = tile_config({0: (rows, 4 * n), 1: (rows, 4 * pairs), 2: (pairs, 4 * n)})
-    _native.amx_model_tile_dot(cfg, False, tiles["c"], tiles["a"], tiles["b"])
+    _native.testing.amx_model_tile_dot(cfg, False, tiles["c"], tiles["a"], tiles["b"])
     got = tiles["c"][:rows, : 4 * n].copy().view(np.float32)
     ref = c0 + a.astype(np.float64) @ b_plain.astype(np.float64)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
@@ -124,7 +124,7 @@ def test_amx_model_tdpbssd_int8(rng):
     tiles["a"][:] = a.view(np.uint8)
     tiles["b"][:] = b_plain.reshape(quads, 4, n).transpose(0, 2, 1).reshape(quads, 4 * n).view(np.uint8)
     cfg = tile_config({0: (16, 64), 1: (16, 64), 2: (16, 64)})
-    _native.amx_model_tile_dot(cfg, True, tiles["c"], tiles["a"], tiles["b"])
+    _native.testing.amx_model_tile_dot(cfg, True, tiles["c"], tiles["a"], tiles["b"])
     np.testing.assert_array_equal(tiles["c"].view(np.int32), a.astype(np.int32) @ b_plain.astype(np.int32))
 
 
@@ -143,15 +143,15 @@ def test_amx_model_faults(shapes, palette, message):
     cfg[0] = palette
     tiles = [np.zeros((16, 64), np.uint8) for _ in range(3)]
     with pytest.raises(RuntimeError, match=message.replace("/", "/").replace("(", r"\(")):
-        _native.amx_model_tile_dot(cfg, False, *tiles)
+        _native.testing.amx_model_tile_dot(cfg, False, *tiles)
 
 
 @pytest.mark.skipif("avx512" not in kernels.available_isas(), reason="the streaming read is AVX-512 code")
 def test_stream_reads_refuse_strided_buffers(rng):
     strided = rng.standard_normal((64, 64)).astype(np.float32)[:, ::2]
-    for call in (lambda b: _native.stream_read(b, 1), lambda b: _native.bench_stream_read(b, 1, 1)):
+    for call in (lambda b: _bench.stream_read(b, 1), lambda b: _bench.bench_stream_read(b, 1, 1)):
         with pytest.raises(ValueError, match="C-contiguous"):
             call([strided])
     # A contiguous buffer reads, and its checksum depends on its bytes.
     data = rng.integers(1, 255, size=4096, dtype=np.uint8)
-    assert _native.stream_read([data], 1) != _native.stream_read([np.zeros_like(data)], 1)
+    assert _bench.stream_read([data], 1) != _bench.stream_read([np.zeros_like(data)], 1)

@@ -43,11 +43,11 @@ def test_threads_start_lazily_once_and_restart_after_shutdown():
     pool, _ = make_pool(3)
     assert not pool.started and pool.start_count == 0
     for _ in range(20):
-        pool.barrier_check(3)
+        _native.testing.barrier_check(pool, 3)
     assert pool.started and pool.start_count == 1
     pool.shutdown()
     assert not pool.started
-    pool.barrier_check(2)
+    _native.testing.barrier_check(pool, 2)
     assert pool.start_count == 2
     pool.shutdown()
 
@@ -56,7 +56,7 @@ def test_threads_start_lazily_once_and_restart_after_shutdown():
 def test_barrier_holds_every_thread(n_nodes, threads):
     pool, _ = make_pool(n_nodes, threads)
     try:
-        increments, failures = pool.barrier_check(200)
+        increments, failures = _native.testing.barrier_check(pool, 200)
         assert increments == 200 * pool.n_threads
         assert failures == 0
     finally:
@@ -82,19 +82,19 @@ def test_pinning_to_a_cpu_outside_the_allowed_set_fails_clearly():
 
 def test_forked_child_gets_fresh_threads():
     pool, _ = make_pool(2, 2)
-    pool.barrier_check(5)
+    _native.testing.barrier_check(pool, 5)
     pid = os.fork()
     if pid == 0:  # child: the parent's threads do not exist here
         code = 1
         try:
-            increments, failures = pool.barrier_check(50)
+            increments, failures = _native.testing.barrier_check(pool, 50)
             code = 0 if (increments == 50 * pool.n_threads and failures == 0 and pool.start_count == 2) else 2
             pool.shutdown()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    increments, failures = pool.barrier_check(5)  # the parent's pool still works
+    increments, failures = _native.testing.barrier_check(pool, 5)  # the parent's pool still works
     assert failures == 0
     pool.shutdown()
 
@@ -107,21 +107,22 @@ def test_keyboard_interrupt_during_a_call_returns_promptly_and_pool_survives():
     start = time.monotonic()
     timer.start()
     with pytest.raises(KeyboardInterrupt):
-        pool.busy_job(30.0)
+        _native.testing.busy_job(pool, 30.0)
     elapsed = time.monotonic() - start
     timer.join()
     assert elapsed < 5.0
-    assert pool.busy_job(0.01)
-    assert pool.barrier_check(3)[1] == 0
+    assert _native.testing.busy_job(pool, 0.01)
+    assert _native.testing.barrier_check(pool, 3)[1] == 0
     pool.shutdown()
 
 
 def test_interpreter_exit_with_running_pool_is_clean(tmp_path):
     script = tmp_path / "exit.py"
     script.write_text(
+        "from numa_moe import _native\n"
         "from numa_moe.moe import worker_pool\n"
         "p = worker_pool([[0], [0]])\n"
-        "p.barrier_check(3)\n"
+        "_native.testing.barrier_check(p, 3)\n"
         "print('ok')\n")
     import subprocess
 
@@ -167,10 +168,10 @@ def test_joining_caller_is_a_participant_and_its_affinity_is_restored():
     before = os.sched_getaffinity(0)
     try:
         assert pool.n_threads == 1 and pool.participants == 2
-        increments, failures = pool.barrier_check(200)
+        increments, failures = _native.testing.barrier_check(pool, 200)
         assert (increments, failures) == (400, 0)
         for _ in range(20):
-            cpus, caller_affinity = pool.participant_cpus()
+            cpus, caller_affinity = _native.testing.participant_cpus(pool)
             assert cpus[0] == CPUS[1]
             # Moved only when it found itself on the worker's CPU.
             assert cpus[1] != CPUS[1]

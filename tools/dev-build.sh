@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build/dev}
-cmake -S . -B "$build_dir" -G Ninja -DNUMA_MOE_INPLACE=ON \
+cmake -S . -B "$build_dir" -G Ninja -DNUMA_MOE_INPLACE=ON -DNUMA_MOE_TEST_HOOKS=ON \
   -DPython_EXECUTABLE="$(command -v python3)" \
   -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" "$@" >/dev/null
 cmake --build "$build_dir" -j 2

@@ -1,10 +1,15 @@
 // One strided segment of a weight matrix, in elements: rows row0, row0 + row_stride, ...
 // (nrows of them), columns [k0, k1). A node's share of a matrix is a list of these
-// (see numa_moe/segments.py, which computes them); the Python side hands them over as
-// an int64 array of shape [n, 5] with the fields in this order.
+// (numa_moe/segments.py computes them); Python hands them over as an int64 array of shape
+// [n, 5] with the fields in this order.
+//
+// The rules of a valid segment list live here and only here: every binding, the layer
+// and the single-expert path check segments with these two functions.
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace numa_moe {
 
@@ -16,5 +21,18 @@ struct Segment {
     int64_t k1;
 };
 static_assert(sizeof(Segment) == 5 * sizeof(int64_t), "Segment must match the [n, 5] int64 array");
+
+// "(row0=…, row_stride=…, nrows=…, k0=…, k1=…)", for error messages.
+std::string segment_text(const Segment& s);
+
+// Throws std::invalid_argument unless every segment lies inside a rows x cols matrix:
+// row_stride >= 1, nrows >= 0, all its rows in [0, rows), 0 <= k0 <= k1 <= cols. `what`
+// names the list in the message ("gate segments of node 1").
+void check_segments(const Segment* segments, int64_t n_segments, int64_t rows, int64_t cols, const std::string& what);
+
+// Throws std::invalid_argument unless the segments of all nodes together cover every
+// element of the rows x cols matrix exactly once (no gap, no overlap).
+void check_partition(const std::vector<std::vector<Segment>>& node_segments, int64_t rows, int64_t cols,
+                     const std::string& what);
 
 }  // namespace numa_moe

@@ -2,6 +2,8 @@
 // pthread_setaffinity_np, pthread_atfork.
 #include "common/worker_pool.hpp"
 
+#include "common/util.hpp"
+
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -38,11 +40,10 @@ uint64_t fork_generation() {
     return g_fork_generation.load();
 }
 
-int64_t now_ns() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
+// The pool whose job the current thread is running (run() refuses to nest), and the pool
+// whose run() the current thread is inside as its caller (it polls keep_going).
+thread_local const WorkerPool* t_job_pool = nullptr;
+thread_local const WorkerPool* t_calling_pool = nullptr;
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, const timespec* timeout) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, timeout, nullptr, 0);
@@ -93,7 +94,15 @@ struct WorkerPool::State {
     std::atomic<bool> stop{false};
     std::atomic<bool> abort{false};
     const Job* job = nullptr;
+    int n_phases = 0;
     Barrier barrier;
+    std::mutex job_error_mutex;
+    std::exception_ptr job_error;  // the first exception of the current run
+    // keep_going of the current run; only the calling thread touches these
+    const std::function<bool()>* keep_going = nullptr;
+    int64_t poll_ns = 0;
+    int64_t next_poll_ns = 0;
+    bool interrupted = false;
 
     // start-up handshake
     std::atomic<int> ready{0};
@@ -194,7 +203,7 @@ void* WorkerPool::thread_main(void* raw) {
         }
         seen = state->job_generation.load(std::memory_order_acquire);
         if (state->stop.load(std::memory_order_acquire)) break;
-        (*state->job)(info);
+        arg->pool->run_phases(info);
         if (state->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
             state->done_generation.fetch_add(1, std::memory_order_seq_cst);
             futex_wake_all(&state->done_generation);
@@ -223,13 +232,10 @@ void WorkerPool::start() {
         const int rc = pthread_create(&thread, nullptr, &WorkerPool::thread_main, arg);
         if (rc != 0) {
             delete arg;
-            // stop what was started, then report
-            state.stop.store(true);
-            state.job_generation.fetch_add(1);
-            futex_wake_all(&state.job_generation);
-            for (pthread_t t : state.threads) pthread_join(t, nullptr);
-            state.threads.clear();
-            throw std::runtime_error(std::string("WorkerPool: pthread_create failed: ") + std::strerror(rc));
+            stop_threads();
+            throw std::runtime_error("WorkerPool: creating worker thread " + std::to_string(info.global + 1) + " of " +
+                                     std::to_string(n_threads()) + " failed: " + std::strerror(rc) +
+                                     " (process or memory limits?)");
         }
         state.threads.push_back(thread);
     }
@@ -242,14 +248,20 @@ void WorkerPool::start() {
         error = state.start_error;
     }
     if (!error.empty()) {
-        state.stop.store(true);
-        state.job_generation.fetch_add(1);
-        futex_wake_all(&state.job_generation);
-        for (pthread_t t : state.threads) pthread_join(t, nullptr);
-        state.threads.clear();
+        stop_threads();
         state.running = false;
         throw std::runtime_error("WorkerPool: " + error);
     }
+}
+
+// Wakes every started thread with the stop flag set and joins it. Caller holds run_mutex.
+void WorkerPool::stop_threads() {
+    State& state = *state_;
+    state.stop.store(true, std::memory_order_seq_cst);
+    state.job_generation.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&state.job_generation);
+    for (pthread_t t : state.threads) pthread_join(t, nullptr);
+    state.threads.clear();
 }
 
 void WorkerPool::shutdown() {
@@ -257,11 +269,7 @@ void WorkerPool::shutdown() {
     State& state = *state_;
     std::lock_guard<std::mutex> lock(state.run_mutex);
     if (!state.running) return;
-    state.stop.store(true, std::memory_order_seq_cst);
-    state.job_generation.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&state.job_generation);
-    for (pthread_t t : state.threads) pthread_join(t, nullptr);
-    state.threads.clear();
+    stop_threads();
     state.running = false;
 }
 
@@ -291,49 +299,90 @@ private:
 };
 }  // namespace
 
-bool WorkerPool::aborted() const { return state_->abort.load(std::memory_order_relaxed); }
+bool WorkerPool::aborted() const {
+    State& state = *state_;
+    if (t_calling_pool == this && state.keep_going && !state.interrupted) {
+        const int64_t now = now_ns();
+        if (now >= state.next_poll_ns) {
+            state.next_poll_ns = now + state.poll_ns;
+            if (!(*state.keep_going)()) {
+                state.interrupted = true;
+                state.abort.store(true, std::memory_order_relaxed);
+            }
+        }
+    }
+    return state.abort.load(std::memory_order_relaxed);
+}
 
-void WorkerPool::barrier() { state_->barrier.arrive_and_wait(); }
+// One participant's share of a run: every phase, a barrier between phases. After an
+// abort the remaining phases are skipped but their barriers still passed, because the
+// other participants may not have seen the abort yet and wait there.
+void WorkerPool::run_phases(const ThreadInfo& info) {
+    State& state = *state_;
+    t_job_pool = this;
+    for (int phase = 0; phase < state.n_phases; ++phase) {
+        if (phase > 0) state.barrier.arrive_and_wait();
+        if (aborted()) continue;
+        try {
+            (*state.job)(phase, info);
+        } catch (...) {
+            std::lock_guard<std::mutex> lock(state.job_error_mutex);
+            if (!state.job_error) state.job_error = std::current_exception();
+            state.abort.store(true, std::memory_order_relaxed);
+        }
+    }
+    t_job_pool = nullptr;
+}
 
-void WorkerPool::run(const Job& job, const std::function<bool()>& keep_going, int poll_ms) {
+bool WorkerPool::run(int n_phases, const Job& job, const std::function<bool()>& keep_going, int poll_ms) {
+    if (t_job_pool) throw std::logic_error("WorkerPool::run called from inside a pool job (it would deadlock)");
+    if (n_phases <= 0) return true;
     ensure_fresh_after_fork();
     if (!started()) start();
     State& state = *state_;
     std::lock_guard<std::mutex> lock(state.run_mutex);
     if (!state.running) throw std::runtime_error("WorkerPool: shut down while starting a run");
     state.job = &job;
+    state.n_phases = n_phases;
+    state.job_error = nullptr;
+    state.keep_going = keep_going ? &keep_going : nullptr;
+    state.poll_ns = static_cast<int64_t>(poll_ms) * 1000000;
+    state.next_poll_ns = now_ns() + state.poll_ns;
+    state.interrupted = false;
     state.abort.store(false);
     state.remaining.store(n_threads(), std::memory_order_release);
     const uint32_t done_seen = state.done_generation.load(std::memory_order_acquire);
     state.job_generation.fetch_add(1, std::memory_order_seq_cst);
     if (state.job_sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&state.job_generation);
-    std::exception_ptr caller_error;
     if (caller_cpu_ >= 0) {
         // Moving the caller costs two affinity syscalls (~10 us in a VM), so only when it
         // sits on a worker's CPU.
         const int cpu = sched_getcpu();
         std::optional<ScopedPin> pin;
         if (cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &worker_cpus_)) pin.emplace(caller_cpu_);
-        try {
-            job(caller_info());
-        } catch (...) {
-            caller_error = std::current_exception();  // rethrown once the workers are done
-        }
+        t_calling_pool = this;
+        run_phases(caller_info());
+        t_calling_pool = nullptr;
         // The workers are about to finish too (jobs split work evenly): spin before sleeping.
         spin_until_changed(state.done_generation, done_seen, oversubscribed_ ? 0 : spin_ns_);
     }
     const timespec poll{poll_ms / 1000, static_cast<long>(poll_ms % 1000) * 1000000L};
-    bool asked_abort = false;
     while (state.done_generation.load(std::memory_order_acquire) == done_seen) {
         futex_wait(&state.done_generation, done_seen, keep_going ? &poll : nullptr);
-        if (keep_going && !asked_abort && state.done_generation.load(std::memory_order_acquire) == done_seen &&
+        if (keep_going && !state.interrupted && state.done_generation.load(std::memory_order_acquire) == done_seen &&
             !keep_going()) {
-            asked_abort = true;
+            state.interrupted = true;
             state.abort.store(true, std::memory_order_relaxed);
         }
     }
     state.job = nullptr;
-    if (caller_error) std::rethrow_exception(caller_error);
+    state.keep_going = nullptr;
+    if (state.job_error) {
+        std::exception_ptr error = state.job_error;
+        state.job_error = nullptr;
+        std::rethrow_exception(error);
+    }
+    return !state.interrupted;
 }
 
 }  // namespace numa_moe

@@ -1,28 +1,33 @@
 // Persistent worker threads, one group per NUMA node (real or virtual), each thread pinned
 // to one CPU of its node.
 //
-// Dispatch: run(job) hands one job to every worker thread and returns when all of them
-// have finished it. Workers wait for the next job spinning briefly, then sleeping on a
-// futex; a job synchronises its phases with barrier() (spin, then futex). Threads are
-// created lazily by the first run() (or start()), never per call.
+// Dispatch: run(n_phases, job) hands one job to every worker thread and returns when all
+// of them have finished it. A job is a sequence of phases with a barrier between
+// consecutive phases (phase p of every participant ends before phase p + 1 of any starts);
+// jobs never synchronise by themselves, so no participant can wait for one that left.
+// Workers wait for the next job spinning briefly, then sleeping on a futex; barriers spin,
+// then sleep. Threads are created lazily by the first run() (or start()), never per call.
 //
 // A pool made with a caller CPU (caller_cpu >= 0) also runs the job on the calling
-// thread, as one more participant (the last ThreadInfo index) that barrier() counts, and
-// pins the caller to caller_cpu for the duration of run() when it finds itself on a
-// worker's CPU (its affinity is restored on return): n worker threads + a caller that only sleeps would be n + 1 threads on n
-// CPUs, and the sleeping caller's wake-up at the end of every run waits for a CPU behind a
-// spinning worker (measured in a 2-CPU VM: 16 us per call, 4% of a 0.45 ms expert FFN);
-// an unpinned caller can share a worker's CPU, where every spinning wait of either
-// starves the other (measured: 0.3 ms for a 6 us call until the scheduler moved it).
+// thread, as one more participant (the last ThreadInfo index), and pins the caller to
+// caller_cpu for the duration of run() when it finds itself on a worker's CPU (its
+// affinity is restored on return): n worker threads plus a caller that only sleeps would
+// be n + 1 threads on n CPUs, and the sleeping caller's wake-up at the end of every run
+// would wait for a CPU behind a spinning worker; an unpinned caller can share a worker's
+// CPU, where every spinning wait of either starves the other.
+//
+// Errors and abort: the pool owns both. An exception thrown by the job on any participant
+// is caught there and aborts the run; so does keep_going() returning false (polled by the
+// calling thread while it waits). An aborted run skips every remaining phase on every
+// participant (barriers are still passed, so nothing hangs); long phases may poll
+// aborted() to stop early. run() rethrows the first exception once all participants are
+// done, and the pool stays usable. Thread-creation and pinning failures throw from run()
+// (or start()) with nothing left running.
 //
 // Lifetime: shutdown() (also the destructor) stops and joins the threads. After fork()
 // the child has none of the parent's threads: the pool notices (pthread_atfork
 // generation counter), abandons the parent's thread state without touching it and
 // starts fresh threads on the child's next run().
-//
-// Interruption: run() takes a keep_going() callback that the calling thread polls while
-// it waits; once it returns false, aborted() becomes true and jobs skip the rest of their
-// work but still pass every barrier, so the call always returns (never hangs).
 #pragma once
 
 #include <atomic>
@@ -65,7 +70,8 @@ private:
 
 class WorkerPool {
 public:
-    using Job = std::function<void(const ThreadInfo&)>;
+    // job(phase, thread): phase in [0, n_phases) of a run.
+    using Job = std::function<void(int phase, const ThreadInfo& thread)>;
 
     // node_cpus[n] = CPUs of node n; one worker thread per listed CPU. With pin=false the
     // threads are left to the scheduler (cpu = -1). spin_us: how long idle workers spin
@@ -82,6 +88,8 @@ public:
     // The calling thread's ThreadInfo when it joins: node 0, global index n_threads().
     ThreadInfo caller_info() const;
     int threads_of(int node) const { return static_cast<int>(node_cpus_[node].size()); }
+    // Participants of a node: its threads, and the caller for node 0 when it joins.
+    int participants_of(int node) const { return threads_of(node) + (node == 0 && caller_cpu_ >= 0 ? 1 : 0); }
     const std::vector<ThreadInfo>& threads() const { return infos_; }
     const std::vector<std::vector<int>>& node_cpus() const { return node_cpus_; }
     bool started();
@@ -89,15 +97,17 @@ public:
     void start();
     void shutdown();
 
-    // Runs job on every worker thread (and on the calling thread when it joins), waits for
-    // all. keep_going (may be empty) is called on the calling thread every poll_ms while
-    // waiting.
-    void run(const Job& job, const std::function<bool()>& keep_going = {}, int poll_ms = 50);
+    // Runs phases 0 .. n_phases-1 of job on every worker thread (and on the calling thread
+    // when it joins), a barrier between phases; returns when all are done. keep_going (may
+    // be empty) is called on the calling thread every poll_ms while it waits. Returns false
+    // when keep_going aborted the run; rethrows the first exception a participant threw.
+    // Calling run() from inside a job throws std::logic_error (it would deadlock).
+    bool run(int n_phases, const Job& job, const std::function<bool()>& keep_going = {}, int poll_ms = 50);
 
-    // For jobs: whether the caller asked to abort this run.
+    // For jobs: whether the current run was aborted (an error elsewhere, or keep_going).
+    // On the calling thread it also polls keep_going (at most every poll_ms), so a long
+    // phase of a joining caller still sees Ctrl-C.
     bool aborted() const;
-    // For jobs: wait until every participant of the run has arrived.
-    void barrier();
 
     // Number of times threads were created (tests: no thread creation per call).
     int64_t start_count() const { return start_count_; }
@@ -106,6 +116,8 @@ private:
     struct State;
     static void* thread_main(void* arg);
     void ensure_fresh_after_fork();
+    void stop_threads();
+    void run_phases(const ThreadInfo& info);
 
     std::vector<std::vector<int>> node_cpus_;
     std::vector<ThreadInfo> infos_;

@@ -214,22 +214,6 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 }  // namespace AMX_NAMESPACE
 
 #ifdef NUMA_MOE_AMX_MODEL
-// Test entry to the model itself: LDTILECFG `config`, load C/A/B into tmm0/1/2 (row
-// stride 64 bytes), one TDPBF16PS (int8 = false) or TDPBSSD (int8 = true), store tmm0.
-void amx_model_tile_dot(const void* config, bool int8, void* c, const void* a, const void* b) {
-    namespace model = ::numa_moe::amx_model;
-    model::_tile_loadconfig(config);
-    model::_tile_loadd(0, c, 64);
-    model::_tile_loadd(1, a, 64);
-    model::_tile_loadd(2, b, 64);
-    if (int8)
-        model::_tile_dpbssd(0, 1, 2);
-    else
-        model::_tile_dpbf16ps(0, 1, 2);
-    model::_tile_stored(0, c, 64);
-    model::_tile_release();
-}
-
 const KernelOps& amx_model_ops() {
     static const KernelOps ops{Isa::amx_model,          "amx_model", pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,

@@ -575,49 +575,4 @@ const KernelOps& avx512_ops() {
     return ops;
 }
 
-uint64_t stream_read_avx512(const void* data, size_t bytes) {
-    const char* p = static_cast<const char*>(data);
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    size_t i = 0;
-    for (; i + 256 <= bytes; i += 256) {
-        a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
-        a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
-        a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
-        a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
-    }
-    const __m512i all = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-    // Fold the lanes as unsigned: _mm512_reduce_add_epi64 adds as signed long long, and
-    // an overflow of this checksum would be undefined behaviour.
-    alignas(64) uint64_t lanes[8];
-    _mm512_store_si512(lanes, all);
-    uint64_t sum = 0;
-    for (uint64_t lane : lanes) sum += lane;
-    for (; i < bytes; ++i) sum += static_cast<unsigned char>(p[i]);
-    return sum;
-}
-
-double dpbf16ps_peak_loop(int64_t iterations) {
-    // Written in assembly: with intrinsics gcc kept the 24 accumulators in memory.
-    // 24 independent chains hide the instruction latency; operands are zeros.
-    if (iterations <= 0) return 0.0;
-    int64_t n = iterations;
-#define NUMA_MOE_DP(i) "vdpbf16ps %%zmm30, %%zmm31, %%zmm" #i "\n\t"
-    __asm__ volatile(
-        "vpxord %%zmm30, %%zmm30, %%zmm30\n\t"
-        "vpxord %%zmm31, %%zmm31, %%zmm31\n\t"
-        "1:\n\t" NUMA_MOE_DP(0) NUMA_MOE_DP(1) NUMA_MOE_DP(2) NUMA_MOE_DP(3) NUMA_MOE_DP(4) NUMA_MOE_DP(5)
-        NUMA_MOE_DP(6) NUMA_MOE_DP(7) NUMA_MOE_DP(8) NUMA_MOE_DP(9) NUMA_MOE_DP(10) NUMA_MOE_DP(11) NUMA_MOE_DP(12)
-        NUMA_MOE_DP(13) NUMA_MOE_DP(14) NUMA_MOE_DP(15) NUMA_MOE_DP(16) NUMA_MOE_DP(17) NUMA_MOE_DP(18)
-        NUMA_MOE_DP(19) NUMA_MOE_DP(20) NUMA_MOE_DP(21) NUMA_MOE_DP(22) NUMA_MOE_DP(23)
-        "dec %0\n\t"
-        "jnz 1b\n\t"
-        : "+r"(n)
-        :
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm30",
-          "xmm31", "cc");
-#undef NUMA_MOE_DP
-    return static_cast<double>(iterations) * 24.0 * 64.0;
-}
-
 }  // namespace numa_moe::kernels

@@ -1,12 +1,15 @@
 // bf16 <-> fp32 conversions (round to nearest even, NaN kept quiet) and the activation,
-// shared by every kernel translation unit. Header-only, baseline x86-64.
+// shared by every kernel translation unit; each ISA gets its own copies (isa_namespace.hpp).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "common/isa_namespace.hpp"
+
 namespace numa_moe::kernels {
+inline namespace NUMA_MOE_ISA_NS {
 
 inline float bf16_to_float(uint16_t value) {
     const uint32_t bits = static_cast<uint32_t>(value) << 16;
@@ -30,4 +33,5 @@ inline void floats_to_bf16(const float* src, uint16_t* dst, int64_t n) {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+}  // namespace NUMA_MOE_ISA_NS
 }  // namespace numa_moe::kernels

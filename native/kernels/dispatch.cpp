@@ -43,6 +43,23 @@ const KernelOps* kernel_ops(Isa isa) {
     return nullptr;
 }
 
+std::string unavailable_reason(Isa isa) {
+    if (kernel_ops(isa)) return "";
+    switch (isa) {
+        case Isa::ref: return "";
+        case Isa::avx2: return "this CPU (or OS) lacks AVX2 + FMA";
+        case Isa::avx512:
+        case Isa::amx_model: return "this CPU (or OS) lacks AVX-512 with BF16";
+        case Isa::amx: {
+            if (!has_avx512_bf16_kernels()) return "this CPU (or OS) lacks AVX-512 with BF16";
+            std::string reason;
+            request_amx_permission(&reason);
+            return reason;
+        }
+    }
+    return "unknown ISA";
+}
+
 Isa default_isa() {
     if (const char* forced = std::getenv("NUMA_MOE_ISA"); forced && *forced) {
         Isa isa;

@@ -15,7 +15,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
+#include "common/isa_namespace.hpp"
 #include "common/segment.hpp"
 
 namespace numa_moe::kernels {
@@ -38,6 +40,8 @@ struct TokenLayout {
     int64_t token_multiple;
 };
 
+inline namespace NUMA_MOE_ISA_NS {
+
 inline int64_t padded_tokens(TokenLayout layout, int64_t m) {
     return (m + layout.token_multiple - 1) / layout.token_multiple * layout.token_multiple;
 }
@@ -53,6 +57,11 @@ inline int64_t packed_index(TokenLayout layout, int64_t m, int64_t k, int64_t t,
     const int64_t b = layout.block_columns;
     return (c / b) * (b * padded_tokens(layout, m)) + t * b + c % b;
 }
+
+inline TokenLayout plain_layout(int64_t) { return TokenLayout{0, 1}; }
+inline TokenLayout pairs_layout(int64_t) { return TokenLayout{2, 1}; }
+
+}  // namespace NUMA_MOE_ISA_NS
 
 struct KernelOps {
     Isa isa;
@@ -119,10 +128,10 @@ Isa default_isa();
 const char* isa_name(Isa isa);
 bool parse_isa(const char* name, Isa* isa);
 
-// The per-ISA tables (each defined in its own translation unit).
-const KernelOps& ref_ops();
+// Why an ISA is not available here ("" when it is).
+std::string unavailable_reason(Isa isa);
 
-inline TokenLayout plain_layout(int64_t) { return TokenLayout{0, 1}; }
-inline TokenLayout pairs_layout(int64_t) { return TokenLayout{2, 1}; }
+// The portable reference table, always available.
+const KernelOps& ref_ops();
 
 }  // namespace numa_moe::kernels

@@ -1,21 +1,19 @@
-# Kernels: one translation unit per instruction set, each with its own flags (the rest of
-# the library is baseline x86-64; dispatch.cpp picks a table at run time).
+# Kernels: one translation unit per instruction set, each with its own flags and its own
+# NUMA_MOE_ISA_NS (common/isa_namespace.hpp); the rest of the library is baseline x86-64
+# and dispatch.cpp picks a table at run time.
 set(NUMA_MOE_AVX512_FLAGS -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma)
 list(APPEND NUMA_MOE_SOURCES
   native/kernels/dispatch.cpp
   native/kernels/ref.cpp
-  native/kernels/kernel_pool.cpp
-  native/kernels/expert_ffn.cpp
-  native/kernels/kernel_bindings.cpp
+  native/kernels/amx_model.cpp
 )
-# Linked after every baseline object, least demanding first (see CMakeLists.txt).
 list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/avx2.cpp
   native/kernels/avx512_bf16.cpp
   native/kernels/amx_bf16_model.cpp
   native/kernels/amx_bf16.cpp
 )
-set_source_files_properties(native/kernels/avx2.cpp PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma")
-set_source_files_properties(native/kernels/avx512_bf16.cpp PROPERTIES COMPILE_OPTIONS "${NUMA_MOE_AVX512_FLAGS}")
-set_source_files_properties(native/kernels/amx_bf16.cpp PROPERTIES COMPILE_OPTIONS "${NUMA_MOE_AVX512_FLAGS};-mamx-tile;-mamx-bf16")
-set_source_files_properties(native/kernels/amx_bf16_model.cpp PROPERTIES COMPILE_OPTIONS "${NUMA_MOE_AVX512_FLAGS}")
+numa_moe_isa_source(native/kernels/avx2.cpp avx2 -mavx2 -mfma)
+numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
+numa_moe_isa_source(native/kernels/amx_bf16_model.cpp amx_model ${NUMA_MOE_AVX512_FLAGS})
+numa_moe_isa_source(native/kernels/amx_bf16.cpp amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)

@@ -13,7 +13,7 @@
 
 namespace py = pybind11;
 
-namespace numa_moe {
+namespace numa_moe::bindings {
 namespace {
 
 using placement::SyscallError;
@@ -204,4 +204,4 @@ which numpy/torch views prevent while they are alive.)doc")
     m.def("hardware_threads", [] { return std::thread::hardware_concurrency(); });
 }
 
-}  // namespace numa_moe
+}  // namespace numa_moe::bindings

@@ -1,0 +1,221 @@
+// The benchmark harness in native code (numa_moe._native.bench, re-exported as numa_moe._bench),
+// registered apart from the API. Loops
+// that must not pay Python overhead per call (the kernel against the read ceiling,
+// interleaved), the streaming read and the peak-FLOP loops, all on the project's process
+// pool.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "bench/loops.hpp"
+#include "bindings/checks.hpp"
+#include "common/cpu_features.hpp"
+#include "common/util.hpp"
+#include "engine/expert_ffn.hpp"
+#include "engine/pipeline.hpp"
+#include "engine/process_pool.hpp"
+
+namespace py = pybind11;
+
+namespace numa_moe::bench {
+namespace {
+
+using bindings::Kind;
+
+struct Span {
+    const char* data;
+    size_t bytes;
+};
+
+void require_avx512(const char* what) {
+    if (!has_avx512_bf16_kernels()) throw std::invalid_argument(std::string(what) + ": needs AVX-512-BF16 on this CPU");
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Runs job(phase, participant, participants) on `threads` threads of the process pool.
+void on_threads(int threads, int n_phases, const std::function<void(int, int, int)>& job) {
+    const std::shared_ptr<WorkerPool> pool = threads > 1 ? engine::process_pool(threads) : nullptr;
+    engine::Team team(pool.get());
+    const int participants = team.participants();
+    team.run(n_phases, [&](int phase, const ThreadInfo& ti) { job(phase, ti.global, participants); }, {});
+}
+
+// Reads every span once, each thread a contiguous share (in 256-byte units) of each span;
+// spans [0, phase_break) in one phase, the rest in a second, so that an expert's read
+// pays the dispatch and barrier of an expert_ffn call. Returns the checksum.
+uint64_t read_spans(const std::vector<Span>& spans, int threads, size_t phase_break = SIZE_MAX) {
+    std::vector<uint64_t> sums(static_cast<size_t>(std::max(1, threads)) * 8, 0);  // a cache line each
+    const int n_phases = phase_break < spans.size() ? 2 : 1;
+    on_threads(threads, n_phases, [&](int phase, int id, int n_threads) {
+        const size_t first = phase == 0 ? 0 : phase_break;
+        const size_t last = phase == 0 ? std::min(phase_break, spans.size()) : spans.size();
+        uint64_t sum = 0;
+        for (size_t s = first; s < last; ++s) {
+            const int64_t units = static_cast<int64_t>((spans[s].bytes + 255) / 256);
+            const Range share = split_even(units, n_threads, 1)[id];
+            const size_t begin = std::min(spans[s].bytes, static_cast<size_t>(share.begin) * 256);
+            const size_t end = std::min(spans[s].bytes, static_cast<size_t>(share.end) * 256);
+            sum += stream_read_avx512(spans[s].data + begin, end - begin);
+        }
+        sums[static_cast<size_t>(id) * 8] += sum;
+    });
+    uint64_t total = 0;
+    for (uint64_t v : sums) total += v;
+    return total;
+}
+
+std::vector<Span> array_spans(const py::list& buffers, const char* what) {
+    std::vector<Span> spans;
+    for (const auto& item : buffers) {
+        if (!py::isinstance<py::array>(item)) throw std::invalid_argument(std::string(what) + ": buffers must be numpy arrays");
+        const py::array a = py::reinterpret_borrow<py::array>(item);
+        if (!(a.flags() & py::array::c_style))
+            throw std::invalid_argument(std::string(what) + ": buffers must be C-contiguous arrays");
+        spans.push_back(Span{static_cast<const char*>(a.data()), static_cast<size_t>(a.nbytes())});
+    }
+    if (spans.empty()) throw std::invalid_argument(std::string(what) + ": no buffers");
+    return spans;
+}
+
+int thread_count(int threads) { return threads > 0 ? threads : engine::affinity_cpu_count(); }
+
+uint64_t py_stream_read(const py::list& buffers, int threads) {
+    require_avx512("stream_read");
+    const auto spans = array_spans(buffers, "stream_read");
+    py::gil_scoped_release release;
+    return read_spans(spans, thread_count(threads));
+}
+
+double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
+    require_avx512("bench_stream_read");
+    const auto spans = array_spans(buffers, "bench_stream_read");
+    py::gil_scoped_release release;
+    std::vector<Span> order;
+    for (int r = 0; r < repeats; ++r) order.push_back(spans[r % spans.size()]);
+    const auto start = std::chrono::steady_clock::now();
+    volatile uint64_t sink = read_spans(order, thread_count(threads));
+    (void)sink;
+    return seconds_since(start);
+}
+
+// The experts of a benchmark ((w_gate, w_up, w_down) tuples), checked once.
+struct BenchCalls {
+    std::vector<engine::ExpertFfnArgs> calls;
+    std::vector<std::vector<Span>> spans;  // per expert: gate, up, down
+    std::vector<float> out;
+};
+
+BenchCalls bench_calls(const py::array& x, const py::array& token_index, const py::list& experts, int threads,
+                       bool out_bf16) {
+    if (experts.empty()) throw std::invalid_argument("experts: empty");
+    BenchCalls result;
+    for (size_t e = 0; e < experts.size(); ++e) {
+        const py::tuple triple = experts[e].cast<py::tuple>();
+        if (triple.size() != 3) throw std::invalid_argument("experts: expected (w_gate, w_up, w_down) tuples");
+        const py::array wg = triple[0].cast<py::array>(), wu = triple[1].cast<py::array>(),
+                        wd = triple[2].cast<py::array>();
+        engine::ExpertFfnArgs args;
+        try {
+            args = bindings::expert_ffn_args(x, token_index, wg, wu, wd, threads);
+        } catch (const std::invalid_argument& error) {
+            throw std::invalid_argument("experts[" + std::to_string(e) + "]: shapes do not match x [T, H] and each other (" +
+                                        error.what() + ")");
+        }
+        args.out_bf16 = out_bf16;
+        result.calls.push_back(args);
+        result.spans.push_back({Span{static_cast<const char*>(wg.data()), static_cast<size_t>(wg.nbytes())},
+                                Span{static_cast<const char*>(wu.data()), static_cast<size_t>(wu.nbytes())},
+                                Span{static_cast<const char*>(wd.data()), static_cast<size_t>(wd.nbytes())}});
+    }
+    result.out.resize(static_cast<size_t>(token_index.shape(0) * x.shape(1)) + 16);
+    for (auto& c : result.calls) c.out = result.out.data();
+    return result;
+}
+
+std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index,
+                                        const py::list& experts, int threads, int repeats, bool out_bf16) {
+    const kernels::KernelOps& ops = bindings::ops_for(isa);
+    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
+    std::vector<double> seconds;
+    py::gil_scoped_release release;
+    for (int r = 0; r < repeats; ++r) {
+        const auto start = std::chrono::steady_clock::now();
+        engine::expert_ffn(ops, bench.calls[r % bench.calls.size()]);
+        seconds.push_back(seconds_since(start));
+    }
+    return seconds;
+}
+
+// The kernel and the read ceiling measured interleaved, so that both see the same state
+// of a machine whose bandwidth drifts: repetition r runs expert_ffn on expert 2r and then
+// stream-reads expert 2r+1 (mod the count; gate and up in one phase, down in a second, on
+// the same pool: the same dispatch and barrier cost as the kernel).
+std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
+    const std::string& isa, const py::array& x, const py::array& token_index, const py::list& experts, int threads,
+    int repeats, bool out_bf16) {
+    require_avx512("bench_expert_ffn_vs_read");
+    const kernels::KernelOps& ops = bindings::ops_for(isa);
+    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
+    std::vector<double> ours, read;
+    py::gil_scoped_release release;
+    const size_t n = bench.calls.size();
+    volatile uint64_t sink = 0;
+    for (int r = 0; r < repeats; ++r) {
+        auto start = std::chrono::steady_clock::now();
+        engine::expert_ffn(ops, bench.calls[(2 * static_cast<size_t>(r)) % n]);
+        ours.push_back(seconds_since(start));
+        start = std::chrono::steady_clock::now();
+        sink = sink + read_spans(bench.spans[(2 * static_cast<size_t>(r) + 1) % n], thread_count(threads), 2);
+        read.push_back(seconds_since(start));
+    }
+    return {ours, read};
+}
+
+// The register-only peak loop of an ISA on `threads` threads; returns the flops executed.
+double py_peak_flops(const std::string& isa, int64_t iterations, int threads) {
+    const kernels::KernelOps& ops = bindings::ops_for(isa);
+    double (*loop)(int64_t) = nullptr;
+    if (ops.isa == kernels::Isa::avx512) loop = vdpbf16ps_loop;
+    if (ops.isa == kernels::Isa::amx) loop = tdpbf16ps_loop;
+    if (!loop)
+        throw std::invalid_argument("peak_flops: no peak loop for isa '" + isa + "' (avx512: vdpbf16ps, amx: tdpbf16ps)");
+    const int n = thread_count(threads);
+    std::vector<double> flops(static_cast<size_t>(n) * 8, 0.0);
+    py::gil_scoped_release release;
+    on_threads(n, 1, [&](int, int id, int) { flops[static_cast<size_t>(id) * 8] = loop(iterations); });
+    double total = 0;
+    for (double f : flops) total += f;
+    return total;
+}
+
+}  // namespace
+
+void register_bench(py::module_& parent) {
+    py::module_ m = parent.def_submodule("bench");
+    m.doc() = "numa-moe benchmark harness: streaming read, peak loops, kernel-vs-read loops";
+    m.def("stream_read", &py_stream_read, py::arg("buffers"), py::arg("threads") = 1,
+          "Reads the buffers with AVX-512 loads on `threads` threads (bandwidth ceiling); returns a checksum.");
+    m.def("bench_stream_read", &py_bench_stream_read, py::arg("buffers"), py::arg("threads"), py::arg("repeats"),
+          "Seconds to stream-read `repeats` buffers (rotating) with `threads` threads.");
+    m.def("bench_expert_ffn", &py_bench_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"),
+          py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true,
+          "Seconds of each of `repeats` expert_ffn calls rotating over `experts`.");
+    m.def("bench_expert_ffn_vs_read", &py_bench_expert_ffn_vs_read, py::arg("isa"), py::arg("x"),
+          py::arg("token_index"), py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true,
+          "(kernel seconds, read seconds) per repetition; repetition r runs expert_ffn on expert 2r and "
+          "stream-reads expert 2r+1 (rotating), interleaved so both see the same machine state.");
+    m.def("peak_flops", &py_peak_flops, py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1,
+          "Register-only peak loop of the ISA (avx512: vdpbf16ps, amx: tdpbf16ps) on `threads` threads; "
+          "returns the flops executed (time it).");
+}
+
+}  // namespace numa_moe::bench

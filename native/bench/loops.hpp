@@ -1,0 +1,23 @@
+// The benchmarks' register and memory loops, each in the translation unit compiled with
+// its ISA's flags (call only when that ISA is available).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace numa_moe::bench {
+
+// Reads `bytes` bytes at `data` with 512-bit loads (the streaming-read ceiling); returns
+// a checksum so the loads cannot be elided.                         avx512_loops.cpp
+uint64_t stream_read_avx512(const void* data, size_t bytes);
+
+// `iterations` x 24 independent vdpbf16ps on registers only; returns the flops
+// (2 * 32 per instruction). The caller times it.                    avx512_loops.cpp
+double vdpbf16ps_loop(int64_t iterations);
+
+// `iterations` x 4 independent tdpbf16ps on 16 x 16 fp32 tiles with 32-deep bf16 operands
+// (register tiles only); returns the flops (2 * 16 * 16 * 32 per instruction). Needs
+// the AMX tile permission (request_amx_permission).                 amx_loops.cpp
+double tdpbf16ps_loop(int64_t iterations);
+
+}  // namespace numa_moe::bench

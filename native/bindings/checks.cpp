@@ -1,0 +1,164 @@
+#include "bindings/checks.hpp"
+
+#include <stdexcept>
+
+#include "engine/expert_ffn.hpp"
+#include "engine/process_pool.hpp"
+
+namespace numa_moe::bindings {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
+const char* kind_name(Kind kind) {
+    switch (kind) {
+        case Kind::bf16: return "bfloat16 (or its uint16 bit pattern)";
+        case Kind::f32: return "float32";
+        case Kind::i64: return "int64";
+    }
+    return "?";
+}
+
+std::string dtype_text(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+}  // namespace
+
+bool has_kind(const py::array& a, Kind kind) {
+    const py::dtype dt = a.dtype();
+    switch (kind) {
+        case Kind::bf16: return dt.itemsize() == 2 && (dt.kind() == 'u' || dt.kind() == 'i' || dtype_text(a) == "bfloat16");
+        case Kind::f32: return dt.kind() == 'f' && dt.itemsize() == 4;
+        case Kind::i64: return dt.kind() == 'i' && dt.itemsize() == 8;
+    }
+    return false;
+}
+
+std::string shape_text(const py::array& a) {
+    std::string s = "(";
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+    return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+void check_array(const py::array& a, const std::string& name, Kind kind, int ndim, bool writable) {
+    if (!has_kind(a, kind)) fail(name + ": dtype " + dtype_text(a) + ", expected " + kind_name(kind));
+    if (a.ndim() != ndim)
+        fail(name + ": expected " + std::to_string(ndim) + "-D array, got shape " + shape_text(a));
+    if (!(a.flags() & py::array::c_style)) fail(name + ": must be C-contiguous (row-major), got strides that are not");
+    const auto address = reinterpret_cast<uintptr_t>(a.data());
+    if (address % a.itemsize())
+        fail(name + ": data at 0x" + std::to_string(address) + " is not aligned to its " +
+             std::to_string(a.itemsize()) + "-byte elements");
+    if (writable && !a.writeable()) fail(name + ": must be writable");
+}
+
+py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable) {
+    if (!py::isinstance<py::array>(obj)) fail(name + ": expected a numpy array, got " + py::str(py::type::of(obj)).cast<std::string>());
+    py::array a = py::reinterpret_borrow<py::array>(obj);
+    check_array(a, name, kind, ndim, writable);
+    return a;
+}
+
+bool check_output(const py::array& out, const std::string& name, int64_t rows, int64_t cols) {
+    const bool bf16 = has_kind(out, Kind::bf16);
+    check_array(out, name, bf16 ? Kind::bf16 : Kind::f32, 2, true);
+    if (out.shape(0) != rows || out.shape(1) != cols)
+        fail(name + ": shape " + shape_text(out) + ", expected (" + std::to_string(rows) + ", " + std::to_string(cols) + ")");
+    return bf16;
+}
+
+const kernels::KernelOps& ops_for(const std::string& isa) {
+    kernels::Isa parsed;
+    if (!kernels::parse_isa(isa.c_str(), &parsed))
+        fail("unknown ISA '" + isa + "': not one of ref, avx2, avx512, amx_model, amx");
+    const kernels::KernelOps* ops = kernels::kernel_ops(parsed);
+    if (!ops) fail("isa '" + isa + "' is not available: " + kernels::unavailable_reason(parsed));
+    return *ops;
+}
+
+std::vector<Segment> read_segments(const py::object& obj, const std::string& name, int64_t rows, int64_t cols) {
+    if (obj.is_none()) return {};
+    const py::array a = checked_array(obj, name, Kind::i64, 2);
+    if (a.shape(1) != 5) fail(name + ": expected shape [n, 5], got " + shape_text(a));
+    const auto* first = static_cast<const Segment*>(a.data());
+    check_segments(first, a.shape(0), rows, cols, name);
+    return std::vector<Segment>(first, first + a.shape(0));
+}
+
+void check_index(const py::array& index, const std::string& name, int64_t n_rows) {
+    check_array(index, name, Kind::i64, 1);
+    const auto* idx = static_cast<const int64_t*>(index.data());
+    for (py::ssize_t t = 0; t < index.shape(0); ++t)
+        if (idx[t] < 0 || idx[t] >= n_rows)
+            fail(name + "[" + std::to_string(t) + "] = " + std::to_string(idx[t]) + " is outside [0, " +
+                 std::to_string(n_rows) + ")");
+}
+
+Bf16Rows bf16_rows(const py::array& a, const std::string& name) {
+    if (!has_kind(a, Kind::bf16)) fail(name + ": dtype " + dtype_text(a) + ", expected " + kind_name(Kind::bf16));
+    if (a.ndim() != 2) fail(name + ": expected a 2-D array, got " + std::to_string(a.ndim()) + "-D");
+    // An empty array has no bytes to lay out (numpy may report zero strides for it).
+    const bool empty = a.shape(0) == 0 || a.shape(1) == 0;
+    if (!empty && (a.strides(1) != 2 || a.strides(0) % 2 != 0 || (a.shape(0) > 1 && a.strides(0) < 2 * a.shape(1))))
+        fail(name + ": rows must be contiguous (strides " + std::to_string(a.strides(0)) + ", " +
+             std::to_string(a.strides(1)) + " bytes)");
+    if (reinterpret_cast<uintptr_t>(a.data()) % 2) fail(name + ": data is not aligned to its 2-byte elements");
+    const int64_t ld = a.shape(0) > 1 && !empty ? a.strides(0) / 2 : a.shape(1);
+    return Bf16Rows{static_cast<const bf16*>(a.data()), a.shape(0), a.shape(1), ld};
+}
+
+PartList part_list(const py::list& parts, const std::string& name) {
+    if (parts.empty()) fail(name + ": needs at least one partial array");
+    PartList list{0, 0, {}};
+    for (size_t p = 0; p < parts.size(); ++p) {
+        const std::string label = name + "[" + std::to_string(p) + "]";
+        const py::array a = checked_array(parts[p], label, Kind::f32, 2);
+        if (p == 0) {
+            list.rows = a.shape(0);
+            list.cols = a.shape(1);
+        } else if (a.shape(0) != list.rows || a.shape(1) != list.cols) {
+            fail(label + ": shape " + shape_text(a) + ", expected [" + std::to_string(list.rows) + ", " +
+                 std::to_string(list.cols) + "] like " + name + "[0]");
+        }
+        list.pointers.push_back(static_cast<const float*>(a.data()));
+    }
+    return list;
+}
+
+void check_range(int64_t begin, int64_t end, int64_t size, int64_t align, const std::string& what) {
+    const bool aligned = align <= 1 || (begin % align == 0 && (end % align == 0 || end == size));
+    if (begin < 0 || end > size || begin > end || !aligned)
+        fail(what + " = [" + std::to_string(begin) + ", " + std::to_string(end) + ") must lie in [0, " +
+             std::to_string(size) + ")" + (align > 1 ? " with multiples of " + std::to_string(align) + " (except the end)" : ""));
+}
+
+engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token_index, const py::array& w_gate,
+                                      const py::array& w_up, const py::array& w_down, int threads) {
+    check_array(x, "x", Kind::bf16, 2);
+    check_array(w_gate, "w_gate", Kind::bf16, 2);
+    check_array(w_up, "w_up", Kind::bf16, 2);
+    check_array(w_down, "w_down", Kind::bf16, 2);
+    const int64_t hidden = x.shape(1), inter = w_gate.shape(0);
+    if (w_gate.shape(1) != hidden)
+        fail("w_gate: shape " + shape_text(w_gate) + ", expected [I, H] with H = " + std::to_string(hidden));
+    if (w_up.shape(0) != inter || w_up.shape(1) != hidden)
+        fail("w_up: shape " + shape_text(w_up) + ", expected " + shape_text(w_gate));
+    if (w_down.shape(0) != hidden || w_down.shape(1) != inter)
+        fail("w_down: shape " + shape_text(w_down) + ", expected [" + std::to_string(hidden) +
+                                    ", " + std::to_string(inter) + "]");
+    check_index(token_index, "token_index", x.shape(0));
+    if (threads < 0) fail("threads: must be >= 1 (or 0 for the CPUs of this process)");
+    engine::ExpertFfnArgs args;
+    args.x = static_cast<const bf16*>(x.data());
+    args.ldx = hidden;
+    args.token_index = static_cast<const int64_t*>(token_index.data());
+    args.m = token_index.shape(0);
+    args.hidden = hidden;
+    args.intermediate = inter;
+    args.w_gate = static_cast<const bf16*>(w_gate.data());
+    args.w_up = static_cast<const bf16*>(w_up.data());
+    args.w_down = static_cast<const bf16*>(w_down.data());
+    args.threads = threads == 0 ? engine::affinity_cpu_count() : threads;
+    return args;
+}
+
+}  // namespace numa_moe::bindings

@@ -1,0 +1,77 @@
+// The one checking layer between Python and the native core: every binding checks the
+// arrays and arguments it is handed with these functions (dtype, shape, C-contiguity,
+// alignment, segment rules, index ranges) before any pointer reaches a kernel, so the
+// rules are the same everywhere. Violations throw std::invalid_argument, which pybind11
+// raises as ValueError; messages name the argument.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/segment.hpp"
+#include "kernels/kernel_api.hpp"
+
+namespace numa_moe::bindings {
+
+namespace py = pybind11;
+using kernels::bf16;
+
+enum class Kind { bf16, f32, i64 };
+
+// bf16 is ml_dtypes.bfloat16 or its bit pattern as uint16 / int16.
+bool has_kind(const py::array& a, Kind kind);
+
+std::string shape_text(const py::array& a);
+
+// dtype, dimensionality, C-contiguity, element alignment (and writability).
+void check_array(const py::array& a, const std::string& name, Kind kind, int ndim, bool writable = false);
+
+// A checked C-contiguous array from any object (std::invalid_argument if it is none).
+py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable = false);
+
+// The output array of a kernel: float32 or bf16, C-contiguous, writable, of this shape.
+// Returns whether it is bf16.
+bool check_output(const py::array& out, const std::string& name, int64_t rows, int64_t cols);
+
+// The KernelOps of an ISA name; unknown or unavailable names are refused.
+const kernels::KernelOps& ops_for(const std::string& isa);
+
+// An int64 [n, 5] segment array (None: empty list) whose segments lie in rows x cols.
+std::vector<Segment> read_segments(const py::object& obj, const std::string& name, int64_t rows, int64_t cols);
+
+// An int64 1-D index whose values lie in [0, n_rows).
+void check_index(const py::array& index, const std::string& name, int64_t n_rows);
+
+// A 2-D bf16 array whose rows are contiguous (any row stride): the layer's weights.
+struct Bf16Rows {
+    const bf16* data;
+    int64_t rows, cols, ld;
+};
+Bf16Rows bf16_rows(const py::array& a, const std::string& name);
+
+// A list of fp32 [rows, cols] partial arrays, all shaped like the first.
+struct PartList {
+    int64_t rows, cols;
+    std::vector<const float*> pointers;
+};
+PartList part_list(const py::list& parts, const std::string& name);
+
+// An argument range [begin, end) inside [0, size); `align` > 1 asks for multiples of it
+// (end may also be size).
+void check_range(int64_t begin, int64_t end, int64_t size, int64_t align, const std::string& what);
+
+}  // namespace numa_moe::bindings
+
+namespace numa_moe::engine {
+struct ExpertFfnArgs;
+}
+namespace numa_moe::bindings {
+// The checked operands of one expert_ffn call (x [T, H], token_index [m], w_gate and w_up
+// [I, H], w_down [H, I]; threads 0 = this process's CPUs); segments and out not set.
+engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token_index, const py::array& w_gate,
+                                      const py::array& w_up, const py::array& w_down, int threads);
+}  // namespace numa_moe::bindings

@@ -1,0 +1,166 @@
+// Python API of the kernels and the single-expert path (numa_moe._native). Arguments are
+// checked by bindings/checks.hpp; nothing is copied; compute runs without the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bindings/checks.hpp"
+#include "common/util.hpp"
+#include "engine/expert_ffn.hpp"
+#include "engine/process_pool.hpp"
+#include "kernels/kernel_api.hpp"
+
+namespace numa_moe::bindings {
+
+bool check_signals();  // engine_bindings.cpp
+
+namespace {
+
+using kernels::Isa;
+using kernels::KernelOps;
+
+// out[r, t] += sum_c weight[r, c] * tokens[t, c] over the segments (tokens gathered by the
+// ISA's gather with the identity index).
+void py_matmul_segments(const std::string& isa, const py::array& weight, const py::object& segments,
+                        const py::array& tokens, py::array& out, int64_t row_begin, int64_t row_end) {
+    const KernelOps& ops = ops_for(isa);
+    check_array(weight, "weight", Kind::bf16, 2);
+    check_array(tokens, "tokens", Kind::bf16, 2);
+    check_array(out, "out", Kind::f32, 2, true);
+    const int64_t rows = weight.shape(0), k = weight.shape(1), m = tokens.shape(0);
+    if (tokens.shape(1) != k)
+        throw std::invalid_argument("tokens: " + std::to_string(tokens.shape(1)) + " columns, weight has " + std::to_string(k));
+    if (out.shape(0) != rows || out.shape(1) < m)
+        throw std::invalid_argument("out: shape " + shape_text(out) + ", expected [" + std::to_string(rows) + ", >= " +
+                                    std::to_string(m) + "]");
+    if (segments.is_none()) throw std::invalid_argument("segments: required (int64 [n, 5])");
+    const std::vector<Segment> segs = read_segments(segments, "segments", rows, k);
+    if (row_end < 0) row_end = rows;
+    check_range(row_begin, row_end, rows, 1, "[row_begin, row_end)");
+    const auto* w = static_cast<const bf16*>(weight.data());
+    const auto* x = static_cast<const bf16*>(tokens.data());
+    auto* o = static_cast<float*>(out.mutable_data());
+    const int64_t ldo = out.shape(1);
+    py::gil_scoped_release release;
+    AlignedBuffer packed = aligned_buffer(ops.packed_bytes(m, k));
+    std::vector<int64_t> identity(m);
+    for (int64_t t = 0; t < m; ++t) identity[t] = t;
+    if (m > 0) ops.gather(x, k, identity.data(), m, k, packed.get());
+    ops.matmul_segments(w, k, segs.data(), static_cast<int64_t>(segs.size()), row_begin, row_end, packed.get(), m, k, o,
+                        ldo);
+}
+
+// silu_mul_pack over [i_begin, i_end) from partials [I, m]; returns act [m, I] (uint16
+// bf16 bits, unpacked from the ISA layout; columns outside the range are 0).
+py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, const py::list& up_parts,
+                           int64_t i_begin, int64_t i_end) {
+    const KernelOps& ops = ops_for(isa);
+    const PartList gate = part_list(gate_parts, "gate_parts");
+    const PartList up = part_list(up_parts, "up_parts");
+    if (up.rows != gate.rows || up.cols != gate.cols || up.pointers.size() != gate.pointers.size())
+        throw std::invalid_argument("up_parts: must match gate_parts in number and shape [I, m]");
+    const int64_t inter = gate.rows, m = gate.cols;
+    check_range(i_begin, i_end, inter, 32, "[i_begin, i_end)");
+    py::array_t<uint16_t> result({m, inter});
+    auto* res = result.mutable_data();
+    py::gil_scoped_release release;
+    const size_t bytes = ops.packed_bytes(m, inter);
+    AlignedBuffer packed = aligned_buffer(bytes);
+    std::memset(packed.get(), 0, bytes);
+    ops.silu_mul_pack(gate.pointers.data(), up.pointers.data(), static_cast<int>(gate.pointers.size()), m, i_begin,
+                      i_end, m, inter, packed.get());
+    const auto* src = static_cast<const bf16*>(packed.get());
+    const kernels::TokenLayout layout = ops.token_layout(m);
+    for (int64_t t = 0; t < m; ++t)
+        for (int64_t i = 0; i < inter; ++i) res[t * inter + i] = src[kernels::packed_index(layout, m, inter, t, i)];
+    return result;
+}
+
+void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end,
+                     const py::array& token_index, const py::array& token_weight, py::array& y) {
+    const KernelOps& ops = ops_for(isa);
+    const PartList down = part_list(parts, "parts");
+    const int64_t hidden = down.rows, m = down.cols;
+    check_array(y, "y", Kind::f32, 2, true);
+    if (y.shape(1) != hidden) throw std::invalid_argument("y: shape " + shape_text(y) + ", expected [T, " + std::to_string(hidden) + "]");
+    check_index(token_index, "token_index", y.shape(0));
+    if (token_index.shape(0) != m)
+        throw std::invalid_argument("token_index: length " + std::to_string(token_index.shape(0)) + " != m = " + std::to_string(m));
+    check_array(token_weight, "token_weight", Kind::f32, 1);
+    if (token_weight.shape(0) != m)
+        throw std::invalid_argument("token_weight: length " + std::to_string(token_weight.shape(0)) + " != m");
+    check_range(h_begin, h_end, hidden, 1, "[h_begin, h_end)");
+    const auto* idx = static_cast<const int64_t*>(token_index.data());
+    const auto* tw = static_cast<const float*>(token_weight.data());
+    auto* yp = static_cast<float*>(y.mutable_data());
+    py::gil_scoped_release release;
+    ops.combine_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, idx, tw, yp,
+                     hidden);
+}
+
+void py_store_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end, py::array& out) {
+    const KernelOps& ops = ops_for(isa);
+    const PartList down = part_list(parts, "parts");
+    const int64_t hidden = down.rows, m = down.cols;
+    const bool out_bf16 = check_output(out, "out", m, hidden);
+    check_range(h_begin, h_end, hidden, 1, "[h_begin, h_end)");
+    void* dst = out.mutable_data();
+    py::gil_scoped_release release;
+    ops.store_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, dst, hidden,
+                   out_bf16);
+}
+
+void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index, const py::array& w_gate,
+                   const py::array& w_up, const py::array& w_down, const py::object& gate_segments,
+                   const py::object& up_segments, const py::object& down_segments, py::array& out, int threads) {
+    engine::ExpertFfnArgs args = expert_ffn_args(x, token_index, w_gate, w_up, w_down, threads);
+    args.gate_segments = read_segments(gate_segments, "gate_segments", args.intermediate, args.hidden);
+    args.up_segments = read_segments(up_segments, "up_segments", args.intermediate, args.hidden);
+    args.down_segments = read_segments(down_segments, "down_segments", args.hidden, args.intermediate);
+    args.out_bf16 = check_output(out, "out", args.m, args.hidden);
+    args.out = out.mutable_data();
+    const KernelOps& ops = ops_for(isa);
+    bool completed;
+    {
+        py::gil_scoped_release release;
+        completed = engine::expert_ffn(ops, args, check_signals);
+    }
+    if (!completed) throw py::error_already_set();
+}
+
+}  // namespace
+
+void register_kernels(py::module_& m) {
+    m.def("kernel_isas", [] {
+        std::vector<std::string> names;
+        for (Isa isa : {Isa::ref, Isa::avx2, Isa::avx512, Isa::amx_model, Isa::amx})
+            if (kernels::kernel_ops(isa)) names.emplace_back(kernels::isa_name(isa));
+        return names;
+    }, "Names of the kernel ISAs this CPU (and OS) can run.");
+    m.def("default_kernel_isa", [] { return std::string(kernels::isa_name(kernels::default_isa())); },
+          "The ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
+    m.def("matmul_segments", &py_matmul_segments, py::arg("isa"), py::arg("weight"), py::arg("segments"),
+          py::arg("tokens"), py::arg("out"), py::arg("row_begin") = 0, py::arg("row_end") = -1,
+          "out[r, t] += sum over segment columns of weight[r, c] * tokens[t, c] (rows of the segments in "
+          "[row_begin, row_end)).");
+    m.def("silu_mul_pack", &py_silu_mul_pack, py::arg("isa"), py::arg("gate_parts"), py::arg("up_parts"),
+          py::arg("i_begin"), py::arg("i_end"), "act[t, i] = bf16(silu(sum gate) * sum up), unpacked to [m, I] uint16.");
+    m.def("combine_down", &py_combine_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),
+          py::arg("token_index"), py::arg("token_weight"), py::arg("y"),
+          "y[token_index[t], h] += token_weight[t] * sum_p parts[p][h, t].");
+    m.def("store_down", &py_store_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),
+          py::arg("out"), "out[t, h] = sum_p parts[p][h, t] (stored, bf16 or float32) for h in [h_begin, h_end).");
+    m.def("expert_ffn", &py_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"), py::arg("w_gate"),
+          py::arg("w_up"), py::arg("w_down"), py::arg("gate_segments"), py::arg("up_segments"),
+          py::arg("down_segments"), py::arg("out"), py::arg("threads") = 0,
+          "out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T; out is float32 or bfloat16 [m, H]. Ctrl-C interrupts it.");
+    m.def("process_pool_start_count", &engine::process_pool_start_count,
+          "Thread creations over the process pool of the single-expert path so far (none per call).");
+    m.def("affinity_cpu_count", &engine::affinity_cpu_count, "CPUs in this process's affinity mask.");
+}
+
+}  // namespace numa_moe::bindings

@@ -1,0 +1,29 @@
+// The numa_moe._native extension: the public API of each layer, registered by that
+// layer's binding file; the benchmark harness as the submodule `bench` (numa_moe._bench),
+// and, in test builds only (NUMA_MOE_TEST_HOOKS), the test hooks as `testing`.
+#include <pybind11/pybind11.h>
+
+namespace numa_moe::bindings {
+void register_placement(pybind11::module_& m);
+void register_kernels(pybind11::module_& m);
+void register_engine(pybind11::module_& m);
+}  // namespace numa_moe::bindings
+namespace numa_moe::bench {
+void register_bench(pybind11::module_& m);
+}
+#ifdef NUMA_MOE_TEST_HOOKS
+namespace numa_moe::testing {
+void register_testing(pybind11::module_& m);
+}
+#endif
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "numa-moe native core: placement syscalls, expert FFN kernels, per-node workers";
+    numa_moe::bindings::register_placement(m);
+    numa_moe::bindings::register_kernels(m);
+    numa_moe::bindings::register_engine(m);
+    numa_moe::bench::register_bench(m);
+#ifdef NUMA_MOE_TEST_HOOKS
+    numa_moe::testing::register_testing(m);
+#endif
+}

@@ -1,0 +1,69 @@
+#include "common/segment.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <tuple>
+
+namespace numa_moe {
+
+std::string segment_text(const Segment& s) {
+    return "(row0=" + std::to_string(s.row0) + ", row_stride=" + std::to_string(s.row_stride) +
+           ", nrows=" + std::to_string(s.nrows) + ", k0=" + std::to_string(s.k0) + ", k1=" + std::to_string(s.k1) + ")";
+}
+
+namespace {
+
+// Why the segment is invalid, or "" when it is valid.
+std::string segment_fault(const Segment& s, int64_t rows, int64_t cols) {
+    if (s.nrows < 0) return "negative nrows";
+    if (s.row_stride < 1) return "row_stride must be >= 1";
+    // last row = row0 + (nrows - 1) * row_stride < rows, written so that it cannot overflow
+    if (s.nrows > 0 && (s.row0 < 0 || s.row0 >= rows || s.nrows - 1 > (rows - 1 - s.row0) / s.row_stride))
+        return "rows outside [0, " + std::to_string(rows) + ")";
+    if (s.k0 < 0 || s.k1 < s.k0 || s.k1 > cols) return "columns outside 0 <= k0 <= k1 <= " + std::to_string(cols);
+    return "";
+}
+
+}  // namespace
+
+void check_segments(const Segment* segments, int64_t n_segments, int64_t rows, int64_t cols, const std::string& what) {
+    for (int64_t i = 0; i < n_segments; ++i) {
+        const std::string fault = segment_fault(segments[i], rows, cols);
+        if (!fault.empty())
+            throw std::invalid_argument(what + "[" + std::to_string(i) + "] = " + segment_text(segments[i]) +
+                                        " lies outside the " + std::to_string(rows) + " x " + std::to_string(cols) +
+                                        " matrix: " + fault);
+    }
+}
+
+void check_partition(const std::vector<std::vector<Segment>>& node_segments, int64_t rows, int64_t cols,
+                     const std::string& what) {
+    // (row, k0, k1, node) of every covered piece, sorted: a partition has, per row,
+    // pieces starting at 0, each starting where the previous ended, the last ending at cols.
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int>> pieces;
+    for (size_t n = 0; n < node_segments.size(); ++n)
+        for (const Segment& s : node_segments[n])
+            for (int64_t j = 0; j < s.nrows; ++j)
+                pieces.emplace_back(s.row0 + j * s.row_stride, s.k0, s.k1, static_cast<int>(n));
+    std::sort(pieces.begin(), pieces.end());
+    const std::string prefix = what + ": the segments do not partition the matrix: row ";
+    size_t i = 0;
+    for (int64_t row = 0; row < rows; ++row) {
+        int64_t covered = 0;
+        for (; i < pieces.size() && std::get<0>(pieces[i]) == row; ++i) {
+            const auto& [r, k0, k1, node] = pieces[i];
+            (void)r;
+            if (k0 != covered)
+                throw std::invalid_argument(
+                    prefix + std::to_string(row) + " columns [" + std::to_string(std::min(k0, covered)) + ", " +
+                    std::to_string(std::max(k0, covered)) + ") are " +
+                    (k0 < covered ? "covered twice (again by node " + std::to_string(node) + ")" : "not covered"));
+            covered = k1;
+        }
+        if (covered != cols)
+            throw std::invalid_argument(prefix + std::to_string(row) + " columns [" + std::to_string(covered) + ", " +
+                                        std::to_string(cols) + ") are not covered");
+    }
+}
+
+}  // namespace numa_moe

@@ -1,0 +1,46 @@
+// Small utilities shared by every layer: a monotonic clock, 64-byte aligned buffers, and
+// the one work-splitting rule (ranges of about equal cost). Baseline x86-64 code.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+namespace numa_moe {
+
+// CLOCK_MONOTONIC in nanoseconds.
+int64_t now_ns();
+
+inline size_t round_up(size_t value, size_t align) { return (value + align - 1) / align * align; }
+
+struct FreeDeleter {
+    void operator()(void* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<void, FreeDeleter>;
+
+// 64-byte aligned memory of at least `bytes` (and at least one cache line); throws
+// std::bad_alloc.
+AlignedBuffer aligned_buffer(size_t bytes);
+
+// Grows `buffer` to hold `bytes` (contents not kept); `capacity` tracks its size.
+void grow(AlignedBuffer& buffer, size_t& capacity, size_t bytes);
+
+struct Range {
+    int64_t begin = 0;
+    int64_t end = 0;
+    bool empty() const { return end <= begin; }
+    bool operator==(const Range& other) const { return begin == other.begin && end == other.end; }
+};
+
+// Splits [0, cost.size()) into n consecutive ranges of about equal total cost (cost[i] per
+// item, e.g. weight bytes per row), every boundary a multiple of `align` except the end.
+// Ranges may be empty. When the total cost is zero, range 0 takes every item (its owner
+// still has to zero them) and the others are empty. Pure.
+std::vector<Range> split_by_cost(const std::vector<int64_t>& cost, int n, int64_t align);
+
+// The same rule for `items` items of equal cost.
+std::vector<Range> split_even(int64_t items, int n, int64_t align);
+
+}  // namespace numa_moe

@@ -1,0 +1,45 @@
+#include "engine/expert_ffn.hpp"
+
+#include <memory>
+
+#include "engine/pipeline.hpp"
+#include "engine/process_pool.hpp"
+
+namespace numa_moe::engine {
+namespace {
+
+MatrixPart whole_or_segments(const bf16* w, int64_t rows, int64_t cols, const std::vector<Segment>& segments) {
+    MatrixPart part;
+    part.w = w;
+    part.ldw = cols;
+    part.rows = rows;
+    part.cols = cols;
+    part.node_segments = {segments.empty() ? std::vector<Segment>{Segment{0, 1, rows, 0, cols}} : segments};
+    return part;
+}
+
+}  // namespace
+
+bool expert_ffn(const kernels::KernelOps& ops, const ExpertFfnArgs& a, const std::function<bool()>& keep_going) {
+    if (a.m == 0) return true;
+    const std::shared_ptr<WorkerPool> pool = a.threads > 1 ? process_pool(a.threads) : nullptr;
+    Team team(pool.get());
+    ExpertParts parts{whole_or_segments(a.w_gate, a.intermediate, a.hidden, a.gate_segments),
+                      whole_or_segments(a.w_up, a.intermediate, a.hidden, a.up_segments),
+                      whole_or_segments(a.w_down, a.hidden, a.intermediate, a.down_segments)};
+    prepare_matrix(parts.gate, team.node_participants(), "gate_segments", false);
+    prepare_matrix(parts.up, team.node_participants(), "up_segments", false);
+    prepare_matrix(parts.down, team.node_participants(), "down_segments", false);
+    const std::vector<ExpertTask> tasks{ExpertTask{&parts, &ops, a.m, a.token_index, nullptr, nullptr}};
+    StepShape shape;
+    shape.x = a.x;
+    shape.ldx = a.ldx;
+    shape.n_tokens = a.m;
+    shape.hidden = a.hidden;
+    shape.intermediate = a.intermediate;
+    // Kept per calling thread: a model calls the same expert shapes over and over.
+    thread_local StepArena arena;
+    return run_step(team, tasks, shape, StepOutput{a.out, a.out_bf16, true}, arena, nullptr, keep_going);
+}
+
+}  // namespace numa_moe::engine

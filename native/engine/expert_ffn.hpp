@@ -1,0 +1,35 @@
+// One expert's FFN, out = (silu(x Wg^T) * (x Wu^T)) Wd^T: the one-expert, one-node case of
+// the pipeline (pipeline.hpp), on the process pool (process_pool.hpp).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "kernels/kernel_api.hpp"
+
+namespace numa_moe::engine {
+
+using kernels::bf16;
+
+struct ExpertFfnArgs {
+    const bf16* x = nullptr;  // [T, hidden] row-major, row stride ldx
+    int64_t ldx = 0;
+    const int64_t* token_index = nullptr;  // m rows of x; output row t is token_index[t]'s
+    int64_t m = 0;
+    int64_t hidden = 0, intermediate = 0;
+    const bf16* w_gate = nullptr;  // [intermediate, hidden]
+    const bf16* w_up = nullptr;    // [intermediate, hidden]
+    const bf16* w_down = nullptr;  // [hidden, intermediate]
+    // Segment lists per matrix; empty = the whole matrix as one segment.
+    std::vector<Segment> gate_segments, up_segments, down_segments;
+    void* out = nullptr;  // [m, hidden] row-major, bf16 or fp32 (overwritten)
+    bool out_bf16 = false;
+    int threads = 1;
+};
+
+// Runs the FFN. Returns false when keep_going aborted it (out is then unspecified);
+// exceptions from any thread are rethrown here.
+bool expert_ffn(const kernels::KernelOps& ops, const ExpertFfnArgs& args, const std::function<bool()>& keep_going = {});
+
+}  // namespace numa_moe::engine

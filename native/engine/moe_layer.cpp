@@ -1,0 +1,102 @@
+// The MoE layer step (see moe_layer.hpp). Baseline x86-64 code.
+#include "engine/moe_layer.hpp"
+
+#include <stdexcept>
+
+namespace numa_moe::engine {
+
+MoELayerCore::MoELayerCore(std::shared_ptr<WorkerPool> pool, int64_t hidden, int64_t intermediate)
+    : pool_(std::move(pool)), team_(pool_.get()), hidden_(hidden), intermediate_(intermediate) {
+    if (!pool_) throw std::invalid_argument("MoELayerCore needs a worker pool");
+    if (hidden <= 0 || intermediate <= 0 || hidden % 2 || intermediate % 2)
+        throw std::invalid_argument("MoELayerCore: hidden and intermediate sizes must be positive and even, got " +
+                                    std::to_string(hidden) + " and " + std::to_string(intermediate));
+}
+
+namespace {
+
+void check_shape(const MatrixPart& m, int64_t rows, int64_t cols, const std::string& what) {
+    if (m.rows != rows || m.cols != cols)
+        throw std::invalid_argument(what + ": shape [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) +
+                                    "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+    if (!m.w || m.ldw < m.cols)
+        throw std::invalid_argument(what + ": null weights or row stride below the row length");
+}
+
+}  // namespace
+
+void MoELayerCore::add_expert(ExpertParts parts, bool verify_partition) {
+    const std::string name = "expert " + std::to_string(experts_.size());
+    check_shape(parts.gate, intermediate_, hidden_, name + " gate");
+    check_shape(parts.up, intermediate_, hidden_, name + " up");
+    check_shape(parts.down, hidden_, intermediate_, name + " down");
+    prepare_matrix(parts.gate, team_.node_participants(), name + " gate", verify_partition);
+    prepare_matrix(parts.up, team_.node_participants(), name + " up", verify_partition);
+    prepare_matrix(parts.down, team_.node_participants(), name + " down", verify_partition);
+    experts_.push_back(std::move(parts));
+}
+
+void MoELayerCore::set_isa(bool forced, Isa isa) {
+    if (!forced) {
+        forced_ops_ = nullptr;
+        return;
+    }
+    forced_ops_ = kernels::kernel_ops(isa);
+    if (!forced_ops_)
+        throw std::invalid_argument(std::string("ISA ") + kernels::isa_name(isa) + " is not available on this CPU");
+}
+
+const KernelOps* MoELayerCore::isa_for_tokens(int64_t m) const {
+    if (m >= amx_min_tokens_)
+        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx)) return ops;
+    for (Isa isa : {Isa::avx512, Isa::avx2})
+        if (const KernelOps* ops = kernels::kernel_ops(isa)) return ops;
+    return &kernels::ref_ops();
+}
+
+// One task per active expert, ascending id.
+void MoELayerCore::plan_tasks() {
+    tasks_.clear();
+    for (int64_t e = 0; e < n_experts(); ++e) {
+        const int64_t m = routing_.tokens_of(e);
+        if (m == 0) continue;
+        const int64_t slot0 = routing_.expert_offset[e];
+        const int64_t* tokens = routing_.slot_token.data() + slot0;
+        tasks_.push_back(ExpertTask{&experts_[e], forced_ops_ ? forced_ops_ : isa_for_tokens(m), m, tokens, tokens,
+                                    routing_.slot_weight.data() + slot0});
+    }
+}
+
+void MoELayerCore::record_stats() {
+    stats_.n_active_experts = static_cast<int64_t>(tasks_.size());
+    stats_.n_slots = routing_.slots();
+    stats_.node_bytes.assign(team_.n_nodes(), 0);
+    stats_.expert_isa.clear();
+    for (const ExpertTask& t : tasks_) {
+        for (int n = 0; n < team_.n_nodes(); ++n)
+            stats_.node_bytes[n] += t.parts->gate.node_bytes[n] + t.parts->up.node_bytes[n] + t.parts->down.node_bytes[n];
+        stats_.expert_isa.emplace_back(t.ops->name);
+    }
+}
+
+bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const int64_t* ids, const float* weights,
+                           int64_t top_k, void* out, bool out_bf16, const std::function<bool()>& keep_going) {
+    const int64_t start = now_ns();
+    if (experts_.empty()) throw std::invalid_argument("MoELayerCore.forward: the layer has no experts");
+    route(ids, weights, n_tokens, top_k, n_experts(), routing_);
+    plan_tasks();
+    record_stats();
+    StepShape shape;
+    shape.x = x;
+    shape.ldx = ldx;
+    shape.n_tokens = n_tokens;
+    shape.hidden = hidden_;
+    shape.intermediate = intermediate_;
+    shape.group_budget_bytes = group_budget_bytes_;
+    const bool completed = run_step(team_, tasks_, shape, StepOutput{out, out_bf16, false}, arena_, &stats_.times,
+                                    keep_going);
+    stats_.wall_ns = now_ns() - start;
+    return completed;
+}
+
+}  // namespace numa_moe::engine

@@ -1,0 +1,317 @@
+// The expert FFN pipeline (see pipeline.hpp). Baseline x86-64 code: all ISA-specific work
+// goes through KernelOps.
+#include "engine/pipeline.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "kernels/bf16.hpp"
+
+namespace numa_moe::engine {
+namespace {
+
+constexpr size_t kAlign = 64;
+
+// Rows one kernel call covers at most, so that a long phase can notice an abort.
+constexpr int64_t kRowsPerCall = 1024;
+
+bool is_whole_matrix(const std::vector<Segment>& segments, int64_t rows, int64_t cols) {
+    return segments.size() == 1 && segments[0].row0 == 0 && segments[0].row_stride == 1 &&
+           segments[0].nrows == rows && segments[0].k0 == 0 && segments[0].k1 == cols;
+}
+
+// Splits the rows of one node's segments over its participants by weight elements;
+// `elements` receives the node's total.
+std::vector<Range> split_node_rows(const std::vector<Segment>& segments, int64_t rows, int64_t cols,
+                                   int participants, int64_t* elements) {
+    if (is_whole_matrix(segments, rows, cols)) {
+        *elements = rows * cols;
+        return split_even(rows, participants, kRowAlign);
+    }
+    std::vector<int64_t> cost(rows, 0);
+    for (const Segment& s : segments)
+        for (int64_t j = 0; j < s.nrows; ++j) cost[s.row0 + j * s.row_stride] += s.k1 - s.k0;
+    *elements = 0;
+    for (int64_t c : cost) *elements += c;
+    return split_by_cost(cost, participants, kRowAlign);
+}
+
+}  // namespace
+
+void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants, const std::string& what,
+                    bool verify_partition) {
+    const size_t n_nodes = node_participants.size();
+    if (part.node_segments.size() != n_nodes)
+        throw std::invalid_argument(what + ": segments given for " + std::to_string(part.node_segments.size()) +
+                                    " nodes, the worker pool has " + std::to_string(n_nodes));
+    for (size_t n = 0; n < n_nodes; ++n)
+        check_segments(part.node_segments[n].data(), static_cast<int64_t>(part.node_segments[n].size()), part.rows,
+                       part.cols, what + " segments of node " + std::to_string(n));
+    if (verify_partition) check_partition(part.node_segments, part.rows, part.cols, what);
+    part.thread_rows.assign(n_nodes, {});
+    part.node_bytes.assign(n_nodes, 0);
+    for (size_t n = 0; n < n_nodes; ++n) {
+        int64_t elements = 0;
+        part.thread_rows[n] = split_node_rows(part.node_segments[n], part.rows, part.cols, node_participants[n], &elements);
+        part.node_bytes[n] = elements * static_cast<int64_t>(sizeof(bf16));
+    }
+    part.even_split = n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], kRowAlign);
+}
+
+Team::Team(WorkerPool* pool) : pool_(pool) {
+    if (!pool_) {
+        node_participants_ = {1};
+        participants_ = 1;
+        return;
+    }
+    for (int n = 0; n < pool_->n_nodes(); ++n) node_participants_.push_back(pool_->participants_of(n));
+    participants_ = pool_->participants();
+}
+
+bool Team::run(int n_phases, const WorkerPool::Job& job, const std::function<bool()>& keep_going) {
+    if (pool_) return pool_->run(n_phases, job, keep_going);
+    const ThreadInfo self{0, 0, 0, -1};
+    for (int phase = 0; phase < n_phases; ++phase) {
+        if (keep_going && !keep_going()) return false;
+        job(phase, self);
+    }
+    return true;
+}
+
+namespace {
+
+enum PhaseKind { kGather, kGateUp, kSilu, kDown, kEpilogue };
+
+// One call of run_step: the plan (arena offsets, groups) and the phase bodies.
+class StepRun {
+public:
+    StepRun(Team& team, const std::vector<ExpertTask>& tasks, const StepShape& shape, const StepOutput& output,
+            StepArena& arena, StepTimes* times)
+        : team_(team), tasks_(tasks), shape_(shape), output_(output), arena_(arena), times_(times),
+          n_nodes_(team.n_nodes()),
+          silu_ranges_(split_even(shape.intermediate, team.participants(), kRowAlign)),
+          h_ranges_(split_even(shape.hidden, team.participants(), kRowAlign)) {}
+
+    bool run(const std::function<bool()>& keep_going);
+
+private:
+    struct Placed {
+        size_t packed_x, packed_act;  // bytes into arena.packed
+        size_t partials;              // floats into each node's partial arena
+    };
+    struct Group {
+        size_t begin, end;
+        bool fused;  // silu and the epilogue run on each thread's own matmul rows
+        bool first, last;
+    };
+
+    void plan();
+    void grow_arena(size_t packed_bytes, size_t partial_floats);
+    bool run_group(const Group& g, const std::function<bool()>& keep_going);
+    void gather(const ExpertTask& task, const Placed& p) const;
+    void matmul(const ExpertTask& task, const MatrixPart& mp, const void* tokens, int64_t k, float* part,
+                const ThreadInfo& ti) const;
+    void gate_up(const Group& g, const ThreadInfo& ti);
+    void silu(const Group& g, Range rows, size_t a) const;
+    void down(const Group& g, const ThreadInfo& ti);
+    void epilogue(const Group& g, Range h) const;
+    float* partial(int node, size_t a, int which) const;
+    const float* const* partial_ptrs(size_t a, int which) const { return &part_ptrs_[(a * 3 + which) * n_nodes_]; }
+    uint8_t* packed() const { return static_cast<uint8_t*>(arena_.packed.get()); }
+
+    Team& team_;
+    const std::vector<ExpertTask>& tasks_;
+    const StepShape& shape_;
+    const StepOutput& output_;
+    StepArena& arena_;
+    StepTimes* times_;
+    const int n_nodes_;
+    const std::vector<Range> silu_ranges_, h_ranges_;
+    std::vector<Placed> placed_;
+    std::vector<Group> groups_;
+    std::vector<const float*> part_ptrs_;  // [task][gate, up, down][node]
+};
+
+bool even_split(const ExpertParts& p) { return p.gate.even_split && p.up.even_split && p.down.even_split; }
+
+void StepRun::plan() {
+    const int64_t H = shape_.hidden, I = shape_.intermediate;
+    placed_.resize(tasks_.size());
+    size_t packed_total = 0, part_floats = 0, max_part_floats = 0;
+    const size_t budget_floats = static_cast<size_t>(shape_.group_budget_bytes) / sizeof(float);
+    size_t group_begin = 0;
+    for (size_t a = 0; a < tasks_.size(); ++a) {
+        const ExpertTask& t = tasks_[a];
+        placed_[a].packed_x = packed_total;
+        packed_total += round_up(t.ops->packed_bytes(t.m, H), kAlign);
+        placed_[a].packed_act = packed_total;
+        packed_total += round_up(t.ops->packed_bytes(t.m, I), kAlign);
+        const size_t need = round_up(static_cast<size_t>(t.m * (2 * I + H)), kAlign / sizeof(float));
+        if (part_floats > 0 && part_floats + need > budget_floats) {
+            groups_.push_back(Group{group_begin, a, false, false, false});
+            group_begin = a;
+            part_floats = 0;
+        }
+        placed_[a].partials = part_floats;
+        part_floats += need;
+        max_part_floats = std::max(max_part_floats, part_floats);
+    }
+    groups_.push_back(Group{group_begin, tasks_.size(), false, false, false});
+    for (Group& g : groups_) {
+        g.fused = n_nodes_ == 1;
+        for (size_t a = g.begin; a < g.end; ++a) g.fused = g.fused && even_split(*tasks_[a].parts);
+    }
+    groups_.front().first = true;
+    groups_.back().last = true;
+    grow_arena(packed_total, max_part_floats);
+    part_ptrs_.resize(tasks_.size() * 3 * n_nodes_);
+    for (size_t a = 0; a < tasks_.size(); ++a)
+        for (int which = 0; which < 3; ++which)
+            for (int n = 0; n < n_nodes_; ++n) part_ptrs_[(a * 3 + which) * n_nodes_ + n] = partial(n, a, which);
+}
+
+void StepRun::grow_arena(size_t packed_bytes, size_t partial_floats) {
+    grow(arena_.packed, arena_.packed_capacity, packed_bytes);
+    arena_.node_partials.resize(n_nodes_);
+    arena_.node_partials_capacity.resize(n_nodes_, 0);
+    for (int n = 0; n < n_nodes_; ++n)
+        grow(arena_.node_partials[n], arena_.node_partials_capacity[n], partial_floats * sizeof(float));
+    if (!output_.store)
+        grow(arena_.y, arena_.y_capacity, static_cast<size_t>(shape_.n_tokens * shape_.hidden) * sizeof(float));
+}
+
+// Node `node`'s partial of task a: which = 0 gate [I, m], 1 up [I, m], 2 down [H, m].
+float* StepRun::partial(int node, size_t a, int which) const {
+    float* base = static_cast<float*>(arena_.node_partials[node].get()) + placed_[a].partials;
+    return base + which * shape_.intermediate * tasks_[a].m;
+}
+
+void StepRun::gather(const ExpertTask& task, const Placed& p) const {
+    task.ops->gather(shape_.x, shape_.ldx, task.x_rows, task.m, shape_.hidden, packed() + p.packed_x);
+}
+
+// This thread's rows of one matrix: zeroed, then the node's segments accumulated, in calls
+// of at most kRowsPerCall rows.
+void StepRun::matmul(const ExpertTask& task, const MatrixPart& mp, const void* tokens, int64_t k, float* part,
+                     const ThreadInfo& ti) const {
+    const Range rows = mp.thread_rows[ti.node][ti.local];
+    if (rows.empty()) return;
+    std::memset(part + rows.begin * task.m, 0, sizeof(float) * (rows.end - rows.begin) * task.m);
+    const std::vector<Segment>& segs = mp.node_segments[ti.node];
+    for (int64_t r = rows.begin; r < rows.end && !team_.aborted(); r += kRowsPerCall)
+        task.ops->matmul_segments(mp.w, mp.ldw, segs.data(), static_cast<int64_t>(segs.size()), r,
+                                  std::min(rows.end, r + kRowsPerCall), tokens, task.m, k, part, task.m);
+}
+
+void StepRun::gate_up(const Group& g, const ThreadInfo& ti) {
+    for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
+        const ExpertTask& t = tasks_[a];
+        const uint8_t* tokens = packed() + placed_[a].packed_x;
+        matmul(t, t.parts->gate, tokens, shape_.hidden, partial(ti.node, a, 0), ti);
+        matmul(t, t.parts->up, tokens, shape_.hidden, partial(ti.node, a, 1), ti);
+        if (g.fused) silu(g, t.parts->gate.thread_rows[0][ti.local], a);
+    }
+}
+
+void StepRun::silu(const Group&, Range rows, size_t a) const {
+    if (rows.empty()) return;
+    const ExpertTask& t = tasks_[a];
+    t.ops->silu_mul_pack(partial_ptrs(a, 0), partial_ptrs(a, 1), n_nodes_, t.m, rows.begin, rows.end, t.m,
+                         shape_.intermediate, packed() + placed_[a].packed_act);
+}
+
+void StepRun::down(const Group& g, const ThreadInfo& ti) {
+    for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
+        const ExpertTask& t = tasks_[a];
+        matmul(t, t.parts->down, packed() + placed_[a].packed_act, shape_.intermediate, partial(ti.node, a, 2), ti);
+    }
+    // Fused: the down rows of every expert of the group are the same even split.
+    if (g.fused && !team_.aborted()) epilogue(g, tasks_[g.begin].parts->down.thread_rows[0][ti.local]);
+}
+
+// Output columns h of the group: store (one expert) or add into y, y -> out after the last group.
+void StepRun::epilogue(const Group& g, Range h) const {
+    if (h.empty()) return;
+    const int64_t H = shape_.hidden, T = shape_.n_tokens;
+    if (output_.store) {
+        const ExpertTask& t = tasks_[g.begin];
+        t.ops->store_down(partial_ptrs(g.begin, 2), n_nodes_, t.m, h.begin, h.end, t.m, output_.out, H,
+                          output_.out_bf16);
+        return;
+    }
+    float* y = static_cast<float*>(arena_.y.get());
+    if (g.first)
+        for (int64_t t = 0; t < T; ++t) std::memset(y + t * H + h.begin, 0, sizeof(float) * (h.end - h.begin));
+    for (size_t a = g.begin; a < g.end; ++a) {
+        const ExpertTask& t = tasks_[a];
+        t.ops->combine_down(partial_ptrs(a, 2), n_nodes_, t.m, h.begin, h.end, t.m, t.y_rows, t.y_weights, y, H);
+    }
+    if (!g.last) return;
+    for (int64_t t = 0; t < T; ++t) {
+        if (output_.out_bf16)
+            kernels::floats_to_bf16(y + t * H + h.begin, static_cast<bf16*>(output_.out) + t * H + h.begin,
+                                    h.end - h.begin);
+        else
+            std::memcpy(static_cast<float*>(output_.out) + t * H + h.begin, y + t * H + h.begin,
+                        sizeof(float) * (h.end - h.begin));
+    }
+}
+
+bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going) {
+    // One expert is gathered by the caller before the run: no phase, no barrier for it.
+    std::vector<PhaseKind> phases;
+    if (g.end - g.begin > 1) phases.push_back(kGather);
+    else gather(tasks_[g.begin], placed_[g.begin]);
+    phases.push_back(kGateUp);
+    if (!g.fused) phases.push_back(kSilu);
+    phases.push_back(kDown);
+    if (!g.fused) phases.push_back(kEpilogue);
+    const size_t participants = static_cast<size_t>(team_.participants());
+    return team_.run(static_cast<int>(phases.size()), [&](int phase, const ThreadInfo& ti) {
+        const int64_t start = now_ns();
+        const PhaseKind kind = phases[phase];
+        switch (kind) {
+            case kGather:
+                for (size_t a = g.begin + ti.global; a < g.end; a += participants) gather(tasks_[a], placed_[a]);
+                break;
+            case kGateUp: gate_up(g, ti); break;
+            case kSilu:
+                for (size_t a = g.begin; a < g.end; ++a) silu(g, silu_ranges_[ti.global], a);
+                break;
+            case kDown: down(g, ti); break;
+            case kEpilogue: epilogue(g, h_ranges_[ti.global]); break;
+        }
+        if (!times_) return;
+        const int64_t elapsed = now_ns() - start;
+        times_->phase_ns[static_cast<size_t>(ti.global) * kPhaseKinds + kind] += elapsed;
+        if (kind == kGateUp || kind == kDown) times_->busy_ns[ti.global] += elapsed;
+    }, keep_going);
+}
+
+bool StepRun::run(const std::function<bool()>& keep_going) {
+    if (times_) {
+        times_->busy_ns.assign(team_.participants(), 0);
+        times_->phase_ns.assign(static_cast<size_t>(team_.participants()) * kPhaseKinds, 0);
+    }
+    if (tasks_.empty()) {
+        const size_t element = output_.out_bf16 ? sizeof(bf16) : sizeof(float);
+        std::memset(output_.out, 0, element * static_cast<size_t>(shape_.n_tokens * shape_.hidden));
+        return true;
+    }
+    plan();
+    for (const Group& g : groups_)
+        if (!run_group(g, keep_going)) return false;
+    return true;
+}
+
+}  // namespace
+
+bool run_step(Team& team, const std::vector<ExpertTask>& tasks, const StepShape& shape, const StepOutput& output,
+              StepArena& arena, StepTimes* times, const std::function<bool()>& keep_going) {
+    if (output.store && tasks.size() > 1)
+        throw std::logic_error("run_step: a stored output takes exactly one expert");
+    return StepRun(team, tasks, shape, output, arena, times).run(keep_going);
+}
+
+}  // namespace numa_moe::engine

@@ -1,0 +1,114 @@
+// numa_moe._native.testing: hooks for the test suite only, built when NUMA_MOE_TEST_HOOKS=ON
+// (tools/setup.sh, tools/dev-build.sh and the sanitizer build turn it on). They drive the
+// production WorkerPool and the AMX software model from Python.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "common/cpu_features.hpp"
+#include "common/worker_pool.hpp"
+#include "kernels/amx_model.hpp"
+
+namespace py = pybind11;
+
+namespace numa_moe::testing {
+namespace {
+
+bool check_signals() {
+    py::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() == 0;
+}
+
+// Each round every participant adds one in a phase and checks in the next that all did.
+py::tuple barrier_check(WorkerPool& pool, int rounds) {
+    std::atomic<int64_t> counter{0}, failures{0};
+    const int64_t n = pool.participants();
+    {
+        py::gil_scoped_release release;
+        pool.run(2 * rounds, [&](int phase, const ThreadInfo&) {
+            if (phase % 2 == 0) counter.fetch_add(1);
+            else if (counter.load() < n * (phase / 2 + 1)) failures.fetch_add(1);
+        });
+    }
+    return py::make_tuple(counter.load(), failures.load());
+}
+
+// The CPU every participant of one run is on (caller last when it joins), and the
+// calling thread's affinity during its share.
+py::tuple participant_cpus(WorkerPool& pool) {
+    std::vector<int> cpus(pool.participants(), -2);
+    std::vector<int> caller_affinity;
+    {
+        py::gil_scoped_release release;
+        pool.run(1, [&](int, const ThreadInfo& ti) {
+            cpus[ti.global] = sched_getcpu();
+            if (ti.global != pool.n_threads()) return;
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            if (sched_getaffinity(0, sizeof(set), &set) == 0)
+                for (int c = 0; c < CPU_SETSIZE; ++c)
+                    if (CPU_ISSET(c, &set)) caller_affinity.push_back(c);
+        });
+    }
+    return py::make_tuple(cpus, caller_affinity);
+}
+
+// Every participant works in 1 ms slices for `seconds` (two phases), stopping early when
+// the run is aborted; Ctrl-C on the caller raises KeyboardInterrupt.
+bool busy_job(WorkerPool& pool, double seconds) {
+    bool completed;
+    {
+        py::gil_scoped_release release;
+        completed = pool.run(2, [&](int, const ThreadInfo&) {
+            const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds / 2);
+            while (std::chrono::steady_clock::now() < end && !pool.aborted())
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }, check_signals);
+    }
+    if (!completed) throw py::error_already_set();
+    return completed;
+}
+
+// A job of n_phases phases in which participant `thrower` throws in phase `phase`.
+void throwing_job(WorkerPool& pool, int n_phases, int phase, int thrower) {
+    py::gil_scoped_release release;
+    pool.run(n_phases, [&](int p, const ThreadInfo& ti) {
+        if (p == phase && ti.global == thrower)
+            throw std::runtime_error("test job: participant " + std::to_string(thrower) + " failed in phase " +
+                                     std::to_string(phase));
+    });
+}
+
+void amx_model_tile_dot(const py::array& config, bool int8, py::array& c, const py::array& a, const py::array& b) {
+    if (config.nbytes() != 64 || !(config.flags() & py::array::c_style))
+        throw std::invalid_argument("config: expected 64 contiguous bytes");
+    for (const py::array* t : std::initializer_list<const py::array*>{&c, &a, &b})
+        if (t->nbytes() != 16 * 64 || !(t->flags() & py::array::c_style))
+            throw std::invalid_argument("tiles: expected 1024 contiguous bytes each");
+    if (!c.writeable()) throw std::invalid_argument("c: must be writable");
+    amx_model::tile_dot(config.data(), int8, c.mutable_data(), a.data(), b.data());
+}
+
+}  // namespace
+
+void register_testing(py::module_& parent) {
+    py::module_ m = parent.def_submodule("testing");
+    m.doc() = "numa-moe test hooks (test builds only)";
+    m.def("barrier_check", &barrier_check, py::arg("pool"), py::arg("rounds"),
+          "Self-test of the phase barrier: returns (increments, failures).");
+    m.def("participant_cpus", &participant_cpus, py::arg("pool"));
+    m.def("busy_job", &busy_job, py::arg("pool"), py::arg("seconds"));
+    m.def("throwing_job", &throwing_job, py::arg("pool"), py::arg("n_phases"), py::arg("phase"), py::arg("thrower"));
+    m.def("amx_model_tile_dot", &amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"), py::arg("a"),
+          py::arg("b"), "One TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
+}
+
+}  // namespace numa_moe::testing
