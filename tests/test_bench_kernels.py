@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from numa_moe import memory
+from numa_moe import kernels, memory
 from numa_moe.benchmarking import kernels as kernel_bench
 
 
@@ -138,3 +138,14 @@ def test_bench_kernels_prints_the_table_once_header_first():
     rows = [i for i, line in enumerate(lines) if line.startswith("qwen3-30b-a3b ")]
     assert len(header) == 1 and len(rows) == 2 and header[0] < rows[0]
     assert "vdpbf16ps peak" in result.stderr  # status lines stay off the table
+
+
+def test_the_native_peak_loops_are_the_ones_named():
+    from numa_moe.benchmarking import native_loops
+
+    runnable = set(native_loops.PEAK_INSTRUCTIONS) & set(kernels.available_isas())
+    for isa in runnable:
+        assert native_loops.peak_flops(isa, 1000, 1) > 0, isa
+    # an ISA without a loop is refused by the harness, so measure_peak_gflop_s must not ask
+    with pytest.raises(ValueError, match="no peak loop"):
+        native_loops.peak_flops("avx2", 1000, 1)
