@@ -3,6 +3,7 @@
 numa_moe/benchmarking/kernels.py; same code as `numa-moe bench kernels`)."""
 
 import argparse
+import sys
 
 from numa_moe.benchmarking import kernels as bench
 
@@ -13,7 +14,7 @@ def main() -> None:
     parser.add_argument("--m", default=",".join(map(str, bench.M_VALUES)), help="comma list of token counts")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--isa", default=None)
+    parser.add_argument("--isa", default=None, choices=bench.kernels.ISAS)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--page", choices=("2m", "4k"), default="2m", help="page size of the weight copies")
     parser.add_argument("--min-seconds", type=float, default=0.25, help="enough calls per point to span this long")
@@ -21,10 +22,10 @@ def main() -> None:
     args = parser.parse_args()
     result = bench.run(shapes=args.shapes.split(","), m_values=[int(v) for v in args.m.split(",")],
                        repeats=args.repeats, threads=args.threads, isa=args.isa, with_torch=not args.no_torch,
-                       page=args.page, min_seconds=args.min_seconds)
-    print(bench.format_table(result))
+                       page=args.page, min_seconds=args.min_seconds, table=print)
     if args.json:
         bench.to_json(result, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
 
 
 if __name__ == "__main__":

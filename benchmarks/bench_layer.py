@@ -5,8 +5,10 @@ same code as `numa-moe bench layer`)."""
 
 import argparse
 import json
+import sys
 
 from numa_moe.benchmarking import layer as bench
+from numa_moe.kernels import ISAS
 
 
 def main() -> None:
@@ -15,13 +17,15 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16", help="comma list of token counts")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--virtual-nodes", type=int, default=2)
+    parser.add_argument("--isa", default=None, choices=ISAS, help="kernel ISA (default: chosen per expert)")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args()
     rows = bench.bench_layer(args.models.split(","), [int(t) for t in args.tokens.split(",")], repeats=args.repeats,
-                             virtual_nodes=args.virtual_nodes)
+                             virtual_nodes=args.virtual_nodes, isa=args.isa)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
 
 
 if __name__ == "__main__":

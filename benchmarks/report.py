@@ -9,6 +9,13 @@ import argparse
 import json
 from pathlib import Path
 
+from numa_moe.benchmarking.yardsticks import MEASUREMENT_NOTE, is_measurement_problem, ratio_cell
+
+
+def _ratio(value) -> str:
+    """A fraction of a ceiling or peak; above 1 marked as a measurement problem."""
+    return ratio_cell(value, 0) if value is not None else "—"
+
 
 def kernel_table(result: dict) -> str:
     lines = [
@@ -16,12 +23,19 @@ def kernel_table(result: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
-        target = (f"{r['target_metric']} {r['target_value']:.2f} ≥ {r['target']:.2f}"
-                  if r.get("target") else "—")
+        if r.get("target_value") is None:
+            target = f"{r['target_metric']} — (no peak loop)"
+        elif r.get("target"):
+            target = f"{r['target_metric']} {_ratio(r['target_value'])} ≥ {r['target']:.2f}"
+        else:
+            target = f"{r['target_metric']} {_ratio(r['target_value'])} (no target)"
         lines.append(
             f"| {r['shape']} | {r['m']} | {r['ours_ms']:.3f} | {r['torch_ms']:.3f} | {r['read_ms']:.3f} | "
-            f"{r['fraction_of_read']:.2f} | {r['gflop_s']:.0f} | {r['fraction_of_peak']:.2f} | "
+            f"{_ratio(r['fraction_of_read'])} | {r['gflop_s']:.0f} | {_ratio(r.get('fraction_of_peak'))} | "
             f"{r['speedup_vs_torch']:.2f}x | {target} |")
+    if any(r.get("measurement_problem") for r in result["rows"]):
+        lines.append(f"\n{MEASUREMENT_NOTE}")
+    lines += [f"\n{warning}" for warning in result.get("warnings", [])]
     return "\n".join(lines)
 
 
@@ -38,9 +52,17 @@ def target_summary(result: dict) -> str:
         cells = {r["m"]: r for r in rows if r["shape"] == shape}
         gb_s = [r["read_gb_s"] for r in result["rows"] if r["shape"] == shape]
         lines.append(f"| {shape} | " + " | ".join(
-            f"{cells[m]['target_value']:.2f}" + ("" if round(cells[m]["target_value"], 2) >= cells[m]["target"] else " ✗")
-            if m in cells else "—" for m in m_values) + f" | {min(gb_s):.0f}-{max(gb_s):.0f} |")
+            _target_value(cells[m]) if m in cells else "—" for m in m_values) + f" | {min(gb_s):.0f}-{max(gb_s):.0f} |")
     return "\n".join(lines)
+
+
+def _target_value(row: dict) -> str:
+    value = row["target_value"]
+    if value is None:
+        return "—"
+    if is_measurement_problem(value):
+        return _ratio(value)  # not a result: neither met nor missed
+    return f"{value:.2f}" + ("" if round(value, 2) >= row["target"] else " ✗")
 
 
 def layer_table(rows: list) -> str:
@@ -54,7 +76,11 @@ def layer_table(rows: list) -> str:
         lines.append(
             f"| {r['model']} | {r['tokens']} | {r['touched_mb']:.1f} | {ours:.3f} | {r['2 virtual nodes ms']:.3f} "
             f"({r['2 virtual nodes ms'] / ours - 1:+.1%}) | {r['torch loop ms']:.3f} | {r['ceiling_ms']:.3f} | "
-            f"{ours / r['ceiling_ms']:.2f}x | {r['torch loop ms'] / ours:.2f}x faster | {r['rel_error_vs_fp32']:.1e} |")
+            f"{ours / r['ceiling_ms']:.2f}x{'!' if r['ceiling_ms'] > ours else ''} | "
+            f"{r['torch loop ms'] / ours:.2f}x faster | {r['rel_error_vs_fp32']:.1e} |")
+    if any(r["ceiling_ms"] > r["1 node ms"] for r in rows):
+        lines.append("\n! ours faster than the read of its own weights: the read ceiling measured low; a "
+                     "measurement problem, not a result")
     return "\n".join(lines)
 
 
@@ -70,9 +96,9 @@ def kernel_plot(result: dict, path: Path) -> None:
     for ax, shape in zip(axes[0], shapes):
         rows = [r for r in result["rows"] if r["shape"] == shape]
         m = [r["m"] for r in rows]
-        ax.plot(m, [r["ours_ms"] for r in rows], "o-", label="numa-moe (avx512)")
+        ax.plot(m, [r["ours_ms"] for r in rows], "o-", label=f"numa-moe ({result['isa']})")
         ax.plot(m, [r["torch_ms"] for r in rows], "s--", label="torch F.linear bf16")
-        ax.plot(m, [r["read_ms"] for r in rows], ":", color="gray", label="streaming read (ceiling)")
+        ax.plot(m, [r["read_ms"] for r in rows], ":", color="gray", label="fastest streaming read (ceiling)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(m)
@@ -84,7 +110,9 @@ def kernel_plot(result: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("ms per expert FFN (median)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"Expert FFN, {result['threads']} threads, peak {result['peak_gflop_s']:.0f} GFLOP/s", fontsize=11)
+    peak = (f"peak {result['peak_gflop_s']:.0f} GFLOP/s ({result.get('peak_instruction')})"
+            if result.get("peak_gflop_s") else "no peak loop for this ISA")
+    fig.suptitle(f"Expert FFN, {result['threads']} threads, {peak}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -2,9 +2,10 @@
 prints what these return. The layer benchmark (``numa-moe bench layer``) lives in
 numa_moe.benchmarking.layer and shares the yardsticks defined here.
 
-Both measure, in the same run, a *read ceiling*: the time a streaming read of the same
-weight bytes takes. The native streaming-read kernel (numa_moe.kernels) is used when the
-build has it; otherwise a numpy stand-in (a vectorised reduction over the bytes, which
+Both measure, in the same run, a *read ceiling*: the rate of a streaming read of the
+same weight bytes, sampled interleaved with the work and taken as the best sample
+(numa_moe.benchmarking.yardsticks). The native streaming read is used when the CPU has
+it; otherwise a numpy stand-in (a vectorised reduction over the bytes, which
 underestimates the machine's bandwidth) is used and labelled as such.
 """
 
@@ -52,56 +53,61 @@ def torch_moe_loop(x, ids, weights, gate_up, down, compute_dtype=None):
 
 @dataclass
 class ReadCeiling:
-    gbps: float
-    source: str  # "native streaming read" or "numpy stand-in (...)"
+    gbps: float      # the best sample: the ceiling
+    source: str      # "native streaming read ..." or "numpy stand-in (...)"
+    samples: int = 1
+    spread: float = 0.0  # how far the slowest window's best fell below gbps (Yardstick.spread)
+    busy: bool = False   # spread above yardsticks.BUSY_SPREAD: the machine was busy
 
 
-def _native_read_fn():
-    """The native multi-threaded streaming read (kernels layer), when this build has it."""
-    from numa_moe import _native
-
-    fn = getattr(_native, "stream_read", None)
-    if fn is None:
-        return None
-    threads = len(os.sched_getaffinity(0))
-
-    def read(buffers):
-        try:
-            fn(list(buffers), threads)
-        except (RuntimeError, ValueError):
-            return False  # e.g. no AVX-512 on this CPU
-        return True
-
-    return read
+def _numpy_read(buffers) -> None:
+    for b in buffers:
+        flat = b.reshape(-1).view(np.uint8)
+        usable = flat[: flat.size // 8 * 8].view(np.uint64)
+        np.bitwise_xor.reduce(usable)
 
 
-def measure_read_ceiling(buffers, repeats: int = 3) -> ReadCeiling:
-    """Streaming-read bandwidth over ``buffers`` (numpy arrays), best of ``repeats``."""
-    if not all(isinstance(b, np.ndarray) and b.flags.c_contiguous for b in buffers):
-        # a contiguous copy would be timed instead of the weights themselves
-        raise ValueError("measure_read_ceiling: buffers must be C-contiguous numpy arrays")
-    total = sum(int(b.nbytes) for b in buffers)
-    if total == 0:
-        raise ValueError("measure_read_ceiling: no bytes to read")
-    fn = _native_read_fn()
-    if fn is not None and fn(buffers[:1]):
-        best = None
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(buffers)
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
-        return ReadCeiling(total / best / 1e9, "native streaming read, all CPUs")
-    best = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for b in buffers:
-            flat = b.reshape(-1).view(np.uint8)
-            usable = flat[: flat.size // 8 * 8].view(np.uint64)
-            np.bitwise_xor.reduce(usable)
-        dt = time.perf_counter() - t0
-        best = dt if best is None else min(best, dt)
-    return ReadCeiling(total / best / 1e9, "numpy stand-in (one thread; underestimates the ceiling)")
+class ReadSampler:
+    """Times streaming reads of weight buffers, one sample per call, for a read ceiling
+    measured interleaved with the work: the native multi-threaded read on `threads`
+    pinned threads when this CPU has it, else a numpy stand-in (one thread; it
+    underestimates the ceiling, and says so)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.native = True  # until the native read refuses (no AVX-512)
+        self.source = f"native streaming read, {threads} pinned threads"
+        self.rates_gbps: list[float] = []
+
+    def sample(self, buffers) -> float:
+        """Reads `buffers` once; records and returns the rate in GB/s."""
+        from numa_moe.benchmarking import native_loops
+
+        if not all(isinstance(b, np.ndarray) and b.flags.c_contiguous for b in buffers):
+            # a contiguous copy would be timed instead of the weights themselves
+            raise ValueError("read ceiling: buffers must be C-contiguous numpy arrays")
+        total = sum(int(b.nbytes) for b in buffers)
+        if total == 0:
+            raise ValueError("read ceiling: no bytes to read")
+        start = time.perf_counter()
+        if self.native:
+            try:
+                native_loops.stream_read(buffers, self.threads)
+            except (RuntimeError, ValueError):  # e.g. no AVX-512 on this CPU
+                self.native = False
+                self.source = "numpy stand-in (one thread; underestimates the ceiling)"
+                start = time.perf_counter()
+        if not self.native:
+            _numpy_read(buffers)
+        rate = total / (time.perf_counter() - start) / 1e9
+        self.rates_gbps.append(rate)
+        return rate
+
+    def ceiling(self) -> ReadCeiling:
+        from numa_moe.benchmarking.yardsticks import Yardstick
+
+        yardstick = Yardstick.from_samples(self.rates_gbps)
+        return ReadCeiling(yardstick.best, self.source, yardstick.samples, yardstick.spread, yardstick.busy)
 
 
 def random_routing(rng: np.random.Generator, n_tokens: int, n_experts: int, top_k: int):
@@ -201,24 +207,36 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     rng = np.random.default_rng(seed)
     import ml_dtypes
 
-    steps_ms, node_bytes, node_busy = [], np.zeros(len(node_ids)), np.zeros(len(node_ids))
+    from numa_moe.benchmarking.yardsticks import settle
+
+    steps_ms, node_bytes, step_node_busy = [], np.zeros(len(node_ids)), []
     weight_bytes = 0
     rel = float("nan")
     isas: set[str] = set()
+    # The read ceiling is sampled after every step, on exactly the expert matrices the step
+    # read (the store's own buffers: same pages) with as many pinned threads as the layer
+    # has workers; step and read each start from evicted caches (yardsticks.settle).
+    reads = ReadSampler(layers[0].pool.n_threads)
     for step in range(steps):
         xs = [rng.standard_normal((tokens, store.hidden_size)).astype(ml_dtypes.bfloat16) for _ in layers]
         routes = [random_routing(rng, tokens, store.n_experts, top_k) for _ in layers]
+        settle()
         t0 = time.perf_counter()
         outs = [layer.forward_numpy(x, ids, w) for layer, x, (ids, w) in zip(layers, xs, routes)]
         steps_ms.append((time.perf_counter() - t0) * 1e3)
         step_bytes = 0
+        busy_ms = np.zeros(len(node_ids))
         for layer in layers:
             stats = layer.last_stats()
             node_bytes += np.asarray(stats["node_bytes"])
-            node_busy += np.asarray(stats["node_busy_ns"]) / 1e6
+            busy_ms += np.asarray(stats["node_busy_ns"]) / 1e6
             step_bytes += int(sum(stats["node_bytes"]))
             isas.update(stats["expert_isa"])
+        step_node_busy.append(busy_ms)
         weight_bytes = max(weight_bytes, step_bytes)
+        settle()
+        reads.sample([matrix for layer_id, (ids, _) in zip(store.layers, routes)
+                      for expert in np.unique(ids) for matrix in store.expert(layer_id, int(expert))])
         if step == 0:
             rel = check_against_torch(store, layers, xs, routes, outs)
             verdict = "ok" if rel <= tolerance else "FAILED"
@@ -227,15 +245,24 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
                 raise RuntimeError(f"the MoE layer disagrees with the torch reference: rel. error {rel:.3g} "
                                    f"> {tolerance}")
         echo(f"step {step + 1:3d}: {steps_ms[-1]:8.3f} ms  ({step_bytes / 1e6:.1f} MB of weights)")
-    ceiling = measure_read_ceiling([store.weights(l, k) for l in store.layers for k in MATRIX_KINDS])
+    ceiling = reads.ceiling()
     med = statistics.median(steps_ms)
     mean_bytes = float(node_bytes.sum()) / steps
     eff = mean_bytes / (med / 1e3) / 1e9
     report = RunReport(str(path), f"{len(node_ids)} {kind}", len(layers), tokens, top_k, steps_ms, rel,
                        int(mean_bytes), eff, ceiling, node_ids, [int(b / steps) for b in node_bytes],
-                       [float(b / steps) for b in node_busy], table_summary, sorted(isas))
+                       median_node_busy_ms(step_node_busy), table_summary, sorted(isas))
     echo(format_run_report(report))
     return report
+
+
+def median_node_busy_ms(step_node_busy_ms) -> list[float]:
+    """Per node, the median over steps of its busy time in the step (the slowest worker of
+    the node, summed over the layers). A median like the step time's, so that it compares
+    with it: each step's busy time is within that step's time, hence the median too. (A
+    mean would not: one slow first step lifted it above the median step.)"""
+    per_step = np.asarray(step_node_busy_ms, dtype=float)
+    return [float(v) for v in np.median(per_step, axis=0)]
 
 
 def verify_store_tables(store) -> dict:
@@ -276,6 +303,8 @@ def check_against_torch(store, layers, xs, routes, outs) -> float:
 
 
 def format_run_report(r: RunReport) -> str:
+    from numa_moe.benchmarking.yardsticks import percent_of
+
     med = statistics.median(r.steps_ms)
     ceiling_ms = r.weight_bytes_per_step / (r.ceiling.gbps * 1e9) * 1e3
     lines = [
@@ -283,9 +312,14 @@ def format_run_report(r: RunReport) -> str:
         f"steps: {len(r.steps_ms)} x {r.layers} layer(s), {r.tokens} token(s), top-{r.top_k}; kernels {', '.join(r.isa)}",
         f"step time: median {med:.3f} ms (min {min(r.steps_ms):.3f}, max {max(r.steps_ms):.3f})",
         f"weights read per step: {r.weight_bytes_per_step / 1e6:.1f} MB -> effective {r.effective_gbps:.1f} GB/s",
-        f"read ceiling: {r.ceiling.gbps:.1f} GB/s [{r.ceiling.source}] -> {ceiling_ms:.3f} ms per step; "
-        f"layer at {r.effective_gbps / r.ceiling.gbps:.0%} of it",
-        "per-node work balance (per step):",
+        f"read ceiling: {r.ceiling.gbps:.1f} GB/s, best of {r.ceiling.samples} reads of each step's experts "
+        f"[{r.ceiling.source}] -> {ceiling_ms:.3f} ms per step; layer {percent_of(r.effective_gbps / r.ceiling.gbps, 'it')}",
+    ]
+    if r.ceiling.busy:
+        lines.append(f"warning: the read ceiling moved {r.ceiling.spread:.0%} within this run: the machine is busy, "
+                     "so the fraction of it is uncertain")
+    lines += [
+        "per-node work balance (per step; busy: the node's slowest worker, median over steps like the step time):",
         "  node   weight MB   share   busy ms",
     ]
     total = max(sum(r.node_bytes), 1)

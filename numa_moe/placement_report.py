@@ -71,8 +71,13 @@ class TensorPlacement:
     page_nodes: np.ndarray | None = field(default=None, repr=False)
 
     @property
+    def present_nodes(self) -> int:
+        """How many nodes hold at least one of the present pages (0: none present)."""
+        return len([n for n, c in self.pages_per_node.items() if c])
+
+    @property
     def single_node(self) -> bool:
-        return len([n for n, c in self.pages_per_node.items() if c]) <= 1
+        return self.present_nodes == 1
 
     @property
     def periodic(self) -> bool:
@@ -98,7 +103,9 @@ class TensorPlacement:
 
     def line(self) -> str:
         nodes = " ".join(f"n{k}={v}" for k, v in sorted(self.pages_per_node.items()))
-        if self.single_node:
+        if self.present_nodes == 0:
+            shape = "not resident (no page present)"
+        elif self.single_node:
             shape = "single node"
         elif self.periodic:
             shape = f"periodic, {self.period_pages} pages"
@@ -139,8 +146,9 @@ class PlacementReport:
             "pages_per_node": {str(k): v for k, v in sorted(pages.items())},
             "pages_not_present": sum(t.pages_not_present for t in self.tensors),
             "approx_present_bytes": int(present),
-            "periodic_tensors": sum(t.periodic and not t.single_node for t in self.tensors),
+            "periodic_tensors": sum(t.periodic and t.present_nodes > 1 for t in self.tensors),
             "single_node_tensors": sum(t.single_node for t in self.tensors),
+            "not_resident_tensors": sum(t.present_nodes == 0 for t in self.tensors),
             "remote_fraction_naive": weighted("remote_fraction_naive"),
             "remote_fraction_table": weighted("remote_fraction_table"),
         }
@@ -160,8 +168,9 @@ class PlacementReport:
         tot = self.totals()
         lines.append(
             f"total: {tot['tensors']} tensors, {tot['bytes'] / 2**20:.1f} MiB; pages per node "
-            f"{tot['pages_per_node']}; not present {tot['pages_not_present']}; single-node "
-            f"{tot['single_node_tensors']}, periodic multi-node {tot['periodic_tensors']}; "
+            f"{tot['pages_per_node']}; not present {tot['pages_not_present']}; not resident "
+            f"{tot['not_resident_tensors']}, single-node {tot['single_node_tensors']}, periodic multi-node "
+            f"{tot['periodic_tensors']}; "
             f"remote reads: naive row split {_pct(tot['remote_fraction_naive'])}, table from the "
             f"map {_pct(tot['remote_fraction_table'])}")
         return "\n".join(lines)
@@ -408,7 +417,8 @@ def placement_report(store, keep_pages: bool = True) -> PlacementReport:
 
 def plot_placement(report: PlacementReport, path: str | os.PathLike, max_tensors: int = 48,
                    title: str | None = None) -> int:
-    """One horizontal strip per tensor, each page coloured by its node (grey: not present).
+    """One horizontal strip per tensor, each page coloured by its node (grey: not present);
+    every strip is scaled to the full width (x: fraction of the tensor's pages).
 
     Returns the number of strips drawn. Needs matplotlib (``pip install numa-moe[plot]``).
     """
@@ -441,7 +451,9 @@ def plot_placement(report: PlacementReport, path: str | os.PathLike, max_tensors
     ax.set_ylim(len(tensors), 0)
     ax.set_yticks([r + 0.5 for r in range(len(tensors))])
     ax.set_yticklabels([_short(t.name) for t in tensors], fontsize=7)
-    ax.set_xlabel("position in tensor (pages, left to right)")
+    # Each strip spans its own tensor, whatever its page count, so that tensors of
+    # different sizes line up: the axis is the fraction of the tensor's pages.
+    ax.set_xlabel("position in tensor (fraction of its pages, first page at 0)")
     handles = [Patch(color=colours[index_of[n]], label=f"node {n}") for n in nodes]
     handles.append(Patch(color=colours[0], label="not present"))
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),

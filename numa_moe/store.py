@@ -138,7 +138,10 @@ def checkpoint_tables(checkpoint: Checkpoint, nodes: Sequence[int] | int, page: 
     chosen = _choose_layers(checkpoint, layers)
     shared = layer_tables(checkpoint.dims, nodes, page, fmt, group, scale_fmt)
     out = {}
-    for layer in tqdm(chosen, desc="tables", unit="layer", disable=not progress):
+    # One computation serves every layer, so a rate would be meaningless: count the layers.
+    counter = tqdm(chosen, desc="tables", disable=not progress,
+                   bar_format="{desc}: {n_fmt}/{total_fmt} MoE layers |{bar}| [{elapsed}]")
+    for layer in counter:
         out[layer] = dict(shared)
     return out
 

@@ -2,7 +2,8 @@
 transparent huge page mode, automatic NUMA balancing, what this process may use, and
 CPU features. One immutable :class:`Topology` value.
 
-Sources: sysfs (``/sys/devices/system/node``), procfs, ``os.sched_getaffinity``,
+Sources: sysfs (``/sys/devices/system/node``), procfs (node memory is reconciled with
+``/proc/meminfo``: see reconcile_node_memory), ``os.sched_getaffinity``,
 ``get_mempolicy(MPOL_F_MEMS_ALLOWED)``, py-libnuma for distances when sysfs lacks them,
 psutil when the kernel has no NUMA sysfs at all, and cpuid (native) for CPU features.
 
@@ -23,6 +24,8 @@ NODE_SYSFS = Path("/sys/devices/system/node")
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_PMD_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 NUMA_BALANCING = Path("/proc/sys/kernel/numa_balancing")
+PROC_MEMINFO = Path("/proc/meminfo")
+PROC_ZONEINFO = Path("/proc/zoneinfo")
 VIRTUAL_NODES_ENV = "NUMA_MOE_VIRTUAL_NODES"
 
 LOCAL_DISTANCE = 10
@@ -159,6 +162,55 @@ def _parse_meminfo_kb(text: str, key: str) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
+def parse_zoneinfo_unmanaged_pages(text: str) -> dict[int, int]:
+    """Pages per node that are present but not (yet) managed by the page allocator:
+    sum over the node's zones of ``present - managed`` in /proc/zoneinfo."""
+    out: dict[int, int] = {}
+    node = None
+    present = None
+    for line in text.splitlines():
+        head = re.match(r"Node\s+(\d+),\s+zone", line)
+        if head:
+            node, present = int(head.group(1)), None
+            out.setdefault(node, 0)
+            continue
+        fields = line.split()
+        if node is None or len(fields) != 2 or not fields[1].isdigit():
+            continue
+        if fields[0] == "present":
+            present = int(fields[1])
+        elif fields[0] == "managed" and present is not None:
+            out[node] += max(present - int(fields[1]), 0)
+            present = None
+    return out
+
+
+def reconcile_node_memory(node_bytes: dict[int, int], machine_bytes: int | None,
+                          unmanaged_pages: dict[int, int]) -> dict[int, int]:
+    """Per-node byte counts (MemTotal or MemFree of the nodes' sysfs meminfo) made to add
+    up to the machine's figure (the same key of /proc/meminfo).
+
+    A node's meminfo counts the pages its zones manage now. A kernel that initialises
+    memory lazily (deferred struct-page init, seen in VMs) hands pages to the zones as it
+    goes, while /proc/meminfo counts them all from boot: a 23 GiB VM read 5.8 GiB for
+    its only node. The shortfall belongs to the pages present but not managed yet, so it
+    is shared out in proportion to each node's count of those (evenly when zoneinfo says
+    nothing). Node figures that already add up are returned unchanged."""
+    total = sum(node_bytes.values())
+    if machine_bytes is None or not node_bytes or machine_bytes <= total:
+        return dict(node_bytes)
+    shortfall = machine_bytes - total
+    weights = {node: unmanaged_pages.get(node, 0) for node in node_bytes}
+    if sum(weights.values()) == 0:
+        weights = {node: 1 for node in node_bytes}
+    weight_sum = sum(weights.values())
+    out = {node: value + shortfall * weights[node] // weight_sum for node, value in node_bytes.items()}
+    # integer division leaves a few bytes over: give them to the first node
+    first = next(iter(out))
+    out[first] += machine_bytes - sum(out.values())
+    return out
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text()
@@ -201,7 +253,7 @@ def _detect_nodes() -> tuple[NodeInfo, ...]:
 
         vm = psutil.virtual_memory()
         cpus = tuple(range(os.cpu_count() or 1))
-        return (NodeInfo(0, cpus, int(vm.total), int(vm.available), (LOCAL_DISTANCE,)),)
+        return (NodeInfo(0, cpus, int(vm.total), int(vm.free), (LOCAL_DISTANCE,)),)
     nodes = []
     for nid in node_ids:
         d = NODE_SYSFS / f"node{nid}"
@@ -220,7 +272,20 @@ def _detect_nodes() -> tuple[NodeInfo, ...]:
                 for other in node_ids
             )
         nodes.append(NodeInfo(nid, cpus, total, free, distances))
-    return tuple(nodes)
+    return _with_machine_memory(tuple(nodes))
+
+
+def _with_machine_memory(nodes: tuple[NodeInfo, ...]) -> tuple[NodeInfo, ...]:
+    """The nodes with total and free memory reconciled with /proc/meminfo (see
+    reconcile_node_memory)."""
+    machine = _read(PROC_MEMINFO) or ""
+    unmanaged = parse_zoneinfo_unmanaged_pages(_read(PROC_ZONEINFO) or "")
+    totals = reconcile_node_memory({n.node_id: n.memory_total_bytes for n in nodes},
+                                   _parse_meminfo_kb(machine, "MemTotal"), unmanaged)
+    frees = reconcile_node_memory({n.node_id: n.memory_free_bytes for n in nodes},
+                                  _parse_meminfo_kb(machine, "MemFree"), unmanaged)
+    return tuple(replace(n, memory_total_bytes=totals[n.node_id], memory_free_bytes=frees[n.node_id])
+                 for n in nodes)
 
 
 def _mems_allowed(node_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from numa_moe import memory
+from numa_moe import kernels, memory
 from numa_moe.benchmarking import kernels as kernel_bench
 
 
@@ -55,3 +55,97 @@ def test_small_run_reports_its_page_size_and_consistent_ratios():
     assert row.fraction_of_read == pytest.approx(row.read_ms / row.ours_ms)
     assert row.target_metric == "read" and row.target == 0.90
     assert "pages=4k" in kernel_bench.format_table(result).splitlines()[0]
+
+
+def _row(m, ours, read_s, peak, hidden=2048, inter=768):
+    return kernel_bench.make_row("qwen3-30b-a3b", hidden, inter, m, "avx512", 2, 3 * hidden * inter * 2, ours,
+                                 read_s, None, peak)
+
+
+def test_a_row_measures_against_the_fastest_read():
+    # the reads drifted: the fastest (1.0 ms) is the ceiling, not the median (1.6 ms)
+    row = _row(1, [1.25, 1.25, 1.25], [1.6, 1.0, 1.7, 1.6, 1.6], 500.0)
+    assert row.read_ms == pytest.approx(1000.0) and row.read_median_ms == pytest.approx(1600.0)
+    assert row.fraction_of_read == pytest.approx(0.8) and not row.measurement_problem
+
+
+def test_a_fraction_above_one_is_marked_as_a_measurement_problem():
+    row = _row(2, [1.0, 1.0, 1.0], [1.08, 1.1, 1.2], 500.0)
+    assert row.fraction_of_read == pytest.approx(1.08) and row.measurement_problem
+    line = kernel_bench.format_row(row)
+    assert " 1.08! " in line and "read 1.08!>=0.90" in line
+
+
+def test_every_target_cell_states_its_threshold_or_that_there_is_none():
+    assert kernel_bench.target_cell(_row(1, [1.0], [0.95], 500.0)) == "read 0.95>=0.90"
+    assert kernel_bench.target_cell(_row(16, [1.0], [0.5], 500.0)).endswith(">=0.80")
+    assert kernel_bench.target_cell(_row(32, [1.0], [0.25], 500.0)).endswith(" (no target)")
+    assert kernel_bench.target_cell(_row(128, [1.0], [0.05], 500.0)).endswith(">=0.70")
+    # no peak loop for the ISA that ran: no fraction of a peak, and the M >= 128 target says why
+    row = _row(128, [1.0], [0.05], None)
+    assert row.fraction_of_peak is None and kernel_bench.target_cell(row) == "peak - (no peak loop)"
+    assert "     - " in kernel_bench.format_row(row)
+
+
+def test_the_peak_is_measured_with_the_loop_of_the_isa_that_ran(monkeypatch):
+    from numa_moe.benchmarking import native_loops
+
+    calls = []
+
+    def fake_peak_flops(isa, iterations, threads):
+        calls.append(isa)
+        return 1e9 * iterations
+    monkeypatch.setitem(native_loops.PEAK_INSTRUCTIONS, "amx", "tdpbf16ps")
+    monkeypatch.setattr(native_loops, "peak_flops", fake_peak_flops)
+    peak = kernel_bench.measure_peak_gflop_s("amx", threads=2, seconds=0.0, tries=3)
+    assert set(calls) == {"amx"} and len(calls) == 3 and peak.samples == 3
+    assert kernel_bench.measure_peak_gflop_s("avx2", threads=2) is None
+    assert kernel_bench.measure_peak_gflop_s("amx_model", threads=2) is None
+
+
+def test_a_run_on_an_isa_without_a_peak_loop_divides_by_no_other_peak():
+    # before: every ISA was divided by the avx512 vdpbf16ps peak
+    result = kernel_bench.run(shapes=["qwen3-30b-a3b"], m_values=[1, 128], repeats=2, isa="avx2", with_torch=False,
+                              page="4k", min_seconds=0.0, progress=lambda line: None)
+    assert result.peak_gflop_s is None and result.peak_instruction is None
+    assert all(row.fraction_of_peak is None for row in result.rows)
+    assert "no peak loop for isa avx2" in kernel_bench.format_table(result).splitlines()[0]
+
+
+def test_a_peak_that_moves_between_start_and_end_warns_that_the_machine_is_busy(monkeypatch):
+    from numa_moe.benchmarking.yardsticks import Yardstick
+
+    peaks = iter([Yardstick.from_samples([470.0]), Yardstick.from_samples([350.0])])
+    monkeypatch.setattr(kernel_bench, "measure_peak_gflop_s", lambda isa, threads: next(peaks))
+    lines = []
+    result = kernel_bench.run(shapes=["qwen3-30b-a3b"], m_values=[1], repeats=2, isa="avx512", with_torch=False,
+                              page="4k", min_seconds=0.0, progress=lambda line: None, table=lines.append)
+    assert result.peak_end_gflop_s == 350.0
+    assert any("vdpbf16ps peak moved 26%" in w and "machine is busy" in w for w in result.warnings)
+    assert lines[-1] == result.warnings[-1]  # printed after the table
+
+
+def test_bench_kernels_prints_the_table_once_header_first():
+    from click.testing import CliRunner
+
+    from numa_moe_cli.main import cli
+
+    result = CliRunner().invoke(cli, ["bench", "kernels", "--shapes", "qwen3-30b-a3b", "--m", "1,2", "--repeats", "2",
+                                      "--min-seconds", "0", "--no-torch", "--page", "4k"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()  # stdout and stderr as a terminal shows them
+    header = [i for i, line in enumerate(lines) if line.startswith("shape ")]
+    rows = [i for i, line in enumerate(lines) if line.startswith("qwen3-30b-a3b ")]
+    assert len(header) == 1 and len(rows) == 2 and header[0] < rows[0]
+    assert "vdpbf16ps peak" in result.stderr  # status lines stay off the table
+
+
+def test_the_native_peak_loops_are_the_ones_named():
+    from numa_moe.benchmarking import native_loops
+
+    runnable = set(native_loops.PEAK_INSTRUCTIONS) & set(kernels.available_isas())
+    for isa in runnable:
+        assert native_loops.peak_flops(isa, 1000, 1) > 0, isa
+    # an ISA without a loop is refused by the harness, so measure_peak_gflop_s must not ask
+    with pytest.raises(ValueError, match="no peak loop"):
+        native_loops.peak_flops("avx2", 1000, 1)

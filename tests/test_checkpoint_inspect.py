@@ -124,6 +124,12 @@ def test_inspect_touch_none_reports_unmapped_pages(checkpoint_dir):
     # this process never mapped the pages: move_pages sees them as not present
     assert all(t.pages_not_present == t.n_pages for t in report.tensors)
     assert all(t.remote_fraction_naive is None for t in report.tensors)
+    # no page present: neither "single node" nor periodic multi-node
+    assert all(not t.single_node and "not resident (no page present)" in t.line() for t in report.tensors)
+    totals = report.totals()
+    assert totals["not_resident_tensors"] == len(report.tensors)
+    assert totals["single_node_tensors"] == 0 and totals["periodic_tensors"] == 0
+    assert f"not resident {len(report.tensors)}, single-node 0" in report.format_text()
 
 
 def test_store_report_and_plot(checkpoint_dir, tmp_path):
@@ -136,6 +142,19 @@ def test_store_report_and_plot(checkpoint_dir, tmp_path):
     path = tmp_path / "p.png"
     assert plot_placement(report, path) == 3
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_x_axis_says_what_its_values_are(checkpoint_dir, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    report = inspect_checkpoint(checkpoint_dir, nodes=1, touch="all", tensor=r"experts\.0\.")
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_placement(report, tmp_path / "p.png")
+    (ax,) = saved[0].axes
+    # every strip spans 0..1 whatever its page count: the label must say fraction, not pages
+    assert ax.get_xlim() == (0.0, 1.0)
+    assert "fraction of its pages" in ax.get_xlabel()
 
 
 def test_plot_without_matplotlib(checkpoint_dir, tmp_path, monkeypatch):

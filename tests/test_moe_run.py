@@ -35,6 +35,56 @@ def test_run_reports_steps_bandwidth_and_balance(small_checkpoint, tmp_path, ext
     assert 0 < sum(report["node_bytes"]) <= 2 * 6 * 3 * 256 * 128 * 2
     if extra:
         assert all(b > 0 for b in report["node_bytes"])
+    # the ceiling: one read of each step's experts, interleaved with the steps; the best
+    assert report["ceiling"]["samples"] == 3 and report["ceiling"]["gbps"] > 0
+    # per-node busy times are medians like the step time, so never above it
+    assert all(busy <= np.median(report["steps_ms"]) for busy in report["node_busy_ms"])
+    assert "busy: the node's slowest worker, median over steps" in result.output
+
+
+def _report(effective_gbps, ceiling_gbps, busy=False, node_busy_ms=(1.0,)):
+    from numa_moe.moe_run import ReadCeiling, RunReport
+
+    ceiling = ReadCeiling(ceiling_gbps, "native streaming read, 2 pinned threads", samples=10,
+                          spread=0.3 if busy else 0.05, busy=busy)
+    return RunReport("ckpt", "1 real", 2, 1, 8, [16.2, 16.0, 16.5], 1e-3, 150_000_000, effective_gbps, ceiling,
+                     list(range(len(node_busy_ms))), [75_000_000] * len(node_busy_ms), list(node_busy_ms))
+
+
+def test_run_report_flags_a_layer_above_its_ceiling():
+    from numa_moe.moe_run import format_run_report
+
+    text = format_run_report(_report(effective_gbps=10.8, ceiling_gbps=10.0))
+    assert "measurement problem, not a result" in text and "108% of it" not in text
+    assert "layer at 93% of it" in format_run_report(_report(effective_gbps=9.3, ceiling_gbps=10.0))
+
+
+def test_run_report_warns_when_the_ceiling_moved():
+    from numa_moe.moe_run import format_run_report
+
+    assert "machine is busy" in format_run_report(_report(9.0, 10.0, busy=True))
+    assert "machine is busy" not in format_run_report(_report(9.0, 10.0, busy=False))
+
+
+def test_node_busy_is_the_median_over_steps():
+    from numa_moe.moe_run import median_node_busy_ms
+
+    # a slow first step (warm-up) lifted a mean above the median step time
+    steps_ms = [40.0, 16.0, 16.2, 16.1]
+    busy = median_node_busy_ms([[39.0, 38.0], [15.0, 14.0], [15.5, 14.5], [15.2, 14.1]])
+    assert busy == pytest.approx([15.35, 14.3])
+    assert all(b <= np.median(steps_ms) for b in busy)
+
+
+def test_bench_layer_row_flags_ours_above_the_read():
+    from numa_moe.benchmarking.layer import format_bench_row
+
+    row = {"model": "qwen3-30b-a3b", "tokens": 1, "touched_mb": 75.5, "1 node ms": 2.5, "2 virtual nodes ms": 2.6,
+           "torch loop ms": 7.0, "ceiling_ms": 2.9, "ceiling_gbps": 26.0, "rel_error_vs_fp32": 2e-3}
+    line = format_bench_row(row, 2)
+    assert "measurement problem, not a result" in line and "116% of it" not in line
+    row["ceiling_ms"] = 2.4
+    assert "ours at 96% of the read" in format_bench_row(row, 2)
 
 
 def test_run_rejects_conflicting_options(small_checkpoint):
@@ -54,6 +104,7 @@ def test_bench_layer_small_shapes(monkeypatch):
         assert r["rel_error_vs_fp32"] < 1e-2
         assert r["1 node ms"] > 0 and r["2 virtual nodes ms"] > 0 and r["torch loop ms"] > 0
         assert r["ceiling_ms"] > 0 and np.isfinite(r["ceiling_gbps"])
+        assert r["measurement_problem"] == (r["ceiling_ms"] > r["1 node ms"])
 
 
 def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):

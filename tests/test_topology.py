@@ -39,7 +39,9 @@ def test_detect_matches_the_kernel():
             assert node.cpus == parse_cpulist((d / "cpulist").read_text())
             assert node.distances == tuple(int(x) for x in (d / "distance").read_text().split())
             total_kb = next(int(l.split()[-2]) for l in (d / "meminfo").read_text().splitlines() if "MemTotal" in l)
-            assert node.memory_total_bytes == total_kb * 1024
+            # never below what the node's zones manage now (more when the kernel is still
+            # initialising memory: test_node_memory_adds_up_to_proc_meminfo)
+            assert node.memory_total_bytes >= total_kb * 1024
             assert 0 < node.memory_free_bytes <= node.memory_total_bytes
     status = Path("/proc/self/status").read_text()
     mems = next(l.split(":")[1] for l in status.splitlines() if l.startswith("Mems_allowed_list"))
@@ -61,6 +63,56 @@ def test_detect_matches_the_kernel():
     assert all(n.cpus == topo.cpus_of(n.node_id) for n in topo.nodes)
     with pytest.raises(ValueError, match="no NUMA node 999"):
         topo.cpus_of(999)
+
+
+def _proc_meminfo_bytes(key: str) -> int:
+    line = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def test_node_memory_adds_up_to_proc_meminfo():
+    # A VM whose kernel initialises memory lazily showed 5.8 GiB in node0/meminfo while
+    # /proc/meminfo said 23 GiB; the nodes' totals must add up to the machine's.
+    topo = Topology.detect()
+    machine_total = _proc_meminfo_bytes("MemTotal")
+    assert sum(n.memory_total_bytes for n in topo.nodes) == pytest.approx(machine_total, rel=0.01)
+    if len(topo.nodes) == 1:
+        assert topo.nodes[0].memory_total_bytes == machine_total
+        # free memory moves while the test runs; 2% of the machine is a wide margin
+        assert topo.nodes[0].memory_free_bytes == pytest.approx(_proc_meminfo_bytes("MemFree"),
+                                                                abs=0.02 * machine_total)
+
+
+def test_reconcile_node_memory_shares_the_shortfall_by_unmanaged_pages():
+    gib = 1 << 30
+    # one node: the machine's figure
+    assert T.reconcile_node_memory({0: 6 * gib}, 23 * gib, {0: 4_000_000}) == {0: 23 * gib}
+    # two nodes: node 1 has three times node 0's pages not managed yet, so it gets 3/4
+    out = T.reconcile_node_memory({0: 10 * gib, 1: 2 * gib}, 20 * gib, {0: 100, 1: 300})
+    assert out == {0: 12 * gib, 1: 8 * gib}
+    # no zoneinfo: even split, still adding up exactly
+    out = T.reconcile_node_memory({0: 1000, 1: 1000}, 3001, {})
+    assert sum(out.values()) == 3001 and abs(out[0] - out[1]) <= 1
+    # figures that already add up (or more: hot-removed memory) are left alone
+    assert T.reconcile_node_memory({0: 5, 1: 7}, 12, {0: 9}) == {0: 5, 1: 7}
+    assert T.reconcile_node_memory({0: 5, 1: 7}, None, {}) == {0: 5, 1: 7}
+
+
+def test_parse_zoneinfo_unmanaged_pages():
+    text = """Node 0, zone      DMA
+  pages free     3840
+        spanned  4095
+        present  3998
+        managed  3840
+Node 0, zone   Normal
+        spanned  5505024
+        present  5505024
+        managed  950272
+Node 1, zone   Normal
+        present  100
+        managed  100
+"""
+    assert T.parse_zoneinfo_unmanaged_pages(text) == {0: 158 + 5505024 - 950272, 1: 0}
 
 
 @pytest.mark.parametrize("n_nodes", [1, 2, 3, 4, 8])
@@ -131,6 +183,8 @@ def test_cli_topo_human_and_json():
     assert r.exit_code == 0, r.output
     topo = Topology.detect()
     assert f"{len(topo.nodes)} node(s)" in r.output and "transparent huge pages" in r.output and "AMX" in r.output
+    gib = topo.nodes[0].memory_total_bytes / (1 << 30)
+    assert f"memory total {gib:.1f} GiB, free " in r.output
     r = _cli("topo", "--json")
     data = json.loads(r.output)
     assert data["node_ids"] == list(topo.node_ids) and data["kind"] == "real"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from numa_moe_cli.options import PAGES, isa_option, wrote
+
 
 @click.group()
 def bench():
@@ -25,11 +27,14 @@ def _int_list(text: str) -> list[int]:
 @click.option("--min-seconds", default=0.25, show_default=True, type=click.FloatRange(min=0.0),
               help="... and enough calls per point to span this long (small experts).")
 @click.option("--threads", default=None, type=int, help="Threads (default: CPUs in the affinity mask).")
-@click.option("--isa", default=None, help="Kernel ISA (default: the dispatcher's choice).")
+@isa_option("the dispatcher's choice (NUMA_MOE_ISA, else the fastest this CPU runs)")
 @click.option("--no-torch", is_flag=True, help="Skip the torch F.linear baseline.")
-@click.option("--page", type=click.Choice(["2m", "4k"]), default="2m", show_default=True,
-              help="Page size of the weight copies (2m: transparent huge pages, as a serving host would use).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results as JSON.")
+@click.option("--page", type=click.Choice(PAGES), default="2m", show_default=True,
+              help="Page size of the weight copies. The default is 2m (transparent huge pages), unlike the "
+                   "placement commands' 4k: this measures the kernels as a serving host would run them, "
+                   "and 4 KB pages alone moved the read ceiling by up to 1.6x here (docs/kernels.md).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write the results as JSON to this file.")
 def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, json_path):
     """Expert FFN: our kernel vs torch F.linear vs a streaming read of the same weights."""
     from numa_moe.benchmarking import kernels as kernel_bench
@@ -38,16 +43,16 @@ def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_tor
     try:
         result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
                                   repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
-                                  page=page, min_seconds=min_seconds, progress=lambda line: click.echo(line, err=True))
+                                  page=page, min_seconds=min_seconds, progress=lambda line: click.echo(line, err=True),
+                                  table=click.echo)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     except PlacementError as error:
         hint = " (--page 4k runs without them)" if page == "2m" else ""
         raise click.ClickException(f"{error}{hint}") from None
-    click.echo(kernel_bench.format_table(result))
     if json_path:
         kernel_bench.to_json(result, json_path)
-        click.echo(f"wrote {json_path}", err=True)
+        wrote(json_path)
 
 
 # `numa-moe bench layer` lives in its own module (MoE layer owner).

@@ -7,6 +7,8 @@ import json
 
 import click
 
+from numa_moe_cli.options import isa_option, wrote
+
 
 @click.command("layer")
 @click.option("--model", "models", multiple=True, type=click.Choice(["qwen3-30b-a3b", "mixtral-8x7b"]),
@@ -16,8 +18,9 @@ import click
               help="random routings per case (medians are reported)")
 @click.option("--virtual-nodes", default=2, show_default=True, type=click.IntRange(2),
               help="node count of the partitioned path compared with 1 node")
-@click.option("--isa", type=click.Choice(["ref", "avx2", "avx512", "amx_model", "amx"]), default=None)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the rows as JSON")
+@isa_option("chosen per expert from its token count")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the rows as JSON to this file.")
 def layer_command(models, tokens, repeats, virtual_nodes, isa, json_path):
     """ms per MoE layer: ours on 1 node and on a virtual N-node topology, the torch loop,
     and the read ceiling of the weights touched, all in one run."""
@@ -28,3 +31,4 @@ def layer_command(models, tokens, repeats, virtual_nodes, isa, json_path):
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=2)
+        wrote(json_path)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from numa_moe_cli.options import page_option
+
 _MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b")
 
 
@@ -68,7 +70,7 @@ def _write_atomic(path: Path, text: str) -> None:
               help="MoE layers to generate (default per model, see docs/checkpoints.md).")
 @click.option("--experts", type=click.IntRange(min=1), default=None,
               help="Routed experts per layer (default per model; at most the real count).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--fused", is_flag=True, help="Write fused 3-D expert tensors (gate_up_proj, down_proj).")
 @click.option("--shared/--no-shared", default=True, show_default=True,
               help="Include the model's shared expert(s) (Qwen2-MoE, DeepSeek-V3).")
@@ -95,24 +97,28 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
                f"I={d.intermediate_size}, top-k={d.top_k}, {ck.dtype}, naming {', '.join(ck.naming)}")
 
 
-@click.command("tables")
+@click.command("tables", short_help="Every expert tensor of a checkpoint: its segment tables.")
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--nodes", default="2", show_default=True,
               help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
-@click.option("--page", type=click.Choice(["4k", "2m"]), default="4k", show_default=True)
+@page_option()
 @click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
               show_default=True, help="Weight format of the loaded experts.")
 @click.option("--group", type=click.IntRange(min=1), default=None,
               help="Scale group size (elements along k) for int8/int4 [default: 128].")
 @click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32",
-              show_default=True)
+              show_default=True, help="Element format of the group scales (int8/int4 only).")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
-@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
+              help="JSON file to write the tables to (folders are created).")
 @_pattern_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, output, pattern,
                    kinds, quiet):
-    """Segment tables of every routed-expert buffer, from the checkpoint's headers only."""
+    """Every expert tensor of a checkpoint: the segment tables of its routed-expert buffers.
+
+    Read from the checkpoint's headers only (`numa-moe table` does one matrix from its shape).
+    """
     from numa_moe.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
 
     if group is not None and fmt == "bf16":

@@ -8,6 +8,8 @@ from dataclasses import asdict
 
 import click
 
+from numa_moe_cli.options import isa_option, page_option, wrote
+
 
 @click.command("run")
 @click.argument("checkpoint", required=False, type=click.Path(exists=True, file_okay=False))
@@ -17,11 +19,11 @@ import click
               help="interleave over real nodes 0..N-1 (default: all allowed nodes)")
 @click.option("--virtual-nodes", type=click.IntRange(1), default=None,
               help="simulate N nodes on this machine (tables from the interleave rule)")
-@click.option("--isa", type=click.Choice(["ref", "avx2", "avx512", "amx_model", "amx"]), default=None,
-              help="force one kernel ISA (default: chosen per expert from its token count)")
-@click.option("--page", type=click.Choice(["4k", "2m"]), default="4k", show_default=True)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the report as JSON")
+@isa_option("chosen per expert from its token count")
+@page_option()
+@click.option("--seed", default=0, show_default=True, type=int, help="seed of the inputs and the random routing")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the report as JSON to this file.")
 def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed, json_path):
     """Load a checkpoint's routed experts interleaved and run decode-like MoE steps.
 
@@ -45,3 +47,4 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
     if json_path:
         with open(json_path, "w") as f:
             json.dump(asdict(report), f, indent=2)
+        wrote(json_path)

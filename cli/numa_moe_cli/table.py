@@ -6,6 +6,8 @@ import json
 
 import click
 
+from numa_moe_cli.options import page_option
+
 from numa_moe.segments import (
     SCALE_FORMATS,
     WEIGHT_FORMATS,
@@ -69,7 +71,7 @@ def _print_table(title: str, table: SegmentTable, page_label: str, phase: int,
     click.echo(f"  balance (max/mean bytes per node): {table.balance():.4f}")
 
 
-@click.command("table")
+@click.command("table", short_help="One matrix from its shape: its segment table.")
 @click.option("--rows", type=click.IntRange(min=1), required=True,
               help="Rows of the weight matrix (output features).")
 @click.option("--cols", type=click.IntRange(min=1), required=True,
@@ -83,8 +85,7 @@ def _print_table(title: str, table: SegmentTable, page_label: str, phase: int,
               show_default=True, help="Element format of the group scales.")
 @click.option("--nodes", "n_nodes", type=click.IntRange(min=1), required=True,
               help="Number of NUMA nodes the buffer is interleaved over (nodes 0..N-1).")
-@click.option("--page", type=click.Choice(sorted(_PAGES)), default="4k", show_default=True,
-              help="Interleave granularity: 4 KB base pages or 2 MB huge pages.")
+@page_option()
 @click.option("--phase", type=click.IntRange(min=0), default=0, show_default=True,
               help="Index of the node holding the buffer's first page.")
 @click.option("--offset-bytes", type=click.IntRange(min=0), default=0, show_default=True,
@@ -95,7 +96,10 @@ def _print_table(title: str, table: SegmentTable, page_label: str, phase: int,
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
 def table(rows, cols, dtype, group, scale_dtype, n_nodes, page, phase, offset_bytes,
           scale_phase, show_all, as_json):
-    """The periodic segment table of a ROWS x COLS weight matrix in interleaved memory.
+    """One matrix from its shape: its periodic segment table in interleaved memory.
+
+    For a ROWS x COLS weight matrix (no checkpoint needed; `numa-moe tables` does every
+    expert tensor of a checkpoint).
 
     Prints the period T = page*N / gcd(row_bytes, page*N), each node's strided segments
     (row0, row_stride, nrows, k0, k1 in elements), the bytes on each node and the

@@ -36,8 +36,8 @@ def render(topo) -> str:
     for node in topo.nodes:
         label = "virtual node" if topo.is_virtual else "node"
         lines.append(
-            f"  {label} {node.node_id}: cpus {_cpus(node.cpus)}  memory {_gib(node.memory_total_bytes)}"
-            f" (free {_gib(node.memory_free_bytes)})  distances {' '.join(map(str, node.distances))}"
+            f"  {label} {node.node_id}: cpus {_cpus(node.cpus)}  memory total {_gib(node.memory_total_bytes)},"
+            f" free {_gib(node.memory_free_bytes)}  distances {' '.join(map(str, node.distances))}"
         )
     lines.append(f"pages: base {topo.base_page_bytes // 1024} KB, huge {topo.huge_page_bytes // (1 << 20)} MB;"
                  f" transparent huge pages: {topo.thp_mode}")

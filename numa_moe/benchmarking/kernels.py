@@ -1,14 +1,19 @@
 """Expert-FFN kernel benchmark: our kernel vs torch ``F.linear`` (bf16, same thread count)
 vs a streaming read of the same weight bytes (the in-run bandwidth ceiling), plus the
-measured vdpbf16ps register-only peak for the compute-bound rows.
+measured register-only peak of the ISA that ran (vdpbf16ps for avx512; see
+native_loops.PEAK_INSTRUCTIONS) for the compute-bound rows.
 
 Weights rotate over enough expert copies that they are not in cache (>= 4x L3, at least
-2 copies); every measurement is a median over repetitions, all in one run so that they
-share the machine's state. The read ceiling is measured interleaved with our kernel
+2 copies); every time is a median over repetitions, all in one run so that they share
+the machine's state. The read ceiling is measured interleaved with our kernel
 (repetition r: one kernel call on expert copy 2r, then a streaming read of copy 2r+1, on
 the same worker pool, so both pay the same dispatch cost): the machine's DRAM bandwidth is
-shared with other VMs and drifts between runs minutes apart, and the fraction of the
-read ceiling is the ratio of the two medians.
+shared with other VMs and drifts between runs minutes apart. The ceiling of a point is
+its fastest read (yardsticks.Yardstick: a neighbour can only slow a read down), the
+fraction of it is that read's time over the kernel's median. A fraction above 1 is
+marked as a measurement problem; a ceiling that moves more than 20% between the points
+of one shape, or a peak that moves as much between the start and the end of the run,
+gives a warning that the machine is busy.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from numa_moe import _bench, _native, kernels, memory
+from numa_moe import kernels, memory
+from numa_moe.benchmarking import native_loops
+from numa_moe.benchmarking.yardsticks import (
+    MEASUREMENT_NOTE,
+    Yardstick,
+    busy_warning,
+    is_measurement_problem,
+    ratio_cell,
+)
 
 # Routed-expert shapes (hidden H, intermediate I) from the models' published configs.
 SHAPES: dict[str, tuple[int, int]] = {
@@ -46,21 +59,25 @@ class Row:
     threads: int
     weight_bytes: int
     flops: float
-    ours_ms: float
-    read_ms: float
+    ours_ms: float        # median
+    read_ms: float        # the fastest read: the ceiling
     torch_ms: float | None
     ours_gb_s: float = 0.0
     read_gb_s: float = 0.0
     fraction_of_read: float = 0.0
     gflop_s: float = 0.0
-    fraction_of_peak: float = 0.0
+    fraction_of_peak: float | None = None  # None: no peak loop for this ISA
     speedup_vs_torch: float | None = None
     # The issue's target metric for this M: read fraction (M <= 8), fraction of
-    # max(memory time, compute time) (M = 16), fraction of peak (M >= 128).
+    # max(memory time, compute time) (M = 16), fraction of peak (M >= 128); M = 32 has
+    # its metric shown but no target (target 0.0).
     target_metric: str = ""
-    target_value: float = 0.0
+    target_value: float | None = 0.0
     target: float = 0.0
     repetitions: int = 0  # timed (kernel, read) pairs behind the medians
+    read_median_ms: float = 0.0
+    read_spread: float = 0.0  # how far the slowest window's fastest read fell below the fastest
+    measurement_problem: bool = False  # a fraction of a ceiling or peak above 1
 
 
 @dataclass
@@ -70,10 +87,13 @@ class Result:
     repeats: int
     page: str
     min_seconds: float
-    peak_gflop_s: float
+    peak_gflop_s: float | None  # of the ISA that ran; None: no peak loop for it
     l3_bytes: int
     rows: list[Row] = field(default_factory=list)
     torch_version: str | None = None
+    peak_instruction: str | None = None
+    peak_end_gflop_s: float | None = None  # measured again after the last point
+    warnings: list[str] = field(default_factory=list)
 
 
 def l3_bytes() -> int:
@@ -98,25 +118,28 @@ def random_bf16_bits(rng: np.random.Generator, shape) -> np.ndarray:
     return (bits & np.uint16(0x80FF)) | np.uint16(0x3C00)
 
 
-def measure_peak_gflop_s(threads: int, seconds: float = 0.1, tries: int = 5) -> float:
-    """The register-only vdpbf16ps rate on `threads` threads: the best of `tries` runs of
-    about `seconds` each. Another process on the cores can only lower a run (one disturbed
-    0.2 s run read 425 instead of 465 GFLOP/s), and a low peak would flatter every
-    fraction of it, so the best run is the yardstick."""
+def measure_peak_gflop_s(isa: str, threads: int, seconds: float = 0.1, tries: int = 5) -> Yardstick | None:
+    """The register-only peak of `isa` (native_loops.PEAK_INSTRUCTIONS) on `threads`
+    threads: a Yardstick over `tries` runs of about `seconds` each, whose best is the
+    peak. Another process on the cores can only lower a run (one disturbed 0.2 s run read
+    425 instead of 465 GFLOP/s), and a low peak would flatter every fraction of it. None
+    for an ISA without a peak loop."""
+    if isa not in native_loops.PEAK_INSTRUCTIONS:
+        return None
     iterations = 1000
     while True:
         start = time.perf_counter()
-        flops = _bench.peak_flops("avx512", iterations, threads)
+        flops = native_loops.peak_flops(isa, iterations, threads)
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             break
         iterations *= max(2, int(seconds / max(elapsed, 1e-6)))
-    best = flops / elapsed / 1e9
+    rates = [flops / elapsed / 1e9]
     for _ in range(tries - 1):
         start = time.perf_counter()
-        flops = _bench.peak_flops("avx512", iterations, threads)
-        best = max(best, flops / (time.perf_counter() - start) / 1e9)
-    return best
+        flops = native_loops.peak_flops(isa, iterations, threads)
+        rates.append(flops / (time.perf_counter() - start) / 1e9)
+    return Yardstick.from_samples(rates)
 
 
 def random_weights(rng: np.random.Generator, shape, page: str) -> np.ndarray:
@@ -159,10 +182,13 @@ def repetitions(repeats: int, copies: int, pair_seconds: float, min_seconds: flo
 
 def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None = None, isa: str | None = None,
         with_torch: bool = True, seed: int = 0, page: str = "2m", min_seconds: float = 0.25,
-        progress=print) -> Result:
+        progress=print, table=None) -> Result:
     """Runs the benchmark; returns a Result (see format_table / to_json). `page`: "2m" or
     "4k", the page size of the weight copies (random_weights). Each point times
-    `repetitions(repeats, copies, ..., min_seconds)` kernel calls."""
+    `repetitions(repeats, copies, ..., min_seconds)` kernel calls. `progress` gets status
+    lines; `table`, when given, gets the lines of format_table as they become known
+    (header, then each row, then the footer), so that a caller can print the table once
+    while it fills."""
     shapes = list(SHAPES) if shapes is None else list(shapes)
     for name in shapes:
         if name not in SHAPES:
@@ -171,8 +197,14 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
         raise ValueError(f"page must be '4k' or '2m', got {page!r}")
     if not min_seconds >= 0:
         raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
+    # checked before anything is allocated
+    if isa is not None and isa not in kernels.ISAS:
+        raise ValueError(f"isa must be one of {', '.join(kernels.ISAS)}, got {isa!r}")
+    if isa is not None and isa not in kernels.available_isas():
+        raise ValueError(f"isa {isa!r} is not available on this CPU (available: {', '.join(kernels.available_isas())})")
+    table = table or (lambda line: None)
     isa = isa or kernels.default_isa()
-    threads = threads or _native.affinity_cpu_count()
+    threads = threads or native_loops.affinity_cpu_count()
     rng = np.random.default_rng(seed)
     cache = l3_bytes()
     torch_version = None
@@ -180,12 +212,15 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
         import torch
 
         torch_version = torch.__version__
-    peak = measure_peak_gflop_s(threads)
-    progress(f"vdpbf16ps peak: {peak:.0f} GFLOP/s on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa}; "
-             f"{page} pages")
+    peak = measure_peak_gflop_s(isa, threads)
+    instruction = native_loops.PEAK_INSTRUCTIONS.get(isa)
+    peak_text = (f"{instruction} peak: {peak.best:.0f} GFLOP/s" if peak else f"no peak loop for isa {isa}")
+    progress(f"{peak_text} on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa}; {page} pages")
     result = Result(isa=isa, threads=threads, repeats=repeats, page=page, min_seconds=min_seconds,
-                    peak_gflop_s=peak, l3_bytes=cache,
-                    torch_version=torch_version)
+                    peak_gflop_s=peak.best if peak else None, l3_bytes=cache,
+                    torch_version=torch_version, peak_instruction=instruction)
+    for line in table_header(result):
+        table(line)
     for name in shapes:
         hidden, inter = SHAPES[name]
         expert_bytes = 3 * hidden * inter * 2
@@ -200,73 +235,120 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
 
             as_t = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
             experts_t = [tuple(as_t(w) for w in triple) for triple in experts]
+        point_ceilings = []
         for m in m_values:
             x = random_bf16_bits(rng, (m, hidden))
             index = np.arange(m, dtype=np.int64)
             # Kernel and read interleaved call by call (see the module docstring); torch right after.
-            warm_ours, warm_read = _bench.bench_expert_ffn_vs_read(isa, x, index, experts, threads, copies)
+            warm_ours, warm_read = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, copies)
             reps = repetitions(repeats, copies, statistics.median(warm_ours) + statistics.median(warm_read),
                                min_seconds)
-            ours, read_s = _bench.bench_expert_ffn_vs_read(isa, x, index, experts, threads, reps)
+            ours, read_s = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, reps)
             torch_s = None
             if with_torch:
                 x_t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
                 _torch_ffn_times(experts_t, x_t, copies, threads)
                 torch_s = _torch_ffn_times(experts_t, x_t, reps, threads)
-            row = _make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s, peak)
+            row = make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s,
+                           peak.best if peak else None)
             row.repetitions = reps
             result.rows.append(row)
-            progress(_format_row(row))
+            point_ceilings.append(Yardstick.from_samples([expert_bytes / t / 1e9 for t in read_s]))
+            table(format_row(row))
+        warning = busy_warning(f"read ceiling of {name}", Yardstick.from_windows(point_ceilings), "GB/s")
+        if warning:
+            result.warnings.append(warning)
         del experts, experts_t
     if with_torch:
         import torch
 
         torch.set_num_threads(threads)
+    if peak:
+        peak_end = measure_peak_gflop_s(isa, threads)
+        result.peak_end_gflop_s = peak_end.best
+        warning = busy_warning(f"{instruction} peak", Yardstick.from_windows([peak, peak_end]), "GFLOP/s")
+        if warning:
+            result.warnings.append(warning)
+    for line in table_footer(result):
+        table(line)
     return result
 
 
-def _make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s, peak) -> Row:
+def make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s, peak) -> Row:
+    """One table row from the samples of one point: `ours` and `read_s` (seconds per
+    kernel call and per read), `torch_s` (or None), `peak` in GFLOP/s (or None)."""
     flops = 2.0 * m * hidden * inter * 3
-    ours_s, read_med = statistics.median(ours), statistics.median(read_s)
+    ours_s, read_best = statistics.median(ours), min(read_s)
     row = Row(shape=name, hidden=hidden, intermediate=inter, m=m, isa=isa, threads=threads,
-              weight_bytes=expert_bytes, flops=flops, ours_ms=ours_s * 1e3, read_ms=read_med * 1e3,
-              torch_ms=statistics.median(torch_s) * 1e3 if torch_s else None)
+              weight_bytes=expert_bytes, flops=flops, ours_ms=ours_s * 1e3, read_ms=read_best * 1e3,
+              torch_ms=statistics.median(torch_s) * 1e3 if torch_s else None,
+              read_median_ms=statistics.median(read_s) * 1e3)
+    row.read_spread = Yardstick.from_samples([1.0 / t for t in read_s]).spread
     row.ours_gb_s = expert_bytes / ours_s / 1e9
-    row.read_gb_s = expert_bytes / read_med / 1e9
-    row.fraction_of_read = read_med / ours_s
+    row.read_gb_s = expert_bytes / read_best / 1e9
+    row.fraction_of_read = read_best / ours_s
     row.gflop_s = flops / ours_s / 1e9
-    row.fraction_of_peak = row.gflop_s / peak
+    row.fraction_of_peak = row.gflop_s / peak if peak else None
     if torch_s:
         row.speedup_vs_torch = statistics.median(torch_s) / ours_s
-    compute_s = flops / (peak * 1e9)
+    # without a peak loop the compute time is unknown: the memory time alone stands in
+    compute_s = flops / (peak * 1e9) if peak else 0.0
+    bound = max(read_best, compute_s) / ours_s
     if m <= 8:
         row.target_metric, row.target_value, row.target = "read", row.fraction_of_read, 0.90
     elif m <= 16:
-        row.target_metric, row.target_value, row.target = "max(mem,compute)", max(read_med, compute_s) / ours_s, 0.80
+        row.target_metric, row.target_value, row.target = "max(mem,compute)", bound, 0.80
     elif m >= 128:
         row.target_metric, row.target_value, row.target = "peak", row.fraction_of_peak, 0.70
     else:
-        row.target_metric, row.target_value, row.target = "max(mem,compute)", max(read_med, compute_s) / ours_s, 0.0
+        row.target_metric, row.target_value, row.target = "max(mem,compute)", bound, 0.0
+    row.measurement_problem = any(is_measurement_problem(v)
+                                  for v in (row.fraction_of_read, row.fraction_of_peak, row.target_value))
     return row
 
 
 _HEADER = (f"{'shape':<14} {'M':>4} {'ours ms':>9} {'GB/s':>6} {'/read':>6} {'GFLOP/s':>8} {'/peak':>6} "
-           f"{'read ms':>8} {'torch ms':>9} {'speedup':>8} {'target':>22}")
+           f"{'read ms':>8} {'torch ms':>9} {'speedup':>8} {'target':>34}")
 
 
-def _format_row(row: Row) -> str:
+def target_cell(row: Row) -> str:
+    """'read 0.93>=0.90', 'max(mem,compute) 0.23 (no target)' at M = 32, 'peak - (no peak
+    loop)' without one; a value above 1 carries the measurement-problem mark."""
+    if row.target_value is None:
+        return f"{row.target_metric} - (no peak loop)"
+    value = ratio_cell(row.target_value, 0)
+    if not row.target:
+        return f"{row.target_metric} {value} (no target)"
+    return f"{row.target_metric} {value}>={row.target:.2f}"
+
+
+def format_row(row: Row) -> str:
     torch_ms = f"{row.torch_ms:9.3f}" if row.torch_ms is not None else f"{'-':>9}"
     speedup = f"{row.speedup_vs_torch:7.2f}x" if row.speedup_vs_torch is not None else f"{'-':>8}"
-    target = f"{row.target_metric} {row.target_value:.2f}" + (f">={row.target:.2f}" if row.target else "")
-    return (f"{row.shape:<14} {row.m:>4} {row.ours_ms:9.3f} {row.ours_gb_s:6.1f} {row.fraction_of_read:6.2f} "
-            f"{row.gflop_s:8.1f} {row.fraction_of_peak:6.2f} {row.read_ms:8.3f} {torch_ms} {speedup} {target:>22}")
+    return (f"{row.shape:<14} {row.m:>4} {row.ours_ms:9.3f} {row.ours_gb_s:6.1f} {ratio_cell(row.fraction_of_read)} "
+            f"{row.gflop_s:8.1f} {ratio_cell(row.fraction_of_peak)} {row.read_ms:8.3f} {torch_ms} {speedup} "
+            f"{target_cell(row):>34}")
+
+
+def table_header(result: Result) -> list[str]:
+    peak = (f"peak={result.peak_gflop_s:.0f} GFLOP/s ({result.peak_instruction})" if result.peak_gflop_s
+            else f"peak=- (no peak loop for isa {result.isa})")
+    return [f"isa={result.isa} threads={result.threads} repeats={result.repeats} pages={result.page} "
+            f"{peak} torch={result.torch_version}",
+            "ours ms: median call; read ms: fastest read of a same-size copy, interleaved (the ceiling)",
+            _HEADER]
+
+
+def table_footer(result: Result) -> list[str]:
+    lines = []
+    if any(row.measurement_problem for row in result.rows):
+        lines.append(MEASUREMENT_NOTE)
+    return lines + list(result.warnings)
 
 
 def format_table(result: Result) -> str:
-    lines = [f"isa={result.isa} threads={result.threads} repeats={result.repeats} pages={result.page} "
-             f"peak={result.peak_gflop_s:.0f} GFLOP/s torch={result.torch_version}", _HEADER]
-    lines += [_format_row(row) for row in result.rows]
-    return "\n".join(lines)
+    """The whole table: the lines run() gives its `table` callback, in the same order."""
+    return "\n".join(table_header(result) + [format_row(row) for row in result.rows] + table_footer(result))
 
 
 def to_json(result: Result, path) -> None:

@@ -4,8 +4,9 @@ loop and against the read ceiling of the weights that step touches, all in one r
 The machine's memory bandwidth drifts (other tenants share it), so the ceiling is not a
 number taken once: every repetition runs the layer (1 node, then N virtual nodes), the
 torch loop, and a streaming read of exactly the expert bytes that repetition's routing
-touched, and the table reports medians of each. The ratios are therefore taken between
-measurements made seconds apart on the same bytes.
+touched (same buffers, so the same page size; as many pinned threads as the layer's
+workers). Times are medians; the ceiling is the best read rate of the repetitions (a
+Yardstick: another tenant can only slow a read), applied to the median touched bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 
 import numpy as np
 
+from numa_moe.benchmarking import native_loops
+from numa_moe.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, settle
 from numa_moe.moe import MoELayer
 from numa_moe.moe_run import random_routing, torch_moe_loop, touched_bytes
 
@@ -38,41 +41,9 @@ def fill_bf16(array: np.ndarray, rng: np.random.Generator, scale: float) -> None
         bits[start:start + n] = block[:n]
 
 
-# Each timed call starts from the same state, so that the order of the engines within a
-# repetition does not matter:
-# - caches: the touched experts of a Qwen3 decode step (75 MB) are not much larger than
-#   an L3, so whatever runs second would find part of them cached; a read of a buffer
-#   twice the L3 size evicts them first;
-# - spinning threads: every engine timed here (two worker pools, the kernel pool behind
-#   the streaming read, torch's OpenMP team) keeps its threads spinning for a moment
-#   after a call; on a machine with few cores they would steal the CPUs of the next
-#   engine, which no application using one engine sees, so a short pause lets them sleep.
-SETTLE_SECONDS = 0.005
-_EVICTION_BUFFER: list[np.ndarray] = []
-
-
-def _l3_bytes() -> int:
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
-            text = f.read().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-    except (OSError, ValueError):
-        return 32 << 20
-
-
-def _settle() -> None:
-    if not _EVICTION_BUFFER:
-        _EVICTION_BUFFER.append(np.ones(2 * _l3_bytes(), dtype=np.uint8))
-    int(_EVICTION_BUFFER[0][::64].sum())
-    time.sleep(SETTLE_SECONDS)
-
-
 def _stream_read_seconds(buffers, threads: int) -> float:
-    from numa_moe import _bench
-
     start = time.perf_counter()
-    _bench.stream_read(list(buffers), threads)
+    native_loops.stream_read(buffers, threads)
     return time.perf_counter() - start
 
 
@@ -88,7 +59,7 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
     from numa_moe.segments import SegmentTable
     from numa_moe.topology import Topology, current_topology
 
-    threads = len(os.sched_getaffinity(0))
+    threads = len(os.sched_getaffinity(0))  # torch's, and the layer's workers: one per allowed CPU
     torch.set_num_threads(threads)
     rng = np.random.default_rng(seed)
     rows = []
@@ -110,44 +81,50 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
         for n_tokens in tokens:
             times = {label: [] for label in layers}
             times["torch loop"] = []
-            times["read"] = []
+            read_gbps = []
             touched = []
             error = 0.0
             for i in range(repeats):
                 x = rng.standard_normal((n_tokens, hidden)).astype(ml_dtypes.bfloat16)
                 ids, weights = random_routing(rng, n_tokens, n_experts, top_k)
                 for label, layer in layers.items():
-                    _settle()
+                    settle()
                     start = time.perf_counter()
                     y = layer.forward_numpy(x, ids, weights)
                     times[label].append(time.perf_counter() - start)
                 active = np.unique(ids)
-                _settle()
-                times["read"].append(_stream_read_seconds([gate_up[e] for e in active] + [down[e] for e in active],
-                                                          threads))
+                touched.append(touched_bytes(layers["1 node"], ids))
+                settle()
+                read_s = _stream_read_seconds([gate_up[e] for e in active] + [down[e] for e in active],
+                                              layers["1 node"].pool.n_threads)
+                read_gbps.append(touched[-1] / read_s / 1e9)
                 xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
                 ids_t, weights_t = torch.from_numpy(ids), torch.from_numpy(weights).to(torch.bfloat16)
-                _settle()
+                settle()
                 start = time.perf_counter()
                 torch_moe_loop(xt, ids_t, weights_t, gate_up_t, down_t)
                 times["torch loop"].append(time.perf_counter() - start)
-                touched.append(touched_bytes(layers["1 node"], ids))
                 if i == 0:
                     ref32 = torch_moe_loop(xt, ids_t, torch.from_numpy(weights), gate_up_t, down_t,
                                            compute_dtype=torch.float32)
                     ref64 = ref32.numpy().astype(np.float64)
                     error = float(np.linalg.norm(y.astype(np.float64) - ref64) / np.linalg.norm(ref64))
-            read_s = statistics.median(times.pop("read"))
+            ceiling = Yardstick.from_samples(read_gbps)
             touched_median = statistics.median(touched)
             row = {"model": name, "tokens": n_tokens, "experts": n_experts, "top_k": top_k, "hidden": hidden,
                    "intermediate": inter, "threads": threads, "repeats": repeats,
-                   "ceiling_ms": read_s * 1e3, "ceiling_gbps": touched_median / read_s / 1e9,
-                   "ceiling_source": "native streaming read of the touched experts, each repetition",
+                   "ceiling_ms": touched_median / (ceiling.best * 1e9) * 1e3, "ceiling_gbps": ceiling.best,
+                   "ceiling_spread": ceiling.spread, "ceiling_busy": ceiling.busy,
+                   "ceiling_source": "native streaming read of the touched experts, each repetition; best rate",
                    "rel_error_vs_fp32": error, "touched_mb": touched_median / 1e6}
             for label, samples in times.items():
                 row[f"{label} ms"] = statistics.median(samples) * 1e3
+            row["measurement_problem"] = row["ceiling_ms"] > row["1 node ms"]
             rows.append(row)
             echo(format_bench_row(row, virtual_nodes))
+            warning = busy_warning(f"read ceiling ({name}, T={n_tokens})", ceiling, "GB/s")
+            if warning:
+                echo(warning)
         del layers, gate_up, down, gate_up_t, down_t
     return rows
 
@@ -158,5 +135,5 @@ def format_bench_row(row: dict, virtual_nodes: int) -> str:
     return (f"{row['model']:>14s} T={row['tokens']:<3d} touched {row['touched_mb']:7.1f} MB | ours {ours:8.3f} ms | "
             f"{virtual_nodes}-node virtual {multi:8.3f} ms ({multi / ours - 1:+.1%}) | torch loop "
             f"{row['torch loop ms']:8.3f} ms ({row['torch loop ms'] / ours:.2f}x) | read {row['ceiling_ms']:7.3f} ms "
-            f"({row['ceiling_gbps']:.1f} GB/s; ours at {row['ceiling_ms'] / ours:.0%} of it) | "
+            f"({row['ceiling_gbps']:.1f} GB/s; ours {percent_of(row['ceiling_ms'] / ours, 'the read')}) | "
             f"err {row['rel_error_vs_fp32']:.1e}")

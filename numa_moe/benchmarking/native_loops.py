@@ -1,0 +1,35 @@
+"""The native benchmark loops (``numa_moe._bench``), called from this module only: the
+kernel and layer benchmarks and ``numa-moe run`` reach native code through these
+functions.
+"""
+
+from __future__ import annotations
+
+from numa_moe import _bench, _native
+
+# The register-only loop behind each ISA's peak: the instruction it repeats
+# (_bench.peak_flops). ISAs without one (ref, avx2, amx_model) have no measured peak.
+PEAK_INSTRUCTIONS = {"avx512": "vdpbf16ps", "amx": "tdpbf16ps"}
+
+
+def peak_flops(isa: str, iterations: int, threads: int) -> float:
+    """Flops executed by `iterations` rounds of `isa`'s register-only loop on each of
+    `threads` threads. ValueError for an ISA without one (PEAK_INSTRUCTIONS) or one this
+    CPU cannot run."""
+    return _bench.peak_flops(isa, iterations, threads)
+
+
+def stream_read(buffers, threads: int) -> int:
+    """Reads every buffer once with AVX-512 loads on `threads` pinned threads; returns a
+    checksum. ValueError without AVX-512."""
+    return _bench.stream_read(list(buffers), threads)
+
+
+def expert_ffn_vs_read(isa: str, x, token_index, experts, threads: int, repeats: int):
+    """(kernel seconds, read seconds) per repetition: repetition r runs expert_ffn on
+    expert copy 2r, then stream-reads copy 2r+1 on the same pool."""
+    return _bench.bench_expert_ffn_vs_read(isa, x, token_index, experts, threads, repeats)
+
+
+def affinity_cpu_count() -> int:
+    return _native.affinity_cpu_count()
