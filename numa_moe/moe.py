@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from numa_moe import _native
+from numa_moe.pages import page_bytes_of
 
 __all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "MATRIX_KINDS"]
 
@@ -237,7 +238,7 @@ class MoELayer:
         dst_down = memory.interleaved_empty((E, H, I), "bfloat16", nodes=alloc_nodes, page=page)
         dst_gate_up.view(np.uint16)[...] = gate_up_np
         dst_down.view(np.uint16)[...] = down_np
-        page_bytes = 4096 if page == "4k" else 2 << 20
+        page_bytes = page_bytes_of(page)
         if tables == "measured" and not topology.is_virtual:
             t_gu = _measured_table(dst_gate_up, E * two_i, H, SegmentTable, memory)
             t_d = _measured_table(dst_down, E * H, I, SegmentTable, memory)

@@ -29,6 +29,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from numa_moe.checkpoint import KINDS, Checkpoint, ModelDims, NamingPattern, read_matrix_into
+from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
+from numa_moe.pages import page_bytes_of
 from numa_moe.segments import SegmentTable, scale_shape, weight_format
 
 __all__ = [
@@ -44,21 +46,9 @@ __all__ = [
     "ExpertStore",
 ]
 
-PAGE_SIZES = {"4k": 4096, "2m": 2 << 20}
-
 # safetensors dtype -> (numpy dtype name for the buffer, weight format of the table)
 _STORE_DTYPES = {"BF16": ("bfloat16", "bf16"), "F16": ("float16", "fp16"),
                  "F32": ("float32", "fp32")}
-
-
-def page_bytes_of(page: str | int) -> int:
-    """``"4k"`` -> 4096, ``"2m"`` -> 2 MiB; an int is taken as bytes."""
-    if isinstance(page, (int, np.integer)) and not isinstance(page, bool):
-        return int(page)
-    key = str(page).strip().lower()
-    if key not in PAGE_SIZES:
-        raise ValueError(f"page must be one of {', '.join(PAGE_SIZES)} (or bytes), got {page!r}")
-    return PAGE_SIZES[key]
 
 
 def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | None:

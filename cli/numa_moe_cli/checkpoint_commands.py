@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from numa_moe.pages import PAGE_CHOICES
+
 _MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b")
 
 
@@ -99,7 +101,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--nodes", default="2", show_default=True,
               help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
-@click.option("--page", type=click.Choice(["4k", "2m"]), default="4k", show_default=True)
+@click.option("--page", type=click.Choice(PAGE_CHOICES), default="4k", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
               show_default=True, help="Weight format of the loaded experts.")
 @click.option("--group", type=click.IntRange(min=1), default=None,

@@ -8,6 +8,8 @@ from dataclasses import asdict
 
 import click
 
+from numa_moe.pages import PAGE_CHOICES
+
 
 @click.command("run")
 @click.argument("checkpoint", required=False, type=click.Path(exists=True, file_okay=False))
@@ -19,7 +21,7 @@ import click
               help="simulate N nodes on this machine (tables from the interleave rule)")
 @click.option("--isa", type=click.Choice(["ref", "avx2", "avx512", "amx_model", "amx"]), default=None,
               help="force one kernel ISA (default: chosen per expert from its token count)")
-@click.option("--page", type=click.Choice(["4k", "2m"]), default="4k", show_default=True)
+@click.option("--page", type=click.Choice(PAGE_CHOICES), default="4k", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write the report as JSON")
 def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed, json_path):

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from numa_moe.pages import PAGE_CHOICES, page_bytes_of
 from numa_moe.segments import (
     SCALE_FORMATS,
     WEIGHT_FORMATS,
@@ -14,8 +15,6 @@ from numa_moe.segments import (
     scale_shape,
     scales_table,
 )
-
-_PAGES = {"4k": 4096, "2m": 2 * 1024 * 1024}
 
 
 def _human_bytes(n: int) -> str:
@@ -83,7 +82,7 @@ def _print_table(title: str, table: SegmentTable, page_label: str, phase: int,
               show_default=True, help="Element format of the group scales.")
 @click.option("--nodes", "n_nodes", type=click.IntRange(min=1), required=True,
               help="Number of NUMA nodes the buffer is interleaved over (nodes 0..N-1).")
-@click.option("--page", type=click.Choice(sorted(_PAGES)), default="4k", show_default=True,
+@click.option("--page", type=click.Choice(PAGE_CHOICES), default="4k", show_default=True,
               help="Interleave granularity: 4 KB base pages or 2 MB huge pages.")
 @click.option("--phase", type=click.IntRange(min=0), default=0, show_default=True,
               help="Index of the node holding the buffer's first page.")
@@ -101,7 +100,7 @@ def table(rows, cols, dtype, group, scale_dtype, n_nodes, page, phase, offset_by
     (row0, row_stride, nrows, k0, k1 in elements), the bytes on each node and the
     balance; with --group, the same for the group-scale tensor.
     """
-    page_bytes = _PAGES[page]
+    page_bytes = page_bytes_of(page)
     if phase >= n_nodes:
         raise click.BadParameter(f"{phase} is not below --nodes {n_nodes}", param_hint="--phase")
     if scale_phase >= n_nodes:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from numa_moe import _native, kernels, memory
+from numa_moe.pages import page_name
 
 # Routed-expert shapes (hidden H, intermediate I) from the models' published configs.
 SHAPES: dict[str, tuple[int, int]] = {
@@ -167,8 +168,7 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     for name in shapes:
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    if page not in ("4k", "2m"):
-        raise ValueError(f"page must be '4k' or '2m', got {page!r}")
+    page = page_name(page)
     if not min_seconds >= 0:
         raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
     isa = isa or kernels.default_isa()
