@@ -13,6 +13,7 @@ only used when asked for.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ml_dtypes
@@ -24,6 +25,7 @@ __all__ = [
     "ISAS",
     "available_isas",
     "default_isa",
+    "forced_isa",
     "expert_ffn",
     "matmul_segments",
     "silu_mul_pack",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
+ISA_ENV = "NUMA_MOE_ISA"
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -46,6 +49,15 @@ def default_isa() -> str:
         return _native.default_kernel_isa()
     except RuntimeError as error:
         raise ValueError(str(error)) from None
+
+
+def forced_isa() -> str | None:
+    """The ISA ``NUMA_MOE_ISA`` forces (checked as ``default_isa`` checks it), or None when
+    the variable is unset or empty: callers with a rule of their own (the MoE layer picks
+    an ISA per expert) apply it only then."""
+    if not os.environ.get(ISA_ENV):
+        return None
+    return default_isa()
 
 
 def _resolve_isa(isa: str | None) -> str:

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from numa_moe import _native
+from numa_moe import _native, kernels
 from numa_moe.pages import page_bytes_of
 
 __all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "MATRIX_KINDS"]
@@ -170,7 +170,7 @@ class MoELayer:
             self._core.add_expert(mats.gate, mats.up, mats.down, segs["gate"], segs["up"], segs["down"],
                                   verify_partition=verify_tables)
             self.experts.append(mats)
-        self.isa = isa if isa is not None else (os.environ.get("NUMA_MOE_ISA") or None)
+        self.isa = isa if isa is not None else kernels.forced_isa()
         self._core.set_isa(self.isa)
         self._core.set_amx_min_tokens(int(amx_min_tokens))
         self.layer_id = next(_layer_ids)

@@ -220,6 +220,22 @@ def test_isa_rule_and_forcing(rng):
         make_layer(weights, 1, kind="whole", isa="sse9")
 
 
+def test_isa_environment_variable_goes_through_the_kernels_rule(rng, monkeypatch):
+    """The layer reads NUMA_MOE_ISA through numa_moe.kernels, so a bad value is refused
+    with the kernels' message naming the variable, and a good one forces every expert."""
+    weights = make_weights(rng, n_experts=2)
+    monkeypatch.setenv("NUMA_MOE_ISA", "sse9")
+    with pytest.raises(ValueError, match="NUMA_MOE_ISA=sse9 is not one of"):
+        make_layer(weights, 1, kind="whole")
+    monkeypatch.setenv("NUMA_MOE_ISA", "ref")
+    layer = make_layer(weights, 1, kind="whole")
+    assert layer.isa == "ref" and layer.isa_for_tokens(64) == "ref"
+    layer.forward_numpy(random_bf16(rng, (2, H)), np.array([[0], [1]]), np.ones((2, 1), np.float32))
+    assert layer.last_stats()["expert_isa"] == ["ref", "ref"]
+    monkeypatch.setenv("NUMA_MOE_ISA", "")
+    assert make_layer(weights, 1, kind="whole").isa is None
+
+
 def test_bad_constructor_inputs_name_the_problem(rng):
     gates, ups, downs = make_weights(rng, n_experts=2)
     stacked_gate_up = np.stack([np.concatenate([g, u]) for g, u in zip(gates, ups)])
