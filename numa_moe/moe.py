@@ -446,9 +446,10 @@ def _measured_table(buffer, rows, cols, SegmentTable, memory):
 
 
 def store_layer_experts(store, layer, topology):
-    """(experts, tables, keep_alive) of one ExpertStore layer (stacked buffers gate/up
-    [E*I, H], down [E*H, I]; expert e = rows [e*I, (e+1)*I) resp. [e*H, (e+1)*H))."""
-    from numa_moe.segments import SegmentTable
+    """(experts, tables, keep_alive) of one ExpertStore layer: the experts are views of
+    the store's stacked buffers and their tables row slices of the stack's tables, both
+    cut where the store's layout (numa_moe.store.expert_rows) puts each expert."""
+    from numa_moe.store import expert_tables_of, layer_tables
 
     n_experts = store.n_experts
     experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
@@ -460,14 +461,8 @@ def store_layer_experts(store, layer, topology):
                              f"the topology has nodes {list(node_ids)}")
         tables = [store.expert_tables(layer, e) for e in range(n_experts)]
     else:
-        stacked = {}
-        for kind in MATRIX_KINDS:
-            rows, cols = store.weights(layer, kind).shape
-            stacked[kind] = SegmentTable.theoretical(rows, cols, "bf16", store.page_bytes, node_ids, phase=0)
-        H, I = store.hidden_size, store.intermediate_size
-        tables = []
-        for e in range(n_experts):
-            per = {"gate": I, "up": I, "down": H}
-            tables.append({k: stacked[k].slice_rows(e * per[k], (e + 1) * per[k]) for k in MATRIX_KINDS})
+        fmt = store.table(layer, "gate").fmt
+        stacked = layer_tables(store.dims, node_ids, store.page_bytes, fmt)
+        tables = [expert_tables_of(stacked, store.dims, e) for e in range(n_experts)]
     keep = tuple(store.weights(layer, kind) for kind in MATRIX_KINDS)
     return experts, tables, keep
