@@ -45,13 +45,17 @@ __all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "M
 
 MATRIX_KINDS = ("gate", "up", "down")
 
-_pools: dict[tuple, "_native.WorkerPool"] = {}
+# Held weakly: a pool lives while a layer (or another caller) holds it, so layers built
+# over ever new topologies do not leave a pool of threads behind each; the pool's
+# destructor stops its threads.
+_pools: "weakref.WeakValueDictionary[tuple, _native.WorkerPool]" = weakref.WeakValueDictionary()
 _pools_lock = threading.Lock()
 
 
 def worker_pool(node_cpus: Sequence[Sequence[int]], pin: bool = True, spin_us: int = 50):
-    """The shared worker pool for this list of per-node CPU lists (created once, its
-    threads started on first use and stopped at interpreter exit)."""
+    """The worker pool for this list of per-node CPU lists, shared by every caller while
+    one holds it (its threads start on first use and stop when the last holder drops it,
+    or at interpreter exit)."""
     key = (tuple(tuple(int(c) for c in cpus) for cpus in node_cpus), bool(pin), int(spin_us))
     with _pools_lock:
         pool = _pools.get(key)
@@ -63,7 +67,7 @@ def worker_pool(node_cpus: Sequence[Sequence[int]], pin: bool = True, spin_us: i
 
 @atexit.register
 def shutdown_pools() -> None:
-    """Stops every pool's threads (registered with atexit; safe to call more than once)."""
+    """Stops every live pool's threads (registered with atexit; safe to call more than once)."""
     with _pools_lock:
         pools = list(_pools.values())
     for pool in pools:
