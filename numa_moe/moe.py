@@ -20,7 +20,8 @@ reference. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one IS
 
 Thread safety: one layer runs one forward at a time (a per-layer lock; its partial
 buffers are reused between calls); layers sharing a worker pool are serialised by the
-pool. Calling from several Python threads is safe, not parallel.
+pool. Calling from several Python threads is safe, not parallel. A child made by fork()
+can use the layers it inherits, even one another parent thread was running at the time.
 
 This module imports torch only when torch tensors are used, so numpy-only programs (the
 multinode test tier) can use it.
@@ -393,6 +394,20 @@ def check_cpu_tensors(**tensors) -> None:
         device = getattr(tensor, "device", None)
         if device is not None and device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
+
+
+def _reset_locks_in_child() -> None:
+    """After fork() the child has only the forking thread: a lock that another thread of
+    the parent held (a layer inside forward, a pool being made) would stay locked for
+    good, so the child starts with fresh ones. The native pools restart their threads in
+    the child by themselves."""
+    global _pools_lock
+    _pools_lock = threading.Lock()
+    for layer in list(_layers.values()):
+        layer._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 
 def get_layer(layer_id: int) -> MoELayer:
