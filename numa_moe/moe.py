@@ -293,7 +293,7 @@ class MoELayer:
         if out_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"out_dtype must be 'bfloat16' or 'float32', got {out_dtype!r}")
         x = self._check_hidden(np.asarray(hidden))
-        ids, weights = self._check_routing(np.asarray(topk_ids), np.asarray(topk_weights), x.shape[0])
+        ids, weights = self._check_routing(topk_ids, np.asarray(topk_weights), x.shape[0])
         if out_dtype == "float32":
             out = np.empty(x.shape, dtype=np.float32)
         else:
@@ -307,13 +307,11 @@ class MoELayer:
         if hidden.dtype != torch.bfloat16:
             raise TypeError(f"hidden: expected torch.bfloat16, got {hidden.dtype}")
         check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
-            raise TypeError(f"topk_ids: expected an integer tensor, got {topk_ids.dtype}")
         if not topk_weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights: expected a floating-point tensor, got {topk_weights.dtype}")
         x = self._check_hidden(hidden.detach().view(torch.int16).numpy().view(np.uint16), is_bits=True)
-        ids, weights = self._check_routing(topk_ids.detach().cpu().to(torch.int64).numpy(),
-                                           topk_weights.detach().cpu().to(torch.float32).numpy(), x.shape[0])
+        ids, weights = self._check_routing(topk_ids, topk_weights.detach().cpu().to(torch.float32).numpy(),
+                                           x.shape[0])
         out = torch.empty(tuple(x.shape), dtype=torch.float32 if out_fp32 else torch.bfloat16)
         out_np = out.numpy() if out_fp32 else out.view(torch.int16).numpy().view(np.uint16)
         self._run(x, ids, weights, out_np)
@@ -331,13 +329,14 @@ class MoELayer:
             raise ValueError("hidden: must be contiguous (call .contiguous())")
         return x
 
-    def _check_routing(self, ids: np.ndarray, weights: np.ndarray, n_tokens: int):
+    def _check_routing(self, topk_ids, weights: np.ndarray, n_tokens: int):
+        """(ids int64, weights float32), both C-contiguous, of a routing checked against
+        this layer; topk_ids: integers of any width (numpy, torch or nested lists)."""
+        ids = kernels.as_index_array("topk_ids", topk_ids)
         if ids.ndim != 2 or ids.shape[0] != n_tokens:
             raise ValueError(f"topk_ids: expected shape [{n_tokens}, k], got {list(ids.shape)}")
         if weights.shape != ids.shape:
             raise ValueError(f"topk_weights: shape {list(weights.shape)} differs from topk_ids {list(ids.shape)}")
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"topk_ids: expected an integer dtype, got {ids.dtype}")
         if weights.dtype.kind != "f":
             raise TypeError(f"topk_weights: expected a floating dtype, got {weights.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
@@ -346,7 +345,7 @@ class MoELayer:
                              f"[0, {self.n_experts})")
         if not np.all(np.isfinite(weights)):
             raise ValueError("topk_weights: contains NaN or infinity")
-        return (np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(weights, dtype=np.float32))
+        return ids, np.ascontiguousarray(weights, dtype=np.float32)
 
     def _run(self, x_bits, ids, weights, out) -> None:
         with self._lock:

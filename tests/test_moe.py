@@ -206,6 +206,19 @@ def test_bad_inputs_are_rejected(rng):
         layer._core.forward(x.view(np.uint16), bad_ids, w, np.empty((4, H), np.float32))
 
 
+def test_non_integer_topk_ids_are_refused_not_truncated(rng):
+    weights = make_weights(rng, n_experts=3)
+    layer = make_layer(weights, 2, rng)
+    x = random_bf16(rng, (2, H))
+    ids, w = routing(rng, 2, 2, n_experts=3)
+    for bad, dtype in ((ids + 0.5, "float64"), ((ids + 0.25).tolist(), "float64"), (ids > 0, "bool")):
+        with pytest.raises(TypeError, match=f"topk_ids: expected integers, got dtype {dtype}"):
+            layer.forward_numpy(x, bad, w)
+    expected = layer.forward_numpy(x, ids, w)
+    for same in (ids.astype(np.uint8), ids.astype(np.int32), ids.tolist()):
+        np.testing.assert_array_equal(layer.forward_numpy(x, same, w).view(np.uint16), expected.view(np.uint16))
+
+
 def test_isa_rule_and_forcing(rng):
     weights = make_weights(rng, n_experts=2)
     layer = make_layer(weights, 1, kind="whole")
