@@ -45,6 +45,7 @@ from numa_moe.pages import page_bytes_of
 __all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "MATRIX_KINDS"]
 
 MATRIX_KINDS = ("gate", "up", "down")
+OUT_DTYPES = ("bfloat16", "float32")  # of forward_numpy's (and the torch path's) output
 
 # Held weakly: a pool lives while a layer (or another caller) holds it, so layers built
 # over ever new topologies do not leave a pool of threads behind each; the pool's
@@ -290,8 +291,7 @@ class MoELayer:
     def forward_numpy(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16") -> np.ndarray:
         import ml_dtypes
 
-        if out_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"out_dtype must be 'bfloat16' or 'float32', got {out_dtype!r}")
+        _check_out_dtype(out_dtype)
         x = self._check_hidden(np.asarray(hidden))
         ids, weights = self._check_routing(topk_ids, np.asarray(topk_weights), x.shape[0])
         if out_dtype == "float32":
@@ -301,9 +301,10 @@ class MoELayer:
         self._run(x.view(np.uint16), ids, weights, out if out_dtype == "float32" else out.view(np.uint16))
         return out
 
-    def _forward_torch(self, hidden, topk_ids, topk_weights, out_fp32: bool = False):
+    def _forward_torch(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16"):
         import torch
 
+        _check_out_dtype(out_dtype)
         if hidden.dtype != torch.bfloat16:
             raise TypeError(f"hidden: expected torch.bfloat16, got {hidden.dtype}")
         check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
@@ -312,8 +313,12 @@ class MoELayer:
         x = self._check_hidden(hidden.detach().view(torch.int16).numpy().view(np.uint16), is_bits=True)
         ids, weights = self._check_routing(topk_ids, topk_weights.detach().cpu().to(torch.float32).numpy(),
                                            x.shape[0])
-        out = torch.empty(tuple(x.shape), dtype=torch.float32 if out_fp32 else torch.bfloat16)
-        out_np = out.numpy() if out_fp32 else out.view(torch.int16).numpy().view(np.uint16)
+        if out_dtype == "float32":
+            out = torch.empty(tuple(x.shape), dtype=torch.float32)
+            out_np = out.numpy()
+        else:
+            out = torch.empty(tuple(x.shape), dtype=torch.bfloat16)
+            out_np = out.view(torch.int16).numpy().view(np.uint16)
         self._run(x, ids, weights, out_np)
         return out
 
@@ -417,6 +422,11 @@ def get_layer(layer_id: int) -> MoELayer:
 
 
 # ---- helpers ------------------------------------------------------------------------
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be 'bfloat16' or 'float32', got {out_dtype!r}")
+
 
 def _check_stacked(gate_up_shape, down_shape) -> None:
     if len(gate_up_shape) != 3 or gate_up_shape[1] % 2:
