@@ -101,9 +101,8 @@ def random_bf16_bits(rng: np.random.Generator, shape) -> np.ndarray:
 
 def measure_peak_gflop_s(threads: int, seconds: float = 0.1, tries: int = 5) -> float:
     """The register-only vdpbf16ps rate on `threads` threads: the best of `tries` runs of
-    about `seconds` each. Another process on the cores can only lower a run (one disturbed
-    0.2 s run read 425 instead of 465 GFLOP/s), and a low peak would flatter every
-    fraction of it, so the best run is the yardstick."""
+    about `seconds` each. Another process on the cores can only lower a run, and a low
+    peak would flatter every fraction of it, so the best run is the yardstick."""
     iterations = 1000
     while True:
         start = time.perf_counter()
@@ -126,8 +125,8 @@ def random_weights(rng: np.random.Generator, shape, page: str) -> np.ndarray:
 
     The page size is chosen here, not left to numpy: numpy asks for huge pages on arrays of
     4 MiB and more only, so Qwen3-30B-A3B's 3 MiB matrices would stream from 4 KB pages and
-    the larger shapes from 2 MiB pages. In this VM that alone moved the read ceiling by up
-    to 1.6x and the M = 16 kernel time by up to 10% (docs/kernels.md)."""
+    the larger shapes from 2 MiB pages, and the page size alone moves the read ceiling and
+    the kernel time (measured in docs/benchmarks.md)."""
     weights = memory.interleaved_empty(shape, np.uint16, page=page)
     weights[...] = random_bf16_bits(rng, shape)
     return weights
