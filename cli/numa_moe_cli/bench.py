@@ -29,7 +29,7 @@ def _int_list(text: str) -> list[int]:
 @click.option("--threads", default=None, type=int, help="Threads (default: CPUs in the affinity mask).")
 @click.option("--isa", default=None, help="Kernel ISA (default: the dispatcher's choice).")
 @click.option("--no-torch", is_flag=True, help="Skip the torch F.linear baseline.")
-@click.option("--page", type=click.Choice(PAGE_CHOICES), default="2m", show_default=True,
+@click.option("--page", type=click.Choice(sorted(PAGE_CHOICES)), default="2m", show_default=True,
               help="Page size of the weight copies (2m: transparent huge pages, as a serving host would use).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results as JSON.")
 def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, json_path):

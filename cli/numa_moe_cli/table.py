@@ -82,7 +82,7 @@ def _print_table(title: str, table: SegmentTable, page_label: str, phase: int,
               show_default=True, help="Element format of the group scales.")
 @click.option("--nodes", "n_nodes", type=click.IntRange(min=1), required=True,
               help="Number of NUMA nodes the buffer is interleaved over (nodes 0..N-1).")
-@click.option("--page", type=click.Choice(PAGE_CHOICES), default="4k", show_default=True,
+@click.option("--page", type=click.Choice(sorted(PAGE_CHOICES)), default="4k", show_default=True,
               help="Interleave granularity: 4 KB base pages or 2 MB huge pages.")
 @click.option("--phase", type=click.IntRange(min=0), default=0, show_default=True,
               help="Index of the node holding the buffer's first page.")
