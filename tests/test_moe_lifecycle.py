@@ -8,7 +8,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from moe_reference import random_bf16
 from numa_moe import moe
