@@ -2,6 +2,7 @@
 
 Layers, bottom up (each imports only from the layers below it):
 
+* ``pages``     - page-size names ("4k", "2m") and their bytes
 * ``topology``  - nodes, CPUs, memory, page sizes, CPU features (real or virtual)
 * ``memory``    - interleaved allocation, measured page maps, page migration
 * ``segments``  - the periodic page-to-node segment table (pure math, no syscalls)

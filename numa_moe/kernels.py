@@ -13,6 +13,7 @@ only used when asked for.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ml_dtypes
@@ -24,6 +25,7 @@ __all__ = [
     "ISAS",
     "available_isas",
     "default_isa",
+    "forced_isa",
     "expert_ffn",
     "matmul_segments",
     "silu_mul_pack",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
+ISA_ENV = "NUMA_MOE_ISA"
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -46,6 +49,15 @@ def default_isa() -> str:
         return _native.default_kernel_isa()
     except RuntimeError as error:
         raise ValueError(str(error)) from None
+
+
+def forced_isa() -> str | None:
+    """The ISA ``NUMA_MOE_ISA`` forces (checked as ``default_isa`` checks it), or None when
+    the variable is unset or empty: callers with a rule of their own (the MoE layer picks
+    an ISA per expert) apply it only then."""
+    if not os.environ.get(ISA_ENV):
+        return None
+    return default_isa()
 
 
 def _resolve_isa(isa: str | None) -> str:
@@ -96,12 +108,26 @@ def _check_layout(name: str, array: np.ndarray, ndim: int) -> None:
         raise ValueError(f"{name}: data address {array.ctypes.data:#x} is not aligned to {array.itemsize} bytes")
 
 
+def as_index_array(name: str, value: Any) -> np.ndarray:
+    """Integer input (token indices, expert ids, segments) as a C-contiguous int64 array.
+    Other dtypes are refused, not cast: a cast would truncate a float index 0.5 to
+    token 0, or read True as 1. Empty input may have any dtype (``[]`` reads as float64).
+    Shared by the MoE layer for its ``topk_ids``."""
+    if _is_torch(value):
+        dtype = value.dtype
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+            raise TypeError(f"{name}: expected integers, got dtype {dtype}")
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu" and array.size:
+        raise TypeError(f"{name}: expected integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
 def _index_array(token_index: Any, n_tokens: int) -> np.ndarray:
     if token_index is None:
         return np.arange(n_tokens, dtype=np.int64)
-    if _is_torch(token_index):
-        token_index = token_index.detach().cpu().numpy()
-    index = np.ascontiguousarray(np.asarray(token_index), dtype=np.int64)
+    index = as_index_array("token_index", token_index)
     if index.ndim != 1:
         raise ValueError(f"token_index: expected a 1-D index list, got shape {index.shape}")
     if index.size and (index.min() < 0 or index.max() >= n_tokens):
@@ -114,7 +140,7 @@ def _segments_array(name: str, segments: Any) -> np.ndarray | None:
         return None
     if hasattr(segments, "node_array"):
         raise TypeError(f"{name}: pass SegmentTable.node_array(node), an int64 [n, 5] array")
-    array = np.ascontiguousarray(np.asarray(segments), dtype=np.int64)
+    array = as_index_array(name, segments)
     if array.ndim != 2 or array.shape[1] != 5:
         raise ValueError(f"{name}: expected int64 [n, 5] (row0, row_stride, nrows, k0, k1), got shape {array.shape}")
     return array
@@ -254,7 +280,7 @@ def combine_down(parts, h_begin: int, h_end: int, token_index, token_weight, y: 
                  isa: str | None = None) -> np.ndarray:
     """Low-level: ``y[token_index[t], h] += token_weight[t] * sum_p parts[p][h, t]`` for h in
     ``[h_begin, h_end)``; parts are float32 ``[H, M]``, y float32 ``[T, H]``."""
-    index = np.ascontiguousarray(token_index, dtype=np.int64)
+    index = as_index_array("token_index", token_index)
     weight = np.ascontiguousarray(token_weight, dtype=np.float32)
     _native.combine_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), index, weight, y)
     return y

@@ -41,8 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from numa_moe import _native
-
-PAGE_CHOICES = ("4k", "2m")
+from numa_moe.pages import PAGE_CHOICES, page_name  # noqa: F401 (PAGE_CHOICES: a public name here too)
 
 
 class PlacementError(OSError):
@@ -227,10 +226,10 @@ def interleaved_empty(
     shape_t = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in shape_t):
         raise ValueError(f"interleaved_empty: shape must be non-negative ints, got {shape!r}")
-    page_key = str(page).lower()
-    if page_key not in PAGE_CHOICES:
-        raise ValueError(f"interleaved_empty: page must be one of {PAGE_CHOICES}, got {page!r}")
-    huge = page_key == "2m"
+    try:
+        huge = page_name(page) == "2m"
+    except ValueError as error:
+        raise ValueError(f"interleaved_empty: {error}") from None
     if huge and _thp_mode() in ("never", "unavailable"):
         raise PlacementError(
             "madvise", errno_module.EINVAL,

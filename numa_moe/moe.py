@@ -20,7 +20,8 @@ reference. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one IS
 
 Thread safety: one layer runs one forward at a time (a per-layer lock; its partial
 buffers are reused between calls); layers sharing a worker pool are serialised by the
-pool. Calling from several Python threads is safe, not parallel.
+pool. Calling from several Python threads is safe, not parallel. A child made by fork()
+can use the layers it inherits, even one another parent thread was running at the time.
 
 This module imports torch only when torch tensors are used, so numpy-only programs (the
 multinode test tier) can use it.
@@ -38,19 +39,25 @@ from typing import Sequence
 
 import numpy as np
 
-from numa_moe import _native
+from numa_moe import _native, kernels
+from numa_moe.pages import page_bytes_of
 
 __all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "MATRIX_KINDS"]
 
 MATRIX_KINDS = ("gate", "up", "down")
+OUT_DTYPES = ("bfloat16", "float32")  # of forward_numpy's (and the torch path's) output
 
-_pools: dict[tuple, "_native.WorkerPool"] = {}
+# Held weakly: a pool lives while a layer (or another caller) holds it, so layers built
+# over ever new topologies do not leave a pool of threads behind each; the pool's
+# destructor stops its threads.
+_pools: "weakref.WeakValueDictionary[tuple, _native.WorkerPool]" = weakref.WeakValueDictionary()
 _pools_lock = threading.Lock()
 
 
 def worker_pool(node_cpus: Sequence[Sequence[int]], pin: bool = True, spin_us: int = 50):
-    """The shared worker pool for this list of per-node CPU lists (created once, its
-    threads started on first use and stopped at interpreter exit)."""
+    """The worker pool for this list of per-node CPU lists, shared by every caller while
+    one holds it (its threads start on first use and stop when the last holder drops it,
+    or at interpreter exit)."""
     key = (tuple(tuple(int(c) for c in cpus) for cpus in node_cpus), bool(pin), int(spin_us))
     with _pools_lock:
         pool = _pools.get(key)
@@ -62,7 +69,7 @@ def worker_pool(node_cpus: Sequence[Sequence[int]], pin: bool = True, spin_us: i
 
 @atexit.register
 def shutdown_pools() -> None:
-    """Stops every pool's threads (registered with atexit; safe to call more than once)."""
+    """Stops every live pool's threads (registered with atexit; safe to call more than once)."""
     with _pools_lock:
         pools = list(_pools.values())
     for pool in pools:
@@ -169,7 +176,7 @@ class MoELayer:
             self._core.add_expert(mats.gate, mats.up, mats.down, segs["gate"], segs["up"], segs["down"],
                                   verify_partition=verify_tables)
             self.experts.append(mats)
-        self.isa = isa if isa is not None else (os.environ.get("NUMA_MOE_ISA") or None)
+        self.isa = isa if isa is not None else kernels.forced_isa()
         self._core.set_isa(self.isa)
         self._core.set_amx_min_tokens(int(amx_min_tokens))
         self.layer_id = next(_layer_ids)
@@ -237,7 +244,7 @@ class MoELayer:
         dst_down = memory.interleaved_empty((E, H, I), "bfloat16", nodes=alloc_nodes, page=page)
         dst_gate_up.view(np.uint16)[...] = gate_up_np
         dst_down.view(np.uint16)[...] = down_np
-        page_bytes = 4096 if page == "4k" else 2 << 20
+        page_bytes = page_bytes_of(page)
         if tables == "measured" and not topology.is_virtual:
             t_gu = _measured_table(dst_gate_up, E * two_i, H, SegmentTable, memory)
             t_d = _measured_table(dst_down, E * H, I, SegmentTable, memory)
@@ -284,10 +291,9 @@ class MoELayer:
     def forward_numpy(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16") -> np.ndarray:
         import ml_dtypes
 
-        if out_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"out_dtype must be 'bfloat16' or 'float32', got {out_dtype!r}")
+        _check_out_dtype(out_dtype)
         x = self._check_hidden(np.asarray(hidden))
-        ids, weights = self._check_routing(np.asarray(topk_ids), np.asarray(topk_weights), x.shape[0])
+        ids, weights = self._check_routing(topk_ids, np.asarray(topk_weights), x.shape[0])
         if out_dtype == "float32":
             out = np.empty(x.shape, dtype=np.float32)
         else:
@@ -295,21 +301,24 @@ class MoELayer:
         self._run(x.view(np.uint16), ids, weights, out if out_dtype == "float32" else out.view(np.uint16))
         return out
 
-    def _forward_torch(self, hidden, topk_ids, topk_weights, out_fp32: bool = False):
+    def _forward_torch(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16"):
         import torch
 
+        _check_out_dtype(out_dtype)
         if hidden.dtype != torch.bfloat16:
             raise TypeError(f"hidden: expected torch.bfloat16, got {hidden.dtype}")
         check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
-            raise TypeError(f"topk_ids: expected an integer tensor, got {topk_ids.dtype}")
         if not topk_weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights: expected a floating-point tensor, got {topk_weights.dtype}")
         x = self._check_hidden(hidden.detach().view(torch.int16).numpy().view(np.uint16), is_bits=True)
-        ids, weights = self._check_routing(topk_ids.detach().cpu().to(torch.int64).numpy(),
-                                           topk_weights.detach().cpu().to(torch.float32).numpy(), x.shape[0])
-        out = torch.empty(tuple(x.shape), dtype=torch.float32 if out_fp32 else torch.bfloat16)
-        out_np = out.numpy() if out_fp32 else out.view(torch.int16).numpy().view(np.uint16)
+        ids, weights = self._check_routing(topk_ids, topk_weights.detach().cpu().to(torch.float32).numpy(),
+                                           x.shape[0])
+        if out_dtype == "float32":
+            out = torch.empty(tuple(x.shape), dtype=torch.float32)
+            out_np = out.numpy()
+        else:
+            out = torch.empty(tuple(x.shape), dtype=torch.bfloat16)
+            out_np = out.view(torch.int16).numpy().view(np.uint16)
         self._run(x, ids, weights, out_np)
         return out
 
@@ -325,13 +334,14 @@ class MoELayer:
             raise ValueError("hidden: must be contiguous (call .contiguous())")
         return x
 
-    def _check_routing(self, ids: np.ndarray, weights: np.ndarray, n_tokens: int):
+    def _check_routing(self, topk_ids, weights: np.ndarray, n_tokens: int):
+        """(ids int64, weights float32), both C-contiguous, of a routing checked against
+        this layer; topk_ids: integers of any width (numpy, torch or nested lists)."""
+        ids = kernels.as_index_array("topk_ids", topk_ids)
         if ids.ndim != 2 or ids.shape[0] != n_tokens:
             raise ValueError(f"topk_ids: expected shape [{n_tokens}, k], got {list(ids.shape)}")
         if weights.shape != ids.shape:
             raise ValueError(f"topk_weights: shape {list(weights.shape)} differs from topk_ids {list(ids.shape)}")
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"topk_ids: expected an integer dtype, got {ids.dtype}")
         if weights.dtype.kind != "f":
             raise TypeError(f"topk_weights: expected a floating dtype, got {weights.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
@@ -340,7 +350,7 @@ class MoELayer:
                              f"[0, {self.n_experts})")
         if not np.all(np.isfinite(weights)):
             raise ValueError("topk_weights: contains NaN or infinity")
-        return (np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(weights, dtype=np.float32))
+        return ids, np.ascontiguousarray(weights, dtype=np.float32)
 
     def _run(self, x_bits, ids, weights, out) -> None:
         with self._lock:
@@ -390,6 +400,20 @@ def check_cpu_tensors(**tensors) -> None:
             raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
 
 
+def _reset_locks_in_child() -> None:
+    """After fork() the child has only the forking thread: a lock that another thread of
+    the parent held (a layer inside forward, a pool being made) would stay locked for
+    good, so the child starts with fresh ones. The native pools restart their threads in
+    the child by themselves."""
+    global _pools_lock
+    _pools_lock = threading.Lock()
+    for layer in list(_layers.values()):
+        layer._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
+
+
 def get_layer(layer_id: int) -> MoELayer:
     layer = _layers.get(int(layer_id))
     if layer is None:
@@ -398,6 +422,11 @@ def get_layer(layer_id: int) -> MoELayer:
 
 
 # ---- helpers ------------------------------------------------------------------------
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be 'bfloat16' or 'float32', got {out_dtype!r}")
+
 
 def _check_stacked(gate_up_shape, down_shape) -> None:
     if len(gate_up_shape) != 3 or gate_up_shape[1] % 2:
@@ -445,9 +474,10 @@ def _measured_table(buffer, rows, cols, SegmentTable, memory):
 
 
 def store_layer_experts(store, layer, topology):
-    """(experts, tables, keep_alive) of one ExpertStore layer (stacked buffers gate/up
-    [E*I, H], down [E*H, I]; expert e = rows [e*I, (e+1)*I) resp. [e*H, (e+1)*H))."""
-    from numa_moe.segments import SegmentTable
+    """(experts, tables, keep_alive) of one ExpertStore layer: the experts are views of
+    the store's stacked buffers and their tables row slices of the stack's tables, both
+    cut where the store's layout (numa_moe.store.expert_rows) puts each expert."""
+    from numa_moe.store import expert_tables_of, layer_tables
 
     n_experts = store.n_experts
     experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
@@ -459,14 +489,8 @@ def store_layer_experts(store, layer, topology):
                              f"the topology has nodes {list(node_ids)}")
         tables = [store.expert_tables(layer, e) for e in range(n_experts)]
     else:
-        stacked = {}
-        for kind in MATRIX_KINDS:
-            rows, cols = store.weights(layer, kind).shape
-            stacked[kind] = SegmentTable.theoretical(rows, cols, "bf16", store.page_bytes, node_ids, phase=0)
-        H, I = store.hidden_size, store.intermediate_size
-        tables = []
-        for e in range(n_experts):
-            per = {"gate": I, "up": I, "down": H}
-            tables.append({k: stacked[k].slice_rows(e * per[k], (e + 1) * per[k]) for k in MATRIX_KINDS})
+        fmt = store.table(layer, "gate").fmt
+        stacked = layer_tables(store.dims, node_ids, store.page_bytes, fmt)
+        tables = [expert_tables_of(stacked, store.dims, e) for e in range(n_experts)]
     keep = tuple(store.weights(layer, kind) for kind in MATRIX_KINDS)
     return experts, tables, keep

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from numa_moe.checkpoint import KINDS, Checkpoint, NamingPattern
-from numa_moe.segments import SegmentTable, weight_format
+from numa_moe.segments import SegmentTable, smallest_period, weight_format
 
 __all__ = [
     "TensorPlacement",
@@ -183,22 +183,10 @@ def map_period(page_nodes: np.ndarray) -> int | None:
     """Smallest p with ``page_nodes[i] == page_nodes[i + p]`` everywhere, if the map holds
     at least two whole periods (p <= n / 2); 1 for a uniform map; None otherwise."""
     nodes = np.asarray(page_nodes)
-    n = len(nodes)
-    if n == 0:
+    if len(nodes) == 0:
         return None
-    if np.all(nodes == nodes[0]):
-        return 1
-    candidates = np.flatnonzero(nodes[1:n // 2 + 1] == nodes[0]) + 1
-    # Cheap filter on a short prefix; the survivors get the exact whole-map check.
-    for j in range(1, min(n // 2, 4096)):
-        if len(candidates) <= 16:
-            break
-        candidates = candidates[nodes[candidates + j] == nodes[j]]
-    for p in candidates[:256]:
-        p = int(p)
-        if np.array_equal(nodes[p:], nodes[:n - p]):
-            return p
-    return None
+    period = smallest_period(nodes)
+    return period if period == 1 or 2 * period <= len(nodes) else None
 
 
 def remote_bytes(starts: np.ndarray, ends: np.ndarray, worker_node: int, page_nodes: np.ndarray,

@@ -46,6 +46,7 @@ __all__ = [
     "SCALE_FORMATS",
     "weight_format",
     "period_rows",
+    "smallest_period",
     "Segment",
     "SegmentTable",
     "SegmentTableFormatError",
@@ -347,8 +348,9 @@ def _pattern_ids(runs: _ClassRuns) -> np.ndarray:
     return ids
 
 
-def _smallest_period(ids: np.ndarray) -> int:
-    """Smallest p >= 1 with ids[r] == ids[r + p] for all r + p < len(ids) (len if none)."""
+def smallest_period(ids: np.ndarray) -> int:
+    """Smallest p >= 1 with ids[r] == ids[r + p] for all r + p < len(ids) (len if none).
+    The one period finder for row classes here and page maps in placement_report."""
     n = len(ids)
     if n <= 1:
         return n
@@ -362,11 +364,13 @@ def _smallest_period(ids: np.ndarray) -> int:
         keep[inside] = ids[reach[inside]] == ids[j]
         candidates = candidates[keep]
         j += 1
+    # Every period survives the filter, so the first candidate that checks out is the
+    # smallest; a few exact checks settle the common case (a truly periodic sequence).
+    for p in candidates[:32]:
+        p = int(p)
+        if np.array_equal(ids[p:], ids[: n - p]):
+            return p
     if len(candidates) <= 32:
-        for p in candidates:
-            p = int(p)
-            if np.array_equal(ids[p:], ids[: n - p]):
-                return p
         return n
     # Many near-periods survive the prefix test: the prefix function is exact and O(n).
     seq = ids.tolist()
@@ -396,7 +400,7 @@ def _compress(rows: int, runs: _ClassRuns, row_class: np.ndarray, nodes: tuple[i
     """Canonical (period_rows, segments) of a matrix whose row r has the runs of class
     ``row_class[r]``."""
     class_ids = _pattern_ids(runs)
-    period = _smallest_period(class_ids[row_class])
+    period = smallest_period(class_ids[row_class])
     if 2 * period > rows:
         period = rows
     row0, k0, k1, node = _gather_class_runs(runs, row_class[:period])

@@ -24,11 +24,13 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from numa_moe.checkpoint import KINDS, Checkpoint, ModelDims, NamingPattern, read_matrix_into
+from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
+from numa_moe.pages import page_bytes_of
 from numa_moe.segments import SegmentTable, scale_shape, weight_format
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "page_bytes_of",
     "parse_nodes",
     "buffer_shape",
+    "expert_rows",
+    "expert_tables_of",
     "layer_tables",
     "checkpoint_tables",
     "PlacementMismatch",
@@ -44,21 +48,9 @@ __all__ = [
     "ExpertStore",
 ]
 
-PAGE_SIZES = {"4k": 4096, "2m": 2 << 20}
-
 # safetensors dtype -> (numpy dtype name for the buffer, weight format of the table)
 _STORE_DTYPES = {"BF16": ("bfloat16", "bf16"), "F16": ("float16", "fp16"),
                  "F32": ("float32", "fp32")}
-
-
-def page_bytes_of(page: str | int) -> int:
-    """``"4k"`` -> 4096, ``"2m"`` -> 2 MiB; an int is taken as bytes."""
-    if isinstance(page, (int, np.integer)) and not isinstance(page, bool):
-        return int(page)
-    key = str(page).strip().lower()
-    if key not in PAGE_SIZES:
-        raise ValueError(f"page must be one of {', '.join(PAGE_SIZES)} (or bytes), got {page!r}")
-    return PAGE_SIZES[key]
 
 
 def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -96,6 +88,13 @@ def expert_rows(dims: ModelDims, kind: str, expert: int) -> tuple[int, int]:
     """Rows ``[start, stop)`` of expert ``expert`` inside the stacked buffer of ``kind``."""
     per_expert = dims.intermediate_size if kind in ("gate", "up") else dims.hidden_size
     return expert * per_expert, (expert + 1) * per_expert
+
+
+def expert_tables_of(tables: Mapping[str, SegmentTable], dims: ModelDims,
+                     expert: int) -> dict[str, SegmentTable]:
+    """The tables of one expert's matrices, cut (``slice_rows``) from the tables of the
+    stacked buffers at the rows ``expert_rows`` gives."""
+    return {kind: tables[kind].slice_rows(*expert_rows(dims, kind, expert)) for kind in KINDS}
 
 
 def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = "4k",
@@ -244,12 +243,11 @@ class ExpertStore:
                         rows, cols = buffer_shape(dims, kind)
                         buffer = memory.interleaved_empty((rows, cols), np_dtype, nodes=node_list,
                                                           page=page)
-                        per_expert = rows // dims.n_experts
                         for e, matrix in enumerate(source.matrices[kind]):
                             fd = fds.get(matrix.tensor.path)
                             if fd is None:
                                 fd = fds[matrix.tensor.path] = os.open(matrix.tensor.path, os.O_RDONLY)
-                            read_matrix_into(matrix, buffer[e * per_expert:(e + 1) * per_expert], fd)
+                            read_matrix_into(matrix, buffer[slice(*expert_rows(dims, kind, e))], fd)
                             bar.update(matrix.nbytes)
                         table, theory, was_measured, mismatch = _table_of(
                             memory, buffer, layer, kind, rows, cols, fmt, page_bytes)
@@ -320,8 +318,7 @@ class ExpertStore:
     def expert_tables(self, layer: int, expert: int) -> dict[str, SegmentTable]:
         """The tables of one expert's matrices (``SegmentTable.slice_rows`` of the stack)."""
         self._check_expert(expert)
-        return {kind: self.table(layer, kind).slice_rows(*expert_rows(self.dims, kind, expert))
-                for kind in KINDS}
+        return expert_tables_of(self.layer(layer).tables, self.dims, expert)
 
     def _check_expert(self, expert: int) -> None:
         if not 0 <= expert < self.n_experts:

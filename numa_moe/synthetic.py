@@ -45,7 +45,8 @@ _CHUNK_ELEMENTS = 1 << 23
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Routed-expert shapes and naming of a published MoE model (DESIGN.md table)."""
+    """Routed-expert shapes and naming of a published MoE model (from its config.json on
+    the Hugging Face Hub)."""
 
     like: str
     model_type: str

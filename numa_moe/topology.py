@@ -53,8 +53,8 @@ class Topology:
     cpu_features: dict[str, bool] = field(hash=False)
     amx_permitted: bool
     is_virtual: bool
-    # Added beyond the shared contract: why AMX is not usable, and (virtual only) whether
-    # some logical nodes share CPUs because there are fewer allowed CPUs than nodes.
+    # Why AMX is not usable (empty when it is), and (virtual only) whether some logical
+    # nodes share CPUs because there are fewer allowed CPUs than nodes.
     amx_reason: str = ""
     cpus_shared: bool = False
 

@@ -95,6 +95,19 @@ def test_map_period_against_brute_force(rng):
         assert map_period(seq) == brute, seq
 
 
+
+def test_map_period_finds_periods_longer_than_a_short_prefix(rng):
+    """A map of node-sized chunks (period of thousands of pages) with the same node at
+    the start of every page run: many candidate periods survive any short-prefix
+    filter, so the finder must still check them all (the segment module's does)."""
+    period = int(rng.integers(9000, 12000))
+    chunk = np.zeros(period, dtype=np.int32)
+    chunk[-int(rng.integers(1, 50)):] = 1
+    seq = np.tile(chunk, 3)
+    assert map_period(seq) == period
+    seq[-1] = 2  # one moved page: no longer periodic
+    assert map_period(seq) is None
+
 @pytest.fixture
 def checkpoint_dir(tmp_path, rng):
     return make_checkpoint(tmp_path / "ck", "deepseek-v3", 1, 3, int(rng.integers(1 << 31)),

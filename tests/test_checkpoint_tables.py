@@ -60,7 +60,8 @@ def test_tables_follow_interleave_rule_of_stacked_layout(tmp_path, rng, nodes, f
 
 def test_tables_from_checkpoint_equal_tables_from_shapes_real_models(tmp_path):
     """A real-shape Qwen3-30B-A3B checkpoint: tables from its headers equal tables from the
-    model's published shapes (DESIGN.md), and the paper's periods hold at 2 nodes."""
+    model's published shapes (numa_moe.synthetic.MODEL_SPECS), and the paper's periods
+    hold at 2 nodes."""
     directory = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, progress=False)
     tables = checkpoint_tables(Checkpoint.open(directory), 2, "4k", "bf16")[0]
     assert tables["gate"] == SegmentTable.theoretical(2 * 768, 2048, "bf16", 4096, 2)

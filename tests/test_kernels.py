@@ -73,6 +73,16 @@ def test_default_isa_env_override(monkeypatch):
         kernels.default_isa()
 
 
+def test_forced_isa_is_the_environment_choice_or_none(monkeypatch):
+    monkeypatch.delenv("NUMA_MOE_ISA", raising=False)
+    assert kernels.forced_isa() is None
+    monkeypatch.setenv("NUMA_MOE_ISA", "ref")
+    assert kernels.forced_isa() == "ref"
+    monkeypatch.setenv("NUMA_MOE_ISA", "sse9")
+    with pytest.raises(ValueError, match="NUMA_MOE_ISA=sse9"):
+        kernels.forced_isa()
+
+
 def test_default_prefers_fastest(monkeypatch):
     monkeypatch.delenv("NUMA_MOE_ISA", raising=False)
     order = [isa for isa in ("amx", "avx512", "avx2", "ref") if isa in ISAS]

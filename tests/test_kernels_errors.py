@@ -56,6 +56,45 @@ def test_bad_token_index(rng):
         kernels.expert_ffn(x, wg, wu, wd, token_index=[0, 4])
 
 
+@pytest.mark.parametrize("index,dtype", [([0.5], "float64"), (np.array([1.0, 2.0], np.float32), "float32"),
+                                         ([True, False], "bool"), (np.array([1 + 0j]), "complex128")])
+def test_non_integer_token_index_is_refused_not_truncated(rng, index, dtype):
+    x, wg, wu, wd = expert(rng)
+    with pytest.raises(TypeError, match=f"token_index: expected integers, got dtype {dtype}"):
+        kernels.expert_ffn(x, wg, wu, wd, token_index=index)
+
+
+def test_non_integer_torch_token_index_is_refused(rng):
+    torch = pytest.importorskip("torch")
+    x, wg, wu, wd = expert(rng)
+    for index in (torch.tensor([0.5]), torch.tensor([True]), torch.tensor([1.0], dtype=torch.bfloat16)):
+        with pytest.raises(TypeError, match=f"token_index: expected integers, got dtype {index.dtype}"):
+            kernels.expert_ffn(x, wg, wu, wd, token_index=index)
+
+
+def test_integer_token_index_of_any_width_selects_the_same_rows(rng):
+    torch = pytest.importorskip("torch")
+    x, wg, wu, wd = expert(rng, tokens=6)
+    rows = rng.integers(0, 6, 5)
+    expected = kernels.expert_ffn(x, wg, wu, wd, token_index=rows.astype(np.int64), isa="ref", threads=1)
+    for index in (rows.astype(np.uint8), rows.astype(np.int16), rows.astype(np.uint64), rows.tolist(),
+                  torch.from_numpy(rows.astype(np.int32))):
+        got = kernels.expert_ffn(x, wg, wu, wd, token_index=index, isa="ref", threads=1)
+        np.testing.assert_array_equal(got, expected)
+    assert kernels.expert_ffn(x, wg, wu, wd, token_index=[]).shape == (0, 64)
+
+
+def test_combine_down_and_segments_refuse_non_integer_indices(rng):
+    x, wg, wu, wd = expert(rng)
+    parts = [np.zeros((64, 2), np.float32)]
+    y = np.zeros((4, 64), np.float32)
+    with pytest.raises(TypeError, match="token_index: expected integers, got dtype float64"):
+        kernels.combine_down(parts, 0, 64, [0.0, 1.5], [1.0, 1.0], y, isa="ref")
+    segments = np.array([[0, 1, 32, 0, 64]], dtype=np.float64)
+    with pytest.raises(TypeError, match="gate_segments: expected integers, got dtype float64"):
+        kernels.expert_ffn(x, wg, wu, wd, gate_segments=segments)
+
+
 def test_bad_isa(rng):
     x, wg, wu, wd = expert(rng)
     with pytest.raises(ValueError, match="not one of"):

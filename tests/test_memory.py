@@ -225,7 +225,7 @@ def test_bad_dtype_page_shape():
         memory.interleaved_empty(10, "nonsense")
     with pytest.raises(TypeError, match="object"):
         memory.interleaved_empty(10, object)
-    with pytest.raises(ValueError, match="page must be one of"):
+    with pytest.raises(ValueError, match="interleaved_empty: page must be '4k' or '2m', got '1g'"):
         memory.interleaved_empty(10, np.float32, page="1g")
     with pytest.raises(ValueError, match="non-negative"):
         memory.interleaved_empty((-1, 3), np.float32)

@@ -206,6 +206,19 @@ def test_bad_inputs_are_rejected(rng):
         layer._core.forward(x.view(np.uint16), bad_ids, w, np.empty((4, H), np.float32))
 
 
+def test_non_integer_topk_ids_are_refused_not_truncated(rng):
+    weights = make_weights(rng, n_experts=3)
+    layer = make_layer(weights, 2, rng)
+    x = random_bf16(rng, (2, H))
+    ids, w = routing(rng, 2, 2, n_experts=3)
+    for bad, dtype in ((ids + 0.5, "float64"), ((ids + 0.25).tolist(), "float64"), (ids > 0, "bool")):
+        with pytest.raises(TypeError, match=f"topk_ids: expected integers, got dtype {dtype}"):
+            layer.forward_numpy(x, bad, w)
+    expected = layer.forward_numpy(x, ids, w)
+    for same in (ids.astype(np.uint8), ids.astype(np.int32), ids.tolist()):
+        np.testing.assert_array_equal(layer.forward_numpy(x, same, w).view(np.uint16), expected.view(np.uint16))
+
+
 def test_isa_rule_and_forcing(rng):
     weights = make_weights(rng, n_experts=2)
     layer = make_layer(weights, 1, kind="whole")
@@ -218,6 +231,22 @@ def test_isa_rule_and_forcing(rng):
     assert forced.last_stats()["expert_isa"] == ["ref", "ref"]
     with pytest.raises(ValueError, match="unknown ISA"):
         make_layer(weights, 1, kind="whole", isa="sse9")
+
+
+def test_isa_environment_variable_goes_through_the_kernels_rule(rng, monkeypatch):
+    """The layer reads NUMA_MOE_ISA through numa_moe.kernels, so a bad value is refused
+    with the kernels' message naming the variable, and a good one forces every expert."""
+    weights = make_weights(rng, n_experts=2)
+    monkeypatch.setenv("NUMA_MOE_ISA", "sse9")
+    with pytest.raises(ValueError, match="NUMA_MOE_ISA=sse9 is not one of"):
+        make_layer(weights, 1, kind="whole")
+    monkeypatch.setenv("NUMA_MOE_ISA", "ref")
+    layer = make_layer(weights, 1, kind="whole")
+    assert layer.isa == "ref" and layer.isa_for_tokens(64) == "ref"
+    layer.forward_numpy(random_bf16(rng, (2, H)), np.array([[0], [1]]), np.ones((2, 1), np.float32))
+    assert layer.last_stats()["expert_isa"] == ["ref", "ref"]
+    monkeypatch.setenv("NUMA_MOE_ISA", "")
+    assert make_layer(weights, 1, kind="whole").isa is None
 
 
 def test_bad_constructor_inputs_name_the_problem(rng):

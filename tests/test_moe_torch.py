@@ -137,3 +137,18 @@ def test_no_tokens_and_no_experts_per_token(rng):
     # k = 0: no expert contributes, the output is exactly zero
     y = layer(x, ids[:, :0], w[:, :0])
     assert y.shape == (4, H) and torch.equal(y.float(), torch.zeros(4, H))
+
+
+def test_torch_path_takes_the_same_out_dtype_as_the_numpy_path(rng):
+    layer, _, _ = make(rng)
+    x = torch.from_numpy(rng.standard_normal((5, H))).to(torch.bfloat16)
+    ids, w = routing(rng, 5, 2)
+    x_np = x.view(torch.int16).numpy().view(np.uint16)
+    for out_dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        y = layer._forward_torch(x, ids, w, out_dtype=out_dtype)
+        assert y.dtype == torch_dtype
+        y_np = layer.forward_numpy(x_np, ids.numpy(), w.numpy(), out_dtype=out_dtype)
+        np.testing.assert_array_equal(y.view(torch.int16 if out_dtype == "bfloat16" else torch.int32).numpy(),
+                                      y_np.view(np.int16 if out_dtype == "bfloat16" else np.int32))
+    with pytest.raises(ValueError, match="out_dtype must be 'bfloat16' or 'float32', got 'fp16'"):
+        layer._forward_torch(x, ids, w, out_dtype="fp16")

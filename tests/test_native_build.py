@@ -22,9 +22,11 @@ def isa_sources() -> set[str]:
     return sources
 
 
-def object_dirs() -> list[Path]:
-    """The object folders of every CMake build of the extension in this checkout."""
-    return sorted(d for d in (ROOT / "build").glob("**/CMakeFiles/_native.dir") if d.is_dir())
+def newest_object_dir() -> Path | None:
+    """The object folder of the most recent CMake build of the extension in this checkout
+    (older build folders may predate the current sources)."""
+    dirs = [d for d in (ROOT / "build").glob("**/CMakeFiles/_native.dir") if any(d.glob("native/**/*.o"))]
+    return max(dirs, key=lambda d: max(o.stat().st_mtime for o in d.glob("native/**/*.o")), default=None)
 
 
 def weak_symbols(obj: Path) -> set[str]:
@@ -38,15 +40,14 @@ def test_isa_sources_are_listed():
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
 def test_isa_objects_share_no_weak_symbol():
-    dirs = object_dirs()
-    if not dirs:
+    obj_dir = newest_object_dir()
+    if obj_dir is None:
         pytest.skip("no CMake object files under build/ (the extension was built elsewhere)")
     isa = isa_sources()
-    for obj_dir in dirs:
-        objects = {str(o.relative_to(obj_dir))[: -len(".o")]: o for o in obj_dir.glob("native/**/*.o")}
-        assert isa <= set(objects), f"{obj_dir}: ISA objects missing: {isa - set(objects)}"
-        symbols = {name: weak_symbols(path) for name, path in objects.items()}
-        for name in isa:
-            others = set().union(*(s for other, s in symbols.items() if other != name))
-            shared = symbols[name] & others
-            assert not shared, f"{obj_dir}: {name} shares weak symbols with other objects: {sorted(shared)[:5]}"
+    objects = {str(o.relative_to(obj_dir))[: -len(".o")]: o for o in obj_dir.glob("native/**/*.o")}
+    assert isa <= set(objects), f"{obj_dir}: ISA objects missing: {isa - set(objects)}"
+    symbols = {name: weak_symbols(path) for name, path in objects.items()}
+    for name in isa:
+        others = set().union(*(s for other, s in symbols.items() if other != name))
+        shared = symbols[name] & others
+        assert not shared, f"{obj_dir}: {name} shares weak symbols with other objects: {sorted(shared)[:5]}"

@@ -266,7 +266,7 @@ def test_smallest_period_matches_brute_force(seq):
     ids = np.asarray(seq, dtype=np.int64)
     n = len(ids)
     brute = next((p for p in range(1, n) if np.array_equal(ids[p:], ids[:n - p])), n)
-    assert sg._smallest_period(ids) == brute
+    assert sg.smallest_period(ids) == brute
 
 
 def test_smallest_period_long_near_periodic_sequence():
@@ -275,10 +275,10 @@ def test_smallest_period_long_near_periodic_sequence():
     ids = np.zeros(200_000, dtype=np.int64)
     ids[-1] = 1
     t0 = time.perf_counter()
-    assert sg._smallest_period(ids) == len(ids)
+    assert sg.smallest_period(ids) == len(ids)
     assert time.perf_counter() - t0 < 5.0
     ids2 = np.tile(np.array([3, 1, 4, 1, 5]), 40_000)
-    assert sg._smallest_period(ids2) == 5
+    assert sg.smallest_period(ids2) == 5
 
 
 # --------------------------------------------------------------------------- paper check

@@ -155,3 +155,27 @@ def test_only_bf16_fp16_fp32_load(tmp_path):
     write_safetensors(d / "model.safetensors", plans, lambda p: [b"\1" * p.nbytes])
     with pytest.raises(ValueError, match="routed experts are I8"):
         ExpertStore.load(d, progress=False)
+
+
+@pytest.mark.parametrize("n_virtual_nodes", [None, 3])
+def test_layer_from_store_cuts_each_expert_where_the_store_puts_it(checkpoint_dir, n_virtual_nodes):
+    """MoELayer.from_store takes its expert views and tables from the store's layout
+    (expert_rows / expert_tables_of) on real and virtual topologies."""
+    from numa_moe.moe import MoELayer
+    from numa_moe.store import expert_rows, expert_tables_of
+    from numa_moe.topology import Topology, current_topology
+
+    store = ExpertStore.load(checkpoint_dir, layers=[1], progress=False)
+    topology = current_topology() if n_virtual_nodes is None else Topology.virtual(n_virtual_nodes)
+    layer = MoELayer.from_store(store, 1, topology=topology)
+    if n_virtual_nodes is None:
+        stacked = store.layer(1).tables
+    else:
+        stacked = layer_tables(store.dims, tuple(range(n_virtual_nodes)), store.page_bytes, "bf16")
+    for e in range(E):
+        assert layer.tables[e] == expert_tables_of(stacked, store.dims, e)
+        for kind in KINDS:
+            start, stop = expert_rows(store.dims, kind, e)
+            np.testing.assert_array_equal(getattr(layer.experts[e], kind),
+                                          store.weights(1, kind)[start:stop].view(np.uint16))
+            assert layer.tables[e][kind].rows == stop - start

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import click
 
+from numa_moe.pages import PAGE_CHOICES
+
 # numa_moe.kernels.ISAS, spelled out here so that building the CLI imports no native code
 # (tests/test_cli_options.py checks the two agree).
 ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
@@ -13,7 +15,7 @@ ISA_HELP = ("Kernel instruction set: ref (portable C++), avx2, avx512 (AVX-512 B
             "amx (AMX tiles), amx_model (the AMX kernel source run on a software model of the AMX "
             "instructions, for testing; slow).")
 
-PAGES = ("4k", "2m")
+PAGES = PAGE_CHOICES
 DEFAULT_PAGE = "4k"
 # Why placement commands default to 4k: MPOL_INTERLEAVE spreads base pages, and 4 KB
 # needs no transparent huge pages, so the tables hold on every Linux host.

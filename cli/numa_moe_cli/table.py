@@ -8,6 +8,8 @@ import click
 
 from numa_moe_cli.options import page_option
 
+from numa_moe.pages import page_bytes_of
+
 from numa_moe.segments import (
     SCALE_FORMATS,
     WEIGHT_FORMATS,
@@ -16,8 +18,6 @@ from numa_moe.segments import (
     scale_shape,
     scales_table,
 )
-
-_PAGES = {"4k": 4096, "2m": 2 * 1024 * 1024}
 
 
 def _human_bytes(n: int) -> str:
@@ -105,7 +105,7 @@ def table(rows, cols, dtype, group, scale_dtype, n_nodes, page, phase, offset_by
     (row0, row_stride, nrows, k0, k1 in elements), the bytes on each node and the
     balance; with --group, the same for the group-scale tensor.
     """
-    page_bytes = _PAGES[page]
+    page_bytes = page_bytes_of(page)
     if phase >= n_nodes:
         raise click.BadParameter(f"{phase} is not below --nodes {n_nodes}", param_hint="--phase")
     if scale_phase >= n_nodes:

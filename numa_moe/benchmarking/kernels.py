@@ -28,6 +28,7 @@ import numpy as np
 
 from numa_moe import kernels, memory
 from numa_moe.benchmarking import native_loops
+from numa_moe.pages import page_name
 from numa_moe.benchmarking.yardsticks import (
     MEASUREMENT_NOTE,
     Yardstick,
@@ -148,8 +149,8 @@ def random_weights(rng: np.random.Generator, shape, page: str) -> np.ndarray:
 
     The page size is chosen here, not left to numpy: numpy asks for huge pages on arrays of
     4 MiB and more only, so Qwen3-30B-A3B's 3 MiB matrices would stream from 4 KB pages and
-    the larger shapes from 2 MiB pages. In this VM that alone moved the read ceiling by up
-    to 1.6x and the M = 16 kernel time by up to 10% (docs/kernels.md)."""
+    the larger shapes from 2 MiB pages, and the page size alone moves the read ceiling and
+    the kernel time (measured in docs/benchmarks.md)."""
     weights = memory.interleaved_empty(shape, np.uint16, page=page)
     weights[...] = random_bf16_bits(rng, shape)
     return weights
@@ -193,8 +194,7 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     for name in shapes:
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    if page not in ("4k", "2m"):
-        raise ValueError(f"page must be '4k' or '2m', got {page!r}")
+    page = page_name(page)
     if not min_seconds >= 0:
         raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
     # checked before anything is allocated
