@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Set-up (tools/setup.sh) and the whole test suite: the single-node tiers here, then the
-# multinode tier on a real Linux kernel with 2 and with 4 NUMA nodes (numa-vm).
+# multinode tier on a real Linux kernel with 2 and with 4 NUMA nodes (tools/numa-vm).
+# Needs nothing outside this repository but apt and the package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
-# Run from outside the source tree so the installed package (with its compiled
-# extension) is the one imported, not the source directory.
+# -P keeps the working directory off the front of sys.path. numa_moe is the same either
+# way: the editable install resolves it, from any directory, to these sources and the
+# extension pip built, exactly as a user's `import numa_moe` does.
 .venv/bin/python -P -m pytest -q -p no:cacheprovider --rootdir=. tests --ignore=tests/multinode "$@"
 bash tools/run-multinode.sh

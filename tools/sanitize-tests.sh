@@ -22,5 +22,16 @@ ubsan=$(g++ -print-file-name=libubsan.so)
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export NUMA_MOE_SANITIZED=1
-LD_PRELOAD="$asan:$ubsan" PYTHONPATH="$site" "$python" -P -m pytest -q -p no:cacheprovider \
+# The .venv's editable install (a .pth file in site-packages) puts a finder for numa_moe
+# ahead of sys.path, which would import the uninstrumented extension. python -S skips
+# site-packages and its .pth files; the site-packages directory itself is put back by
+# hand, after the instrumented copy.
+purelib=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+export PYTHONPATH="$PWD/$site:$purelib"
+if ! "$python" -S -P -c 'import importlib.util, sys
+sys.exit(not importlib.util.find_spec("numa_moe._native").origin.startswith(sys.argv[1]))' "$PWD/$site"; then
+  echo "sanitize: numa_moe._native does not resolve to the instrumented build in $site" >&2
+  exit 1
+fi
+LD_PRELOAD="$asan:$ubsan" "$python" -S -P -m pytest -q -p no:cacheprovider \
   --ignore=tests/multinode -m "not slow" "$@" tests

@@ -1,9 +1,11 @@
 """The multinode tier: needs >= 2 real NUMA nodes this process may allocate on.
 
-Run it on a real kernel with N nodes through numa-vm (no torch here: importing it
-costs ~45 s in the emulated guest):
+Run it on a real kernel with N nodes through the repository's VM runner (no torch here:
+importing it costs ~45 s in the emulated guest):
 
-    /work/shared/tools/numa-vm -n 2 -c 2 -m 1024 -- python3 -m pytest -q tests/multinode
+    tools/numa-vm -n 2 -c 2 -m 1024 -- .venv/bin/python -m pytest -q tests/multinode
+
+or both node counts with ``bash tools/run-multinode.sh``.
 """
 
 from pathlib import Path
@@ -28,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(
         reason=f"needs >= 2 real NUMA nodes, this machine allows {len(_NODES)} "
-        "(run inside /work/shared/tools/numa-vm -n 2)"
+        "(run inside tools/numa-vm -n 2, or bash tools/run-multinode.sh)"
     )
     for item in items:
         if "multinode" in str(item.fspath):
