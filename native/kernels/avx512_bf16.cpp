@@ -81,13 +81,10 @@ void for_each_segment_rows(const Segment* segments, int64_t n_segments, int64_t 
 // The blocks to prefetch while register block j (rows [j, j + rows), columns [kb, ke))
 // computes: the one `ahead` blocks on. Every line is prefetched twice, two blocks and one
 // block before its use: two blocks so that the request comes a whole block's compute time
-// early (under memory contention from other VMs, qwen3-235b, M = 16: 1.70 ms against 2.01
-// ms for one block on), and again one block on, which gained another 1-6% (one core, cold
-// weights, M = 8: 0.65-0.67 -> 0.68-0.71 of the peak; 2 threads, memory at 53 GB/s: M = 1
-// deepseek-v3 0.87 -> 0.90 of the read ceiling, M = 2 qwen3-30b-a3b 0.87 -> 0.92), as if
-// some of the first requests were lost. Past the last rows the first rows of the next k block
-// (k_next0 < k_end), at the very end this block again (cache hits). Prefetches past the
-// segment's last row are harmless (prefetch never faults).
+// early under memory contention, and again one block on, as if some of the first requests
+// were lost (both measured: docs/kernels.md). Past the last rows the first rows
+// of the next k block (k_next0 < k_end), at the very end this block again (cache hits).
+// Prefetches past the segment's last row are harmless (prefetch never faults).
 struct PrefetchTarget {
     int64_t j, k0, k1;
 };
@@ -339,13 +336,10 @@ using LaneMicroFn = void (*)(const Block&, const LaneTokens&, int64_t, int64_t);
 
 // Rows per register block with G token vectors: 8 with one token vector, 6 with two or
 // more. 8 rows fill the 8 ways of the L1 set their lines share (above); with G >= 2 each
-// step also loads G token lines, and 6 rows leave them room. Measured on Zen 4 (one core,
-// weights cold in DRAM, 2 MiB pages, a native loop over matmul_segments, medians of 5):
-// M = 16 on 384 x 2048 rows 0.78 -> 0.86 of the vdpbf16ps peak, on 512 x 4096 0.86 ->
-// 0.95, on 1024 x 768 (not aliasing) 0.77 -> 0.80; M = 32 0.89 -> 0.93; 7 and 5 rows were
-// no better. With G = 1 (5-8 tokens) 8 rows stay faster (0.74 against 0.69 at M = 8): six
-// accumulators do not hide the vdpbf16ps latency. R * G accumulators + G token vectors + one
-// broadcast weight fit the 32 vector registers up to G = 4.
+// step also loads G token lines, and 6 rows leave them room; with G = 1 six accumulators
+// would not hide the vdpbf16ps latency (docs/kernels.md has the measurements). R * G
+// accumulators + G token vectors + one broadcast weight fit the 32 vector registers up
+// to G = 4.
 constexpr int lane_rows(int groups) { return groups == 1 ? 8 : 6; }
 constexpr int kLaneMaxGroups = 4;
 
@@ -518,13 +512,9 @@ void lane_gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t
 
 bool uses_lanes(int64_t m) { return m >= kLaneMinTokens; }
 
-// Tokens per vector of the token-lane kernels. Measured on Zen 4 (2 threads, qwen3-235b,
-// cold weights, A/B in one process): M = 3-4 T = 4 at 0.97-1.01 of the read ceiling
-// against 0.91-0.94 for the dot-product kernel; M = 16 T = 8 at 0.81-0.85 of the vdpbf16ps
-// peak against 0.78-0.80 for T = 16 (each 64-bit weight broadcast then serves two token
-// vectors); M = 24 T = 8 0.86 against 0.68 (no padding); from M = 32 on T = 16 is as
-// good or better (M = 128: 0.92 against 0.88), so above 24 tokens the width with fewer
-// padding lanes wins, 16 on a tie.
+// Tokens per vector of the token-lane kernels: 4 up to 4 tokens, 8 up to 24 (each 64-bit
+// weight broadcast then serves two token vectors, and 24 tokens need no padding), 16 from
+// there on, where the width with fewer padding lanes wins (docs/kernels.md).
 int64_t lane_tokens(int64_t m) {
     if (m <= 4) return 4;
     if (m <= 24) return 8;

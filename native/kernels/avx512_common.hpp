@@ -202,8 +202,7 @@ inline void combine_down_avx512(const float* const* parts, int n_parts, int64_t 
 // out[t][h] = sum_p parts[p][h * ld + t] (bf16 or fp32), transposed 16 x 16 in registers
 // like combine_down_avx512 and stored once: no fp32 rows to clear, add into and convert.
 // The 16 token rows of a tile share an L1 set when the rows are 4 KB apart (2048 bf16),
-// and still: 6 us per thread at M = 16 on qwen3-30b-a3b's 1024 hidden rows, against 14 us
-// for the clear + combine into padded fp32 rows + conversion that expert_ffn did before.
+// and still this beats clearing, combining into and converting fp32 rows (docs/kernels.md).
 // The bf16 rounding is vcvtneps2bf16's (nearest even, as float_to_bf16; it flushes
 // denormal inputs, which an FFN output does not reach in practice).
 inline void store_down_avx512(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end,
