@@ -1,5 +1,6 @@
 #include "engine/routing.hpp"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -26,6 +27,10 @@ void route(const int64_t* ids, const float* weights, int64_t n_tokens, int64_t t
                 throw std::invalid_argument("topk_ids[" + std::to_string(t) + ", " + std::to_string(j) + "] = " +
                                             std::to_string(row[j]) + " is out of range [0, " +
                                             std::to_string(n_experts) + ")");
+            const float w = weights[t * top_k + j];
+            if (!std::isfinite(w))
+                throw std::invalid_argument("topk_weights[" + std::to_string(t) + ", " + std::to_string(j) + "] = " +
+                                            std::to_string(w) + ": NaN or infinity");
             if (first_occurrence(row, j) == j) ++offset[row[j] + 1];
         }
     }

@@ -18,8 +18,8 @@ struct Routing {
     int64_t tokens_of(int64_t e) const { return expert_offset[e + 1] - expert_offset[e]; }
 };
 
-// ids[t * top_k + j] in [0, n_experts) (std::invalid_argument naming the entry otherwise),
-// weights[t * top_k + j]. Reuses the vectors of `routing`.
+// ids[t * top_k + j] in [0, n_experts), weights[t * top_k + j] finite
+// (std::invalid_argument naming the entry otherwise). Reuses the vectors of `routing`.
 void route(const int64_t* ids, const float* weights, int64_t n_tokens, int64_t top_k, int64_t n_experts,
            Routing& routing);
 
