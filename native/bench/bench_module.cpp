@@ -112,6 +112,7 @@ struct BenchCalls {
     std::vector<engine::ExpertFfnArgs> calls;
     std::vector<std::vector<Span>> spans;  // per expert: gate, up, down
     std::vector<float> out;
+    std::vector<py::array> keep;  // the arrays behind the pointers
 };
 
 BenchCalls bench_calls(const py::array& x, const py::array& token_index, const py::list& experts, int threads,
@@ -132,6 +133,7 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
         }
         args.out_bf16 = out_bf16;
         result.calls.push_back(args);
+        result.keep.insert(result.keep.end(), {wg, wu, wd});
         result.spans.push_back({Span{static_cast<const char*>(wg.data()), static_cast<size_t>(wg.nbytes())},
                                 Span{static_cast<const char*>(wu.data()), static_cast<size_t>(wu.nbytes())},
                                 Span{static_cast<const char*>(wd.data()), static_cast<size_t>(wd.nbytes())}});

@@ -67,16 +67,18 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
     check_range(i_begin, i_end, inter, 32, "[i_begin, i_end)");
     py::array_t<uint16_t> result({m, inter});
     auto* res = result.mutable_data();
-    py::gil_scoped_release release;
-    const size_t bytes = ops.packed_bytes(m, inter);
-    AlignedBuffer packed = aligned_buffer(bytes);
-    std::memset(packed.get(), 0, bytes);
-    ops.silu_mul_pack(gate.pointers.data(), up.pointers.data(), static_cast<int>(gate.pointers.size()), m, i_begin,
-                      i_end, m, inter, packed.get());
-    const auto* src = static_cast<const bf16*>(packed.get());
-    const kernels::TokenLayout layout = ops.token_layout(m);
-    for (int64_t t = 0; t < m; ++t)
-        for (int64_t i = 0; i < inter; ++i) res[t * inter + i] = src[kernels::packed_index(layout, m, inter, t, i)];
+    {
+        py::gil_scoped_release release;
+        const size_t bytes = ops.packed_bytes(m, inter);
+        AlignedBuffer packed = aligned_buffer(bytes);
+        std::memset(packed.get(), 0, bytes);
+        ops.silu_mul_pack(gate.pointers.data(), up.pointers.data(), static_cast<int>(gate.pointers.size()), m,
+                          i_begin, i_end, m, inter, packed.get());
+        const auto* src = static_cast<const bf16*>(packed.get());
+        const kernels::TokenLayout layout = ops.token_layout(m);
+        for (int64_t t = 0; t < m; ++t)
+            for (int64_t i = 0; i < inter; ++i) res[t * inter + i] = src[kernels::packed_index(layout, m, inter, t, i)];
+    }
     return result;
 }
 
