@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <thread>
+#include <utility>
 
 #include "common/cpu_features.hpp"
 #include "placement/syscalls.hpp"
@@ -50,20 +51,13 @@ std::vector<std::uintptr_t> pages_of(std::uintptr_t address, std::size_t nbytes)
 
 py::dict cpu_features_dict() {
     const CpuFeatures& f = cpu_features();
+    const std::pair<const char*, bool> flags[] = {
+        {"avx2", f.avx2}, {"fma", f.fma}, {"avx512f", f.avx512f}, {"avx512bw", f.avx512bw},
+        {"avx512vl", f.avx512vl}, {"avx512dq", f.avx512dq}, {"avx512_bf16", f.avx512_bf16},
+        {"avx512_vnni", f.avx512_vnni}, {"amx_tile", f.amx_tile}, {"amx_bf16", f.amx_bf16},
+        {"amx_int8", f.amx_int8}, {"os_avx", f.os_avx}, {"os_avx512", f.os_avx512}};
     py::dict d;
-    d["avx2"] = f.avx2;
-    d["fma"] = f.fma;
-    d["avx512f"] = f.avx512f;
-    d["avx512bw"] = f.avx512bw;
-    d["avx512vl"] = f.avx512vl;
-    d["avx512dq"] = f.avx512dq;
-    d["avx512_bf16"] = f.avx512_bf16;
-    d["avx512_vnni"] = f.avx512_vnni;
-    d["amx_tile"] = f.amx_tile;
-    d["amx_bf16"] = f.amx_bf16;
-    d["amx_int8"] = f.amx_int8;
-    d["os_avx"] = f.os_avx;
-    d["os_avx512"] = f.os_avx512;
+    for (const auto& [name, present] : flags) d[name] = present;
     return d;
 }
 
