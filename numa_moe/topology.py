@@ -107,7 +107,7 @@ class Topology:
                 f"{self.base_page_bytes // 1024} KB page"
             )
         if not self.is_virtual and len(self.nodes) < 2:
-            out.append("one NUMA node: placement is trivially local (use a virtual topology or numa-vm to test multi-node paths)")
+            out.append("one NUMA node: placement is trivially local (use a virtual topology, or tools/numa-vm for a VM with several nodes, to test multi-node paths)")
         return tuple(out)
 
     def to_dict(self) -> dict:
