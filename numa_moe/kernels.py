@@ -102,8 +102,10 @@ def as_index_array(name: str, value: Any) -> np.ndarray:
         dtype = value.dtype
         if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
             raise TypeError(f"{name}: expected integers, got dtype {dtype}")
-        value = value.detach().cpu().numpy()
+        value = value.detach().numpy()
     array = np.asarray(value)
+    if array.dtype == np.int64 and array.flags.c_contiguous:
+        return array
     if array.dtype.kind not in "iu" and array.size:
         raise TypeError(f"{name}: expected integers, got dtype {array.dtype}")
     return np.ascontiguousarray(array, dtype=np.int64)

@@ -272,19 +272,23 @@ class MoELayer:
     def forward(self, hidden, topk_ids, topk_weights):
         """hidden [T, H] bf16, topk_ids [T, k] int, topk_weights [T, k] float ->
         [T, H] bf16 (a torch tensor for torch input, a numpy bfloat16 array otherwise).
-        With torch input the call goes through the custom op numa_moe::moe_forward."""
-        if _is_torch(hidden):
-            from numa_moe import ops  # registers the op
+        With torch input the call goes through the custom op numa_moe::moe_forward while
+        torch.compile traces it; in eager mode it runs the op's body directly (the
+        dispatcher would add tens of microseconds per call and nothing else)."""
+        if not _is_torch(hidden):
+            return self.forward_numpy(hidden, topk_ids, topk_weights)
+        import torch
 
-            import torch
+        from numa_moe import ops  # registers the op (torch.ops.numa_moe.moe_forward)
 
-            # the op takes tensors only; routing from numpy or lists is converted (zero copy
-            # for numpy) rather than failing inside the dispatcher
-            topk_ids = topk_ids if _is_torch(topk_ids) else torch.as_tensor(np.asarray(topk_ids))
-            topk_weights = topk_weights if _is_torch(topk_weights) else torch.as_tensor(np.asarray(topk_weights))
+        # the op takes tensors only; routing from numpy or lists is converted (zero copy
+        # for numpy) rather than failing inside the dispatcher
+        topk_ids = topk_ids if _is_torch(topk_ids) else torch.as_tensor(np.asarray(topk_ids))
+        topk_weights = topk_weights if _is_torch(topk_weights) else torch.as_tensor(np.asarray(topk_weights))
+        if torch.compiler.is_compiling():
             check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
             return ops.moe_forward(hidden, topk_ids, topk_weights, self.layer_id)
-        return self.forward_numpy(hidden, topk_ids, topk_weights)
+        return self._forward_torch(hidden, topk_ids, topk_weights)
 
     __call__ = forward
 
@@ -310,14 +314,12 @@ class MoELayer:
         check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
         if not topk_weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights: expected a floating-point tensor, got {topk_weights.dtype}")
-        x = self._check_hidden(hidden.detach().view(torch.int16).numpy().view(np.uint16), is_bits=True)
-        ids, weights = self._check_routing(topk_ids, topk_weights.detach().cpu().to(torch.float32).numpy())
-        if out_dtype == "float32":
-            out = torch.empty(tuple(x.shape), dtype=torch.float32)
-            out_np = out.numpy()
-        else:
-            out = torch.empty(tuple(x.shape), dtype=torch.bfloat16)
-            out_np = out.view(torch.int16).numpy().view(np.uint16)
+        x = hidden.detach().view(torch.int16).numpy().view(np.uint16)
+        weights = topk_weights.detach()
+        ids, weights = self._check_routing(topk_ids, (weights if weights.dtype == torch.float32 else
+                                                      weights.to(torch.float32)).numpy())
+        out = torch.empty(tuple(x.shape), dtype=torch.float32 if out_dtype == "float32" else torch.bfloat16)
+        out_np = out.numpy() if out_dtype == "float32" else out.view(torch.int16).numpy().view(np.uint16)
         self._run(x, ids, weights, out_np)
         return out
 
@@ -336,9 +338,13 @@ class MoELayer:
         ids = kernels.as_index_array("topk_ids", topk_ids)
         if weights.dtype.kind != "f":
             raise TypeError(f"topk_weights: expected a floating dtype, got {weights.dtype}")
-        return ids, np.ascontiguousarray(weights, dtype=np.float32)
+        if weights.dtype != np.float32 or not weights.flags.c_contiguous:
+            weights = np.ascontiguousarray(weights, dtype=np.float32)
+        return ids, weights
 
     def _run(self, x_bits, ids, weights, out) -> None:
+        if not _thread_backend_checked:
+            _check_thread_backend()
         with self._lock:
             self._core.forward(x_bits, ids, weights, out)
 
@@ -374,6 +380,27 @@ class MoELayer:
     def __repr__(self) -> str:
         return (f"MoELayer(experts={self.n_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
                 f"nodes={list(self.node_ids)}, threads={self.pool.n_threads}, isa={self.isa or 'auto'})")
+
+
+_thread_backend_checked = False
+
+
+def _check_thread_backend() -> None:
+    """Warns once when torch is loaded but its OpenMP team cannot run the layer's jobs
+    (another OpenMP runtime than libgomp): torch's threads then spin beside the layer's
+    workers after every torch op, and a layer call after torch work takes up to twice as
+    long unless torch's threads sleep at once (OMP_WAIT_POLICY=PASSIVE)."""
+    global _thread_backend_checked
+    _thread_backend_checked = True
+    import sys
+    import warnings
+
+    backend = _native.thread_backend()
+    if ("torch" in sys.modules and not backend.startswith("openmp")
+            and os.environ.get("NUMA_MOE_THREADS") != "own" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"):
+        warnings.warn(f"numa-moe runs on {backend} although torch is loaded: torch's OpenMP threads will spin "
+                      "beside its workers after each torch op; set OMP_WAIT_POLICY=PASSIVE before starting "
+                      "Python (docs/architecture.md, 'Threads')", RuntimeWarning, stacklevel=3)
 
 
 def check_cpu_tensors(**tensors) -> None:

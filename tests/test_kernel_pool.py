@@ -22,7 +22,8 @@ def run_ffn(rng, m=9, threads=2, hidden=256, inter=384):
     return rel_fro(out, ffn_reference(x, wg, wu, wd, np.arange(m)))
 
 
-def test_no_thread_creation_per_call(rng):
+def test_no_thread_creation_per_call(rng, monkeypatch):
+    monkeypatch.setenv("NUMA_MOE_THREADS", "own")  # the pool's own threads (the OpenMP team: test_thread_backend.py)
     assert run_ffn(rng) < FFN_TOL_F32  # creates the 2-thread pool if not there yet
     before = _native.process_pool_start_count()
     assert before >= 1

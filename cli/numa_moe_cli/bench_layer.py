@@ -19,15 +19,26 @@ from numa_moe_cli.options import isa_option, wrote
 @click.option("--virtual-nodes", default=2, show_default=True, type=click.IntRange(2),
               help="node count of the partitioned path compared with 1 node")
 @isa_option("chosen per expert from its token count")
+@click.option("--app", is_flag=True,
+              help="Call the layer as an application does: after torch work (a router and an attention-sized "
+                   "matmul) before every call, against back-to-back calls; then the HF-patched Qwen3-MoE block "
+                   "and the fixed cost of a tiny layer and expert_ffn call (token counts default to 1, 4, 16).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows as JSON to this file.")
-def layer_command(models, tokens, repeats, virtual_nodes, isa, json_path):
+def layer_command(models, tokens, repeats, virtual_nodes, isa, app, json_path):
     """ms per MoE layer: ours on 1 node and on a virtual N-node topology, the torch loop,
-    and the read ceiling of the weights touched, all in one run."""
-    from numa_moe.benchmarking.layer import bench_layer
+    and the read ceiling of the weights touched, all in one run (--app: the layer as an
+    application calls it)."""
+    models = models or ("qwen3-30b-a3b", "mixtral-8x7b")
+    if app:
+        from numa_moe.benchmarking.app import bench_app
 
-    rows = bench_layer(models or ("qwen3-30b-a3b", "mixtral-8x7b"), tokens or (1, 16), repeats=repeats,
-                       virtual_nodes=virtual_nodes, isa=isa, echo=click.echo)
+        rows = bench_app(models, tokens or (1, 4, 16), repeats=repeats, isa=isa, echo=click.echo)
+    else:
+        from numa_moe.benchmarking.layer import bench_layer
+
+        rows = bench_layer(models, tokens or (1, 16), repeats=repeats, virtual_nodes=virtual_nodes, isa=isa,
+                           echo=click.echo)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=2)

@@ -48,6 +48,8 @@ def render(topo) -> str:
     lines.append(f"cpu features: {' '.join(present) or 'none of interest'}")
     amx = "granted by Linux" if topo.amx_permitted else f"not usable ({topo.amx_reason})"
     lines.append(f"AMX: {amx}")
+    lines.append("worker threads: the OpenMP team of torch once torch is loaded (libgomp), else numa-moe's own "
+                 "pinned threads (NUMA_MOE_THREADS=own forces them)")
     for warning in topo.warnings():
         lines.append(f"warning: {warning}")
     return "\n".join(lines)

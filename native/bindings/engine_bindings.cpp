@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "bindings/checks.hpp"
+#include "common/openmp_team.hpp"
 #include "common/worker_pool.hpp"
 #include "engine/moe_layer.hpp"
 
@@ -213,6 +214,9 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
 }  // namespace
 
 void register_engine(py::module_& m) {
+    m.def("thread_backend", &thread_backend,
+          "Whose threads run the pools' jobs: 'openmp (<libgomp path>)', the team of the OpenMP runtime "
+          "the process loaded (PyTorch's), or 'own threads (<why>)'. NUMA_MOE_THREADS=own forces the latter.");
     register_worker_pool(m);
     register_layer(m);
 }

@@ -2,6 +2,7 @@
 // pthread_setaffinity_np, pthread_atfork.
 #include "common/worker_pool.hpp"
 
+#include "common/openmp_team.hpp"
 #include "common/util.hpp"
 
 #include <algorithm>
@@ -138,6 +139,8 @@ WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_
                                         pin_ ? cpu : -1});
         }
     }
+    CPU_ZERO(&process_cpus_);
+    if (sched_getaffinity(0, sizeof(process_cpus_), &process_cpus_) != 0) CPU_ZERO(&process_cpus_);
     const unsigned hw = std::thread::hardware_concurrency();
     // More threads than CPUs (virtual nodes sharing CPUs): a spinning waiter would only
     // steal the time slice of the thread it waits for, so waiters sleep at once.
@@ -220,10 +223,6 @@ void WorkerPool::start() {
     state.stop.store(false);
     state.ready.store(0);
     state.start_error.clear();
-    // Inside a step the other threads are about to arrive (phases are balanced), so a
-    // barrier spins longer than an idle worker waiting for the next call does.
-    const int64_t barrier_spin_ns = (oversubscribed_ || spin_ns_ == 0) ? 0 : std::max<int64_t>(spin_ns_, 250000);
-    state.barrier.reset(participants(), barrier_spin_ns);
     const uint32_t first_generation = state.job_generation.load();
     if (first_generation != 0) state.job_generation.store(0);
     for (const ThreadInfo& info : infos_) {
@@ -334,14 +333,17 @@ void WorkerPool::run_phases(const ThreadInfo& info) {
     t_job_pool = nullptr;
 }
 
-bool WorkerPool::run(int n_phases, const Job& job, const std::function<bool()>& keep_going, int poll_ms) {
-    if (t_job_pool) throw std::logic_error("WorkerPool::run called from inside a pool job (it would deadlock)");
-    if (n_phases <= 0) return true;
-    ensure_fresh_after_fork();
-    if (!started()) start();
+ThreadInfo WorkerPool::participant(int index) const {
+    return index < n_threads() ? infos_[index] : caller_info();
+}
+
+// Sets up the shared state of a run. Caller holds run_mutex.
+void WorkerPool::begin_run(int n_phases, const Job& job, const std::function<bool()>& keep_going, int poll_ms) {
     State& state = *state_;
-    std::lock_guard<std::mutex> lock(state.run_mutex);
-    if (!state.running) throw std::runtime_error("WorkerPool: shut down while starting a run");
+    // Inside a step the other threads are about to arrive (phases are balanced), so a
+    // barrier spins longer than an idle worker waiting for the next call does.
+    const int64_t barrier_spin_ns = (oversubscribed_ || spin_ns_ == 0) ? 0 : std::max<int64_t>(spin_ns_, 250000);
+    state.barrier.reset(participants(), barrier_spin_ns);
     state.job = &job;
     state.n_phases = n_phases;
     state.job_error = nullptr;
@@ -350,6 +352,97 @@ bool WorkerPool::run(int n_phases, const Job& job, const std::function<bool()>& 
     state.next_poll_ns = now_ns() + state.poll_ns;
     state.interrupted = false;
     state.abort.store(false);
+}
+
+// Clears the run and rethrows its first error; returns whether it completed.
+bool WorkerPool::end_run() {
+    State& state = *state_;
+    state.job = nullptr;
+    state.keep_going = nullptr;
+    if (state.job_error) {
+        std::exception_ptr error = state.job_error;
+        state.job_error = nullptr;
+        std::rethrow_exception(error);
+    }
+    return !state.interrupted;
+}
+
+namespace {
+// The CPU an OpenMP team thread was last pinned to by a pool (-1: never).
+thread_local int t_pinned_cpu = -1;
+}  // namespace
+
+struct WorkerPool::OpenMpRun {
+    WorkerPool* pool;
+    const OpenMpRuntime* omp;
+    int caller_slot;  // the participant the calling thread (team thread 0) plays
+    std::atomic<bool> team_too_small{false};
+};
+
+void WorkerPool::openmp_participant(void* raw) {
+    OpenMpRun& run = *static_cast<OpenMpRun*>(raw);
+    WorkerPool& pool = *run.pool;
+    if (run.omp->num_threads() != pool.participants()) {
+        // Every thread sees the same team size, so all return before any barrier.
+        run.team_too_small.store(true);
+        return;
+    }
+    const int t = run.omp->thread_num();
+    const int slot = t == 0 ? run.caller_slot : (t - 1 < run.caller_slot ? t - 1 : t);
+    const ThreadInfo info = pool.participant(slot);
+    std::optional<ScopedPin> caller_pin;
+    if (t == 0) {
+        // The calling thread plays the participant of the CPU it is on (chosen before the
+        // run), pinned there for the run only: it is the application's thread.
+        if (pool.pin_ && info.cpu >= 0) caller_pin.emplace(info.cpu);
+        t_calling_pool = &pool;
+    } else if (pool.pin_ && info.cpu >= 0 && t_pinned_cpu != info.cpu) {
+        // Team threads stay pinned between runs: the next run (ours or torch's) finds
+        // them where they were, at no syscall.
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(info.cpu, &set);
+        if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0) t_pinned_cpu = info.cpu;
+    } else if (!pool.pin_ && t_pinned_cpu != -1 && CPU_COUNT(&pool.process_cpus_) > 0) {
+        if (pthread_setaffinity_np(pthread_self(), sizeof(pool.process_cpus_), &pool.process_cpus_) == 0)
+            t_pinned_cpu = -1;
+    }
+    pool.run_phases(info);
+    t_calling_pool = nullptr;
+}
+
+bool WorkerPool::run_on_openmp(const OpenMpRuntime& omp, bool* completed) {
+    State& state = *state_;
+    OpenMpRun run{this, &omp, 0, {}};
+    if (caller_cpu_ >= 0) {
+        run.caller_slot = n_threads();  // the joining caller
+    } else {
+        const int cpu = sched_getcpu();
+        for (int i = 0; i < n_threads(); ++i)
+            if (infos_[i].cpu == cpu) run.caller_slot = i;
+    }
+    omp.parallel(&WorkerPool::openmp_participant, &run, static_cast<unsigned>(participants()), 0);
+    if (run.team_too_small.load()) return false;
+    (void)state;
+    *completed = end_run();
+    return true;
+}
+
+bool WorkerPool::run(int n_phases, const Job& job, const std::function<bool()>& keep_going, int poll_ms) {
+    if (t_job_pool) throw std::logic_error("WorkerPool::run called from inside a pool job (it would deadlock)");
+    if (n_phases <= 0) return true;
+    ensure_fresh_after_fork();
+    if (const OpenMpRuntime* omp = loaded_openmp(); omp && !oversubscribed_ && !omp->in_parallel()) {
+        std::lock_guard<std::mutex> lock(state_->run_mutex);
+        begin_run(n_phases, job, keep_going, poll_ms);
+        bool completed = false;
+        if (run_on_openmp(*omp, &completed)) return completed;
+    }
+    if (!started()) start();
+    State& state = *state_;
+    std::lock_guard<std::mutex> lock(state.run_mutex);
+    if (!state.running) throw std::runtime_error("WorkerPool: shut down while starting a run");
+    begin_run(n_phases, job, keep_going, poll_ms);
     state.remaining.store(n_threads(), std::memory_order_release);
     const uint32_t done_seen = state.done_generation.load(std::memory_order_acquire);
     state.job_generation.fetch_add(1, std::memory_order_seq_cst);
@@ -375,14 +468,7 @@ bool WorkerPool::run(int n_phases, const Job& job, const std::function<bool()>& 
             state.abort.store(true, std::memory_order_relaxed);
         }
     }
-    state.job = nullptr;
-    state.keep_going = nullptr;
-    if (state.job_error) {
-        std::exception_ptr error = state.job_error;
-        state.job_error = nullptr;
-        std::rethrow_exception(error);
-    }
-    return !state.interrupted;
+    return end_run();
 }
 
 }  // namespace numa_moe

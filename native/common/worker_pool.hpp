@@ -24,6 +24,13 @@
 // done, and the pool stays usable. Thread-creation and pinning failures throw from run()
 // (or start()) with nothing left running.
 //
+// Threads: when the process has an OpenMP runtime loaded (PyTorch's libgomp), run()
+// executes the job on that runtime's thread team instead of the pool's own threads,
+// pinned the same way (openmp_team.hpp says why); the own threads are then never
+// started. A pool with more participants than CPUs (virtual nodes sharing CPUs) keeps
+// its own threads, so the team never grows beyond the CPUs; so do NUMA_MOE_THREADS=own, a
+// forked child, a call from inside an OpenMP region and a team smaller than asked for.
+//
 // Lifetime: shutdown() (also the destructor) stops and joins the threads. After fork()
 // the child has none of the parent's threads: the pool notices (pthread_atfork
 // generation counter), abandons the parent's thread state without touching it and
@@ -42,6 +49,8 @@
 #include <sched.h>
 
 namespace numa_moe {
+
+struct OpenMpRuntime;
 
 struct ThreadInfo {
     int node;    // index of the node in the pool (0 .. n_nodes-1)
@@ -114,7 +123,15 @@ public:
 
 private:
     struct State;
+    struct OpenMpRun;
     static void* thread_main(void* arg);
+    static void openmp_participant(void* run);
+    // Runs the job on the loaded OpenMP team; false when the team came out smaller than
+    // the participants (nothing ran then).
+    bool run_on_openmp(const OpenMpRuntime& omp, bool* completed);
+    void begin_run(int n_phases, const Job& job, const std::function<bool()>& keep_going, int poll_ms);
+    bool end_run();
+    ThreadInfo participant(int index) const;
     void ensure_fresh_after_fork();
     void stop_threads();
     void run_phases(const ThreadInfo& info);
@@ -125,7 +142,8 @@ private:
     int64_t spin_ns_;
     bool oversubscribed_;
     int caller_cpu_;
-    cpu_set_t worker_cpus_;  // the workers' CPUs when pinned
+    cpu_set_t worker_cpus_;   // the workers' CPUs when pinned
+    cpu_set_t process_cpus_;  // the creating thread's affinity: what unpinned threads get
     std::unique_ptr<State> state_;
     uint64_t fork_generation_ = 0;
     int64_t start_count_ = 0;

@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "common/cpu_features.hpp"
+#include "common/openmp_team.hpp"
 #include "common/worker_pool.hpp"
 #include "kernels/amx_model.hpp"
 
@@ -87,6 +90,45 @@ void throwing_job(WorkerPool& pool, int n_phases, int phase, int thrower) {
     });
 }
 
+int64_t gettid_now() { return static_cast<int64_t>(syscall(SYS_gettid)); }
+
+// The kernel thread ids of the participants of one run of `pool`, by participant index,
+// and the CPU affinity each had (a list of CPUs).
+py::tuple participant_threads(WorkerPool& pool) {
+    std::vector<int64_t> tids(pool.participants(), -1);
+    std::vector<std::vector<int>> affinity(pool.participants());
+    {
+        py::gil_scoped_release release;
+        pool.run(1, [&](int, const ThreadInfo& ti) {
+            tids[ti.global] = gettid_now();
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            if (sched_getaffinity(0, sizeof(set), &set) == 0)
+                for (int c = 0; c < CPU_SETSIZE; ++c)
+                    if (CPU_ISSET(c, &set)) affinity[ti.global].push_back(c);
+        });
+    }
+    return py::make_tuple(tids, affinity);
+}
+
+// The kernel thread ids of a team of n threads of the loaded OpenMP runtime (empty when
+// there is none), by OpenMP thread number.
+std::vector<int64_t> openmp_team_threads(int n) {
+    const OpenMpRuntime* omp = loaded_openmp();
+    if (!omp) return {};
+    struct Team {
+        const OpenMpRuntime* omp;
+        std::vector<int64_t> tids;
+    } team{omp, std::vector<int64_t>(n, -1)};
+    py::gil_scoped_release release;
+    omp->parallel([](void* raw) {
+        Team& t = *static_cast<Team*>(raw);
+        const int i = t.omp->thread_num();
+        if (i < static_cast<int>(t.tids.size())) t.tids[i] = gettid_now();
+    }, &team, static_cast<unsigned>(n), 0);
+    return team.tids;
+}
+
 void amx_model_tile_dot(const py::array& config, bool int8, py::array& c, const py::array& a, const py::array& b) {
     if (config.nbytes() != 64 || !(config.flags() & py::array::c_style))
         throw std::invalid_argument("config: expected 64 contiguous bytes");
@@ -107,6 +149,10 @@ void register_testing(py::module_& parent) {
     m.def("participant_cpus", &participant_cpus, py::arg("pool"));
     m.def("busy_job", &busy_job, py::arg("pool"), py::arg("seconds"));
     m.def("throwing_job", &throwing_job, py::arg("pool"), py::arg("n_phases"), py::arg("phase"), py::arg("thrower"));
+    m.def("participant_threads", &participant_threads, py::arg("pool"),
+          "(thread ids, CPU affinities) of the participants of one run, by participant index.");
+    m.def("openmp_team_threads", &openmp_team_threads, py::arg("n"),
+          "Thread ids of a team of n threads of the loaded OpenMP runtime (empty: none loaded).");
     m.def("amx_model_tile_dot", &amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"), py::arg("a"),
           py::arg("b"), "One TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
 }

@@ -1,0 +1,97 @@
+"""Whose threads run the pools' jobs: with torch loaded, the team of torch's own OpenMP
+runtime (so torch's intra-op threads and numa-moe's workers are the same threads and
+cannot compete for the CPUs), pinned per node; otherwise, or when asked, the pools' own."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from numa_moe import _native, kernels
+from test_kernels import FFN_TOL_F32, ffn_reference, random_expert, rel_fro
+
+torch = pytest.importorskip("torch")
+testing = getattr(_native, "testing", None)
+needs_hooks = pytest.mark.skipif(testing is None, reason="built without NUMA_MOE_TEST_HOOKS (tools/setup.sh turns it on)")
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+def thread_ids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def warm_torch_team():
+    torch.set_num_threads(len(CPUS))
+    a = torch.randn(256, 256)
+    (a @ a).sum()  # a parallel region: torch's OpenMP team exists from here on
+
+
+@pytest.fixture(autouse=True)
+def default_backend(monkeypatch):
+    monkeypatch.delenv("NUMA_MOE_THREADS", raising=False)
+    warm_torch_team()
+
+
+def test_torch_loaded_means_its_openmp_team():
+    assert _native.thread_backend().startswith("openmp (") and "libgomp" in _native.thread_backend()
+
+
+def test_own_threads_when_asked(monkeypatch):
+    monkeypatch.setenv("NUMA_MOE_THREADS", "own")
+    assert _native.thread_backend() == "own threads (NUMA_MOE_THREADS=own)"
+
+
+def node_layouts():
+    one = [CPUS]                                  # 1 node, one participant per CPU
+    two = [[c] for c in CPUS[:2]] if len(CPUS) >= 2 else None  # a virtual 2-node split
+    return [pytest.param(one, id="1-node")] + ([pytest.param(two, id="2-virtual-nodes")] if two else [])
+
+
+@needs_hooks
+@pytest.mark.parametrize("node_cpus", node_layouts())
+def test_a_run_is_torchs_team_pinned_per_node(node_cpus):
+    pool = _native.WorkerPool(node_cpus)
+    tids, affinity = testing.participant_threads(pool)
+    team = testing.openmp_team_threads(pool.participants)
+    assert sorted(tids) == sorted(team), "the participants are not the OpenMP team's threads"
+    workers = [cpu for cpus in node_cpus for cpu in cpus]
+    assert affinity == [[cpu] for cpu in workers], "each participant runs pinned to its node's CPU"
+    # torch's team is no bigger than the participants: no torch thread is left to spin
+    # beside them while a layer call runs.
+    assert set(testing.openmp_team_threads(torch.get_num_threads())) <= set(tids)
+    assert not pool.started, "the pool's own threads were started although the team ran the job"
+    # The calling thread plays one participant and gets its own affinity back.
+    assert os.getpid() in tids and sorted(os.sched_getaffinity(0)) == CPUS
+
+
+@needs_hooks
+def test_own_threads_are_not_the_team(monkeypatch):
+    monkeypatch.setenv("NUMA_MOE_THREADS", "own")
+    pool = _native.WorkerPool([CPUS])
+    tids, _ = testing.participant_threads(pool)
+    assert pool.started and not set(tids) & set(testing.openmp_team_threads(len(CPUS)))
+    pool.shutdown()
+
+
+def test_no_thread_is_created_per_call_on_the_team(rng):
+    x, wg, wu, wd = random_expert(rng, 256, 384, n_tokens=9)
+    ref = ffn_reference(x, wg, wu, wd, np.arange(9))
+    kernels.expert_ffn(x, wg, wu, wd, threads=len(CPUS))
+    before = thread_ids()
+    for _ in range(5):
+        out = np.full((9, 256), np.nan, np.float32)
+        kernels.expert_ffn(x, wg, wu, wd, threads=len(CPUS), out=out)
+        assert rel_fro(out, ref) < FFN_TOL_F32
+    assert thread_ids() == before
+
+
+@needs_hooks
+def test_errors_on_the_team_are_raised_and_the_team_keeps_working():
+    pool = _native.WorkerPool([CPUS])
+    for thrower in range(pool.participants):
+        with pytest.raises(RuntimeError, match=f"participant {thrower} failed"):
+            testing.throwing_job(pool, 3, 1, thrower)
+        assert testing.barrier_check(pool, 3) == (3 * pool.participants, 0)
+    assert not pool.started
