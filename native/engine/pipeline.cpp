@@ -16,6 +16,9 @@ constexpr size_t kAlign = 64;
 // Rows one kernel call covers at most, so that a long phase can notice an abort.
 constexpr int64_t kRowsPerCall = 1024;
 
+// Token bytes up to which the calling thread gathers a group alone, before the run.
+constexpr int64_t kCallerGatherBytes = 256 * 1024;
+
 bool is_whole_matrix(const std::vector<Segment>& segments, int64_t rows, int64_t cols) {
     return segments.size() == 1 && segments[0].row0 == 0 && segments[0].row_stride == 1 &&
            segments[0].nrows == rows && segments[0].k0 == 0 && segments[0].k1 == cols;
@@ -259,10 +262,16 @@ void StepRun::epilogue(const Group& g, Range h) const {
 }
 
 bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going) {
-    // One expert is gathered by the caller before the run: no phase, no barrier for it.
+    // A small gather (decode: a few tokens per expert) is done by the caller before the
+    // run, which saves a phase and its barrier; a large one (prefill) is spread.
     std::vector<PhaseKind> phases;
-    if (g.end - g.begin > 1) phases.push_back(kGather);
-    else gather(tasks_[g.begin], placed_[g.begin]);
+    int64_t gather_bytes = 0;
+    for (size_t a = g.begin; a < g.end; ++a) gather_bytes += tasks_[a].m * shape_.hidden * 2;
+    if (gather_bytes > kCallerGatherBytes) {
+        phases.push_back(kGather);
+    } else {
+        for (size_t a = g.begin; a < g.end; ++a) gather(tasks_[a], placed_[a]);
+    }
     phases.push_back(kGateUp);
     if (!g.fused) phases.push_back(kSilu);
     phases.push_back(kDown);
