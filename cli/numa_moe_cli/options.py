@@ -79,6 +79,11 @@ def check_output(path: str, option: str, create_parents: bool = False) -> Path:
         raise click.ClickException(f"cannot write {option} {path}: it is {what}; give the "
                                    "path of a regular file")
     target = Path(os.path.realpath(given))
+    special = (("proc",), ("dev",), ("sys",))
+    if target.parts[1:2] in special or Path(os.path.abspath(given)).parts[1:2] in special:
+        # /dev/stdout redirected to a file resolves to /proc/PID/fd/...: not a file to replace.
+        raise click.ClickException(f"cannot write {option} {path}: it is not a regular file "
+                                   "on a disk (/dev, /proc, /sys); give the path of one")
     folder = target.parent
     for parent in (folder, *folder.parents):
         if parent.exists():
