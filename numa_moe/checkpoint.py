@@ -46,6 +46,8 @@ __all__ = [
     "ModelDims",
     "Checkpoint",
     "read_safetensors_header",
+    "open_checkpoint_file",
+    "tensor_nbytes",
     "parse_kind_map",
     "read_matrix_into",
     "KINDS",
@@ -727,7 +729,7 @@ def read_matrix_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = Non
                          f"c_contiguous={out.flags.c_contiguous}")
     own = fd is None
     if own:
-        fd = os.open(matrix.tensor.path, os.O_RDONLY)
+        fd = open_checkpoint_file(matrix.tensor.path)
     try:
         view = memoryview(out.reshape(-1).view(np.uint8))
         done = 0

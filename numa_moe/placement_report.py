@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import KINDS, Checkpoint, NamingPattern
+from numa_moe.checkpoint import KINDS, Checkpoint, NamingPattern, open_checkpoint_file
 from numa_moe.segments import SegmentTable, smallest_period, weight_format
 
 __all__ = [
@@ -340,7 +340,7 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
     for entry in chosen:
         by_file.setdefault(entry[1].path, []).append(entry)
     for path, entries in by_file.items():
-        with open(path, "rb") as f:
+        with os.fdopen(open_checkpoint_file(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         try:

@@ -29,7 +29,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from numa_moe.checkpoint import _short
-from numa_moe.checkpoint import KINDS, Checkpoint, ModelDims, NamingPattern, read_matrix_into
+from numa_moe.checkpoint import (KINDS, Checkpoint, ModelDims, NamingPattern, open_checkpoint_file,
+                                 read_matrix_into)
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
 from numa_moe.pages import page_bytes_of
 from numa_moe.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
@@ -250,7 +251,7 @@ class ExpertStore:
                         for e, matrix in enumerate(source.matrices[kind]):
                             fd = fds.get(matrix.tensor.path)
                             if fd is None:
-                                fd = fds[matrix.tensor.path] = os.open(matrix.tensor.path, os.O_RDONLY)
+                                fd = fds[matrix.tensor.path] = open_checkpoint_file(matrix.tensor.path)
                             read_matrix_into(matrix, buffer[slice(*expert_rows(dims, kind, e))], fd)
                             bar.update(matrix.nbytes)
                         table, theory, was_measured, mismatch = _table_of(
