@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import re
 import shutil
@@ -111,7 +112,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # exact: never wraps
 
 
 def _moe_prefix(spec: ModelSpec, layer: int) -> str:
@@ -196,7 +197,7 @@ def _config(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: int,
 
 def _random_bytes(plan: TensorPlan, rng: np.random.Generator) -> Iterable[bytes]:
     """The tensor's values in row-major chunks: normal(0, 1/sqrt(fan_in)) in its dtype."""
-    total = int(np.prod(plan.shape, dtype=np.int64))
+    total = math.prod(plan.shape)
     scale = np.float32(1.0 / np.sqrt(plan.fan_in))
     done = 0
     while done < total:
