@@ -454,9 +454,10 @@ class Checkpoint:
                     used.append(pat.name)
                 break
             else:
-                if _SHARED_RE.fullmatch(name):
+                # A layer number too long to be one is not a shared expert or router.
+                if _SHARED_RE.fullmatch(name) and _short_layer(_SHARED_RE, name):
                     shared.append(info)
-                elif _ROUTER_RE.fullmatch(name):
+                elif _ROUTER_RE.fullmatch(name) and _short_layer(_ROUTER_RE, name):
                     routers.append(info)
         self.shared_tensors = tuple(shared)
         self.router_tensors = tuple(routers)
@@ -605,6 +606,10 @@ def _group_int(match: re.Match, group: str, pat: NamingPattern, info: TensorInfo
     return int(text)
 
 
+def _short_layer(regex: re.Pattern, name: str) -> bool:
+    return len(regex.fullmatch(name).group("layer")) <= 18
+
+
 def _absent(present, n: int) -> str:
     """``_ranges`` of the ids in 0..n-1 not in ``present``, in time of len(present)
     (n may be a huge count from a config file)."""
@@ -671,7 +676,7 @@ def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
         if len(candidates) == 1:
             index = candidates[0]
     if index.exists() or index.is_symlink():
-        return _read_index(index)
+        return _read_index(index, inside=root)
     files = tuple(sorted(root.glob("*.safetensors")))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files and no model.safetensors.index.json")
@@ -685,8 +690,8 @@ def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
     return files, tensors
 
 
-def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
-    document = _read_json_file(index, None, "safetensors index")
+def _read_index(index: Path, inside: Path | None = None) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
+    document = _read_json_file(index, inside, "safetensors index")
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: not a valid safetensors index (a JSON object with a "

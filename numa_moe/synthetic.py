@@ -290,7 +290,9 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
         raise ValueError(f"experts must be in 1..{spec.n_experts} for {like}, got {n_experts}")
     if H < 1 or I < 1:
         raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
-    out = Path(out_dir)
+    out = given = Path(out_dir)
+    if out.is_symlink():  # build beside the directory it names; the link stays
+        out = Path(os.path.realpath(out))
     _check_replaceable(out, overwrite)
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     # Built in a temporary sibling and swapped in whole: an interrupted run leaves the
@@ -305,7 +307,7 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
         _swap_in(build, out)
     finally:
         shutil.rmtree(build, ignore_errors=True)  # the new build, or the old checkpoint
-    return out
+    return given
 
 
 # Files make_checkpoint writes: a directory holding only these, with a config.json that

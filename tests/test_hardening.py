@@ -419,3 +419,31 @@ def test_tables_says_it_created_folders(tmp_path):
     result = _cli("tables", d, "-o", target, "--quiet")
     assert result.returncode == 0, result.stderr
     assert f"created folder {target.parent}" in result.stderr and target.exists()
+
+
+def test_layer_numbers_too_long_for_an_int_are_messages(tmp_path):
+    d = _tiny_expert_dir(tmp_path / "ck", _one_expert() + [
+        ("model.layers." + "7" * 5000 + ".mlp.gate.weight", (1, 4)),
+        ("model.layers." + "7" * 5000 + ".mlp.experts.0.gate_proj.weight", (2, 4))])
+    with pytest.raises(CheckpointError, match="not a non-negative integer below 10"):
+        Checkpoint.open(d)
+
+
+def test_index_found_in_a_directory_may_not_link_out_of_it(tmp_path):
+    d = _small(tmp_path / "d")
+    names = list(read_safetensors_header(d / "model.safetensors")[0])
+    outside = tmp_path / "index.json"
+    outside.write_text(json.dumps({"weight_map": {name: "model.safetensors" for name in names}}))
+    (d / "model.safetensors.index.json").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"index\.json: is a symlink to .*outside"):
+        Checkpoint.open(d)
+
+
+def test_make_checkpoint_through_a_symlink_keeps_the_link(tmp_path):
+    real = _small(tmp_path / "real")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    make_checkpoint(link, "qwen3-30b-a3b", 1, 2, 0, hidden_size=64, intermediate_size=32,
+                    progress=False)
+    assert link.is_symlink() and Checkpoint.open(link).dims.n_experts == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
