@@ -26,8 +26,10 @@ are reported apart. Any other layout: pass a ``NamingPattern`` (regex with named
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import stat
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,8 @@ __all__ = [
     "ModelDims",
     "Checkpoint",
     "read_safetensors_header",
+    "open_checkpoint_file",
+    "tensor_nbytes",
     "parse_kind_map",
     "read_matrix_into",
     "KINDS",
@@ -65,6 +69,77 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read as asked: the message names the file and tensor."""
 
 
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def _what_is(mode: int) -> str:
+    return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def open_checkpoint_file(path: str | os.PathLike, inside: str | os.PathLike | None = None) -> int:
+    """The one way checkpoint files (shards, index, config.json) are opened: a read-only fd.
+
+    Refuses, with a ``CheckpointError`` naming the file, what would hang or mislead a
+    reader: anything that is not a regular file (a FIFO would block ``open()`` forever,
+    ``/dev/zero`` never ends), and, when ``inside`` is given, a symlink whose target lies
+    outside that directory (a checkpoint directory holds its own files). The open is
+    non-blocking and the type is checked on the open fd, so a file swapped for a FIFO
+    between the check and the open cannot hang it either.
+    """
+    path = Path(path)
+    if inside is not None:
+        try:
+            is_link = path.is_symlink()
+            target = path.resolve(strict=False)
+            root = Path(inside).resolve()
+        except (OSError, RuntimeError) as err:
+            raise CheckpointError(f"{path}: cannot resolve: {err}") from err
+        if is_link and target.parent != root:
+            raise CheckpointError(f"{path}: is a symlink to {os.readlink(path)!r}, outside "
+                                  f"{inside}; a checkpoint's files must lie in its directory")
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: is {_what_is(mode)}, not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from err
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: is {_what_is(mode)}, not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_json_file(path: Path, inside: Path | None, what: str, limit: int = 100_000_000):
+    """A small JSON file (config.json, an index) opened by ``open_checkpoint_file``."""
+    fd = open_checkpoint_file(path, inside)
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise CheckpointError(f"{path}: {what} of {os.fstat(f.fileno()).st_size} bytes is "
+                                  f"larger than the {limit} bytes such a file may have")
+        raw = f.read(limit + 1)
+    return _parse_json(raw, path, what)
+
+
+def _parse_json(raw: bytes, path: Path, what: str):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: {what} is not valid JSON: {err}") from err
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} is nested too deeply to be "
+                              "a plausible one") from None
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Exact byte size of a tensor (Python ints: a shape product never wraps)."""
+    return math.prod(shape) * DTYPE_BYTES[dtype]
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor's bytes lie: ``file_offset`` is absolute within ``path``."""
@@ -81,17 +156,20 @@ class TensorInfo:
         return DTYPE_BYTES[self.dtype]
 
 
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
+def read_safetensors_header(path: str | os.PathLike, inside: str | os.PathLike | None = None
+                            ) -> tuple[dict[str, TensorInfo], dict]:
     """Parse and check the header of a safetensors file; returns (tensors, metadata).
 
-    Checks what a loader would trip over later: a truncated file, a corrupted or
-    non-JSON header, unknown dtypes, offsets that do not match the shape or run past the
-    end of the file.
+    Checks what a loader would trip over later: a file that is not a regular file (or,
+    with ``inside``, a symlink out of that directory), a truncated file, a corrupted or
+    non-JSON header, unknown dtypes, offsets that do not match the shape (computed
+    exactly, never wrapping) or run past the end of the file.
     """
     path = Path(path)
+    fd = open_checkpoint_file(path, inside)
     try:
-        file_bytes = path.stat().st_size
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
+            file_bytes = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({file_bytes} bytes; "
@@ -104,10 +182,7 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
             raw = f.read(header_bytes)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read: {err}") from err
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: corrupted safetensors header (not valid JSON: {err})") from err
+    header = _parse_json(raw, path, "corrupted safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupted safetensors header (a JSON object was expected)")
     metadata = header.pop("__metadata__", None) or {}
@@ -123,15 +198,16 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
             if not isinstance(dtype, str):
                 raise TypeError("dtype is not a string")
         except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{where}: malformed header entry {entry!r}") from err
+            raise CheckpointError(f"{where}: malformed header entry {_short(entry)}") from err
         if dtype not in DTYPE_BYTES:
-            raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+            raise CheckpointError(f"{where}: unknown dtype {_short(dtype)}")
         if any(d < 0 for d in shape):
-            raise CheckpointError(f"{where}: negative dimension in shape {list(shape)}")
-        expected = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
+            raise CheckpointError(f"{where}: negative dimension in shape {_short(list(shape))}")
+        expected = tensor_nbytes(shape, dtype)
         if end - begin != expected or begin < 0:
             raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes "
-                                  f"but shape {list(shape)} {dtype} needs {expected}")
+                                  f"but shape {_short(list(shape))} {dtype} needs "
+                                  f"{_short(expected)}")
         if end > data_bytes:
             raise CheckpointError(f"{where}: data ends at byte {data_start + end} but the file has "
                                   f"only {file_bytes} bytes (truncated file?)")
@@ -149,6 +225,13 @@ def _check_no_overlap(path: Path, tensors: dict) -> None:
         if begin < end:
             raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the file "
                                   f"(corrupted safetensors header)")
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr of a value from a file, cut to one short line (a crafted header may hold
+    megabytes in one field)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _json_ints(value) -> tuple[int, ...]:
@@ -324,11 +407,8 @@ class Checkpoint:
         directory = root if root.is_dir() else root.parent
         config = None
         config_path = directory / "config.json"
-        if config_path.exists():
-            try:
-                config = json.loads(config_path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise CheckpointError(f"{config_path}: cannot parse: {err}") from err
+        if config_path.exists() or config_path.is_symlink():
+            config = _read_json_file(config_path, directory, "config.json")
             if not isinstance(config, dict):
                 raise CheckpointError(f"{config_path}: a JSON object was expected")
         checkpoint = cls(root=root, files=files, tensors=tensors, config=config)
@@ -357,11 +437,12 @@ class Checkpoint:
                     continue
                 raw_kind = match.group("kind")
                 if raw_kind not in pat.kinds:
-                    raise CheckpointError(f"{info.path}: tensor {name!r}: kind {raw_kind!r} is not "
-                                          f"in the pattern's kind mapping {pat.kinds}")
-                for matrix in _matrices_of(info, int(match.group("layer")),
-                                           match.group("expert") if not pat.fused else None,
-                                           pat.kinds[raw_kind]):
+                    raise CheckpointError(f"{info.path}: tensor {_short(name)}: kind "
+                                          f"{_short(raw_kind)} is not in the pattern's kind "
+                                          f"mapping {pat.kinds}")
+                layer_id = _group_int(match, "layer", pat, info)
+                expert_id = None if pat.fused else _group_int(match, "expert", pat, info)
+                for matrix in _matrices_of(info, layer_id, expert_id, pat.kinds[raw_kind]):
                     key = (matrix.layer, matrix.expert, matrix.kind)
                     if key in found:
                         other = found[key].tensor
@@ -373,9 +454,10 @@ class Checkpoint:
                     used.append(pat.name)
                 break
             else:
-                if _SHARED_RE.fullmatch(name):
+                # A layer number too long to be one is not a shared expert or router.
+                if _SHARED_RE.fullmatch(name) and _short_layer(_SHARED_RE, name):
                     shared.append(info)
-                elif _ROUTER_RE.fullmatch(name):
+                elif _ROUTER_RE.fullmatch(name) and _short_layer(_ROUTER_RE, name):
                     routers.append(info)
         self.shared_tensors = tuple(shared)
         self.router_tensors = tuple(routers)
@@ -414,13 +496,15 @@ class Checkpoint:
             kinds = by_layer[layer]
             all_experts = sorted(set().union(*(set(m) for m in kinds.values())))
             n_experts = int(e_config) if e_config is not None else all_experts[-1] + 1
+            # n_experts may be any count a config.json names: nothing is sized by it
+            # until every expert is found present (so it is bounded by the tensors).
             problems = []
             for kind in KINDS:
                 have = kinds.get(kind, {})
-                missing = [e for e in range(n_experts) if e not in have]
+                missing = _absent(have, n_experts)
                 extra = [e for e in have if e >= n_experts]
                 if missing:
-                    problems.append(f"{kind} missing for expert(s) {_ranges(missing)}")
+                    problems.append(f"{kind} missing for expert(s) {missing}")
                 if extra:
                     problems.append(f"{kind} present for expert(s) {_ranges(extra)} beyond the "
                                     f"{n_experts} experts of {e_key or 'the layer'}")
@@ -508,6 +592,35 @@ class Checkpoint:
         }
 
 
+def _group_int(match: re.Match, group: str, pat: NamingPattern, info: TensorInfo) -> int:
+    """The layer or expert number a naming pattern's group matched, as a checked int."""
+    text = match.group(group)
+    if text is None:
+        raise CheckpointError(f"{info.path}: tensor {_short(info.name)} matches naming pattern "
+                              f"{pat.name!r} but its {group!r} group took no part in the match; "
+                              f"the group must always match a number")
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise CheckpointError(f"{info.path}: tensor {_short(info.name)}: naming pattern "
+                              f"{pat.name!r} read {group} {_short(text)}, which is not a "
+                              "non-negative integer below 10**18")
+    return int(text)
+
+
+def _short_layer(regex: re.Pattern, name: str) -> bool:
+    return len(regex.fullmatch(name).group("layer")) <= 18
+
+
+def _absent(present, n: int) -> str:
+    """``_ranges`` of the ids in 0..n-1 not in ``present``, in time of len(present)
+    (n may be a huge count from a config file)."""
+    out, start = [], 0
+    for value in sorted(v for v in set(present) if v < n) + [n]:
+        if value > start:
+            out.append(str(start) if value == start + 1 else f"{start}-{value - 1}")
+        start = value + 1
+    return ",".join(out)
+
+
 def _ranges(values: list[int]) -> str:
     values = sorted(values)
     out, start = [], None
@@ -526,11 +639,18 @@ def _matrices_of(info: TensorInfo, layer: int, expert: str | None, kind: str) ->
         if len(info.shape) != 2 or kind == "gate_up":
             raise CheckpointError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}; "
                                   f"a per-expert {kind} matrix must be 2-D")
+        if 0 in info.shape:
+            raise CheckpointError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}; "
+                                  "an expert matrix must have at least one element")
         return [ExpertMatrix(layer, int(expert), kind, info, info.file_offset, *info.shape)]
     if len(info.shape) != 3:
         raise CheckpointError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}; a fused "
                               f"expert tensor must be 3-D [experts, rows, cols]")
     n_experts, rows, cols = info.shape
+    if 0 in info.shape:
+        # Also what bounds the expert count: E x rows x cols elements are bytes present.
+        raise CheckpointError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}; "
+                              "a fused expert tensor must hold at least one element per expert")
     per_expert = rows * cols * info.itemsize
     if kind == "gate_up":
         if rows % 2:
@@ -545,56 +665,58 @@ def _matrices_of(info: TensorInfo, layer: int, expert: str | None, kind: str) ->
 
 
 def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
-    if root.is_file() and root.name.endswith(".json"):
-        return _read_index(root)
-    if root.is_file():
+    if not root.is_dir():  # a file named on the command line (a FIFO or device is refused)
+        if root.name.endswith(".json"):
+            return _read_index(root)
         tensors, _ = read_safetensors_header(root)
         return (root,), tensors
     index = root / "model.safetensors.index.json"
-    if not index.exists():
+    if not (index.exists() or index.is_symlink()):
         candidates = sorted(root.glob("*.safetensors.index.json"))
         if len(candidates) == 1:
             index = candidates[0]
-    if index.exists():
-        return _read_index(index)
+    if index.exists() or index.is_symlink():
+        return _read_index(index, inside=root)
     files = tuple(sorted(root.glob("*.safetensors")))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files and no model.safetensors.index.json")
     tensors: dict[str, TensorInfo] = {}
     for path in files:
-        for name, info in read_safetensors_header(path)[0].items():
+        # The same rule as an index's shards: files of the directory, no links out of it.
+        for name, info in read_safetensors_header(path, inside=root)[0].items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} is in both {tensors[name].path} and {path}")
             tensors[name] = info
     return files, tensors
 
 
-def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{index}: not a valid safetensors index ({err!r})") from err
+def _read_index(index: Path, inside: Path | None = None) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
+    document = _read_json_file(index, inside, "safetensors index")
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: not a valid safetensors index (a JSON object with a "
+                              f"\"weight_map\" object of tensor name -> shard file name was expected)")
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, filename in weight_map.items():
+        if not isinstance(filename, str) or not filename:
+            raise CheckpointError(f"{index}: weight_map[{_short(name)}] is {_short(filename)}; "
+                                  "a shard file name (a string) was expected")
         by_file[filename].append(name)
     tensors: dict[str, TensorInfo] = {}
     files = []
-    root = index.parent.resolve()
     for filename in sorted(by_file):
         path = index.parent / filename
-        if not isinstance(filename, str) or path.resolve().parent != root:
-            raise CheckpointError(f"{index}: shard {filename!r} is not a file name inside {index.parent} "
-                                  f"(an index may only name shards beside it)")
-        if not path.exists():
+        if "/" in filename or "\0" in filename or filename in (".", ".."):
+            raise CheckpointError(f"{index}: shard {_short(filename)} is not a file name inside "
+                                  f"{index.parent} (an index may only name shards beside it)")
+        if not (path.exists() or path.is_symlink()):
             raise CheckpointError(f"{index}: shard {filename!r} (holding e.g. tensor "
                                   f"{by_file[filename][0]!r}) does not exist")
-        header = read_safetensors_header(path)[0]
+        header = read_safetensors_header(path, inside=index.parent)[0]
         for name in by_file[filename]:
             if name not in header:
-                raise CheckpointError(f"{path}: missing tensor {name!r} (listed for this file in "
-                                      f"{index.name})")
+                raise CheckpointError(f"{path}: missing tensor {_short(name)} (listed for this "
+                                      f"file in {index.name})")
             tensors[name] = header[name]
         files.append(path)
     return tuple(files), tensors
@@ -612,7 +734,7 @@ def read_matrix_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = Non
                          f"c_contiguous={out.flags.c_contiguous}")
     own = fd is None
     if own:
-        fd = os.open(matrix.tensor.path, os.O_RDONLY)
+        fd = open_checkpoint_file(matrix.tensor.path)
     try:
         view = memoryview(out.reshape(-1).view(np.uint8))
         done = 0

@@ -140,7 +140,9 @@ def ensure_default_checkpoint(like: str = DEFAULT_LIKE, layers: int | None = Non
     path = default_checkpoint_dir(like, layers)
     if not (path / "config.json").exists():
         echo(f"generating the embedded checkpoint ({like}) into {path}")
-        make_checkpoint(path, like=like, layers=layers)
+        # The cache directory is numa-moe's own: a run interrupted by an older version
+        # (files but no config.json) is replaced, not refused.
+        make_checkpoint(path, like=like, layers=layers, overwrite=True)
     return path
 
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import KINDS, Checkpoint, NamingPattern
+from numa_moe.checkpoint import KINDS, Checkpoint, NamingPattern, open_checkpoint_file
 from numa_moe.segments import SegmentTable, smallest_period, weight_format
 
 __all__ = [
@@ -305,6 +305,11 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
 
     if touch not in ("resident", "all", "none"):
         raise ValueError(f"touch must be 'resident', 'all' or 'none', got {touch!r}")
+    if tensor is not None and not any(ch in tensor for ch in "*?["):
+        try:
+            re.compile(tensor)
+        except re.error as err:
+            raise ValueError(f"tensor pattern {tensor!r} is not a valid regex: {err}") from None
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
     workers = _worker_nodes(nodes)
@@ -335,7 +340,7 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
     for entry in chosen:
         by_file.setdefault(entry[1].path, []).append(entry)
     for path, entries in by_file.items():
-        with open(path, "rb") as f:
+        with os.fdopen(open_checkpoint_file(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         try:
@@ -404,11 +409,12 @@ def placement_report(store, keep_pages: bool = True) -> PlacementReport:
 
 
 def plot_placement(report: PlacementReport, path: str | os.PathLike, max_tensors: int = 48,
-                   title: str | None = None) -> int:
+                   title: str | None = None, format: str | None = None) -> int:
     """One horizontal strip per tensor, each page coloured by its node (grey: not present);
     every strip is scaled to the full width (x: fraction of the tensor's pages).
 
     Returns the number of strips drawn. Needs matplotlib (``pip install numa-moe[plot]``).
+    ``format`` (e.g. "png") when ``path``'s suffix does not name one.
     """
     try:
         import matplotlib
@@ -448,7 +454,7 @@ def plot_placement(report: PlacementReport, path: str | os.PathLike, max_tensors
               fontsize=7, frameon=False, borderaxespad=0.2)
     ax.set_title(title or f"page placement: {_short(report.source, 50)}", fontsize=8, loc="left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=format)  # format: None = from the file name
     plt.close(fig)
     return len(tensors)
 

@@ -153,6 +153,27 @@ def _non_negative_int(value, name: str) -> int:
     return int(value)
 
 
+# The most NUMA nodes there can be: Linux's MAX_NUMNODES (CONFIG_NODES_SHIFT <= 10) and
+# the virtual topology's limit. Node counts and ids are checked against it before any
+# per-node structure is built.
+MAX_NODES = 1024
+
+# Entries (row classes plus pages of one period) a theoretical table may need to compute:
+# the work is O(min(rows, 2 T) + pages of T rows), so a huge shape is refused up front
+# instead of allocating until the machine runs out of memory (the limit costs ~1 GB and
+# seconds). Real expert buffers need thousands.
+MAX_TABLE_WORK = 1 << 22
+
+
+def check_node_id(node) -> int:
+    """A NUMA node id: an integer in [0, MAX_NODES)."""
+    node = _non_negative_int(node, "node id")
+    if node >= MAX_NODES:
+        raise ValueError(f"node id {node} is not below {MAX_NODES} (the most nodes a Linux "
+                         "machine or a virtual topology has)")
+    return node
+
+
 def _check_page_bytes(page_bytes, fmt: WeightFormat) -> int:
     page_bytes = _positive_int(page_bytes, "page_bytes")
     if page_bytes & (page_bytes - 1):
@@ -184,7 +205,11 @@ def _check_offset(offset_bytes, page_bytes: int, fmt: WeightFormat) -> int:
 def _check_nodes(nodes) -> tuple[int, ...]:
     if isinstance(nodes, (int, np.integer)) and not isinstance(nodes, bool):
         # An int N is shorthand for nodes 0..N-1.
-        return tuple(range(_positive_int(nodes, "number of nodes")))
+        count = _positive_int(nodes, "number of nodes")
+        if count > MAX_NODES:
+            raise ValueError(f"number of nodes must be at most {MAX_NODES} (the most a Linux "
+                             f"machine or a virtual topology has), got {count}")
+        return tuple(range(count))
     try:
         values = tuple(nodes)
     except TypeError:
@@ -193,7 +218,7 @@ def _check_nodes(nodes) -> tuple[int, ...]:
         raise ValueError("nodes is empty: give at least one NUMA node")
     out = []
     for node in values:
-        out.append(_non_negative_int(node, "node id"))
+        out.append(check_node_id(node))
     if len(set(out)) != len(out):
         dup = sorted({n for n in out if out.count(n) > 1})
         raise ValueError(f"nodes {list(out)} has duplicate node ids {dup}")
@@ -481,11 +506,21 @@ class SegmentTable:
         period = period_rows(row_bytes, page_bytes, len(nodes))
         head_rows = min(rows, period)
         head_pages = (offset_bytes + head_rows * row_bytes - 1) // page_bytes + 1
+        # Row r has the runs of class r % period, so the smallest period of the whole
+        # sequence is that of its first 2 * period rows (Fine and Wilf): the work is
+        # bounded by the period, not by rows.
+        sampled_rows = min(rows, 2 * period)
+        if sampled_rows + head_pages > MAX_TABLE_WORK:
+            raise ValueError(
+                f"a {rows} x {cols} {fmt.name} matrix over {len(nodes)} node(s) with "
+                f"{page_bytes} B pages repeats every {period} rows of {row_bytes} B; its table "
+                f"would take {sampled_rows + head_pages} row/page entries to compute, more "
+                f"than the {MAX_TABLE_WORK} allowed")
         node_ids = np.asarray(nodes, dtype=np.int64)
         page_node = node_ids[(int(phase) + np.arange(head_pages, dtype=np.int64)) % len(nodes)]
         runs = _runs_from_page_nodes(head_rows, row_bytes, fmt, page_bytes, offset_bytes,
                                      page_node)
-        row_class = np.arange(rows, dtype=np.int64) % period
+        row_class = np.arange(sampled_rows, dtype=np.int64) % period
         table_period, segments = _compress(rows, runs, row_class, nodes)
         return cls(rows, cols, fmt.name, page_bytes, tuple(sorted(nodes)), table_period,
                    segments, "theoretical", 0)
@@ -601,7 +636,8 @@ class SegmentTable:
                              f"the table's {self.rows} rows")
         runs, p = self._class_runs()
         n = stop - start
-        row_class = (start + np.arange(n, dtype=np.int64)) % p
+        # p-periodic as in theoretical(): 2 p rows decide the period of any length.
+        row_class = (start + np.arange(min(n, 2 * p), dtype=np.int64)) % p
         table_period, segments = _compress(n, runs, row_class, self.nodes)
         missing = 0 if self.pages_not_present == 0 else None
         return SegmentTable(n, self.cols, self.fmt, self.page_bytes, self.nodes,

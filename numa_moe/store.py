@@ -28,10 +28,12 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import KINDS, Checkpoint, ModelDims, NamingPattern, read_matrix_into
+from numa_moe.checkpoint import _short
+from numa_moe.checkpoint import (KINDS, Checkpoint, ModelDims, NamingPattern, open_checkpoint_file,
+                                 read_matrix_into)
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
 from numa_moe.pages import page_bytes_of
-from numa_moe.segments import SegmentTable, scale_shape, weight_format
+from numa_moe.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
 
 __all__ = [
     "PAGE_SIZES",
@@ -63,15 +65,18 @@ def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | No
             if "," not in text:
                 nodes = int(text)
             else:
-                return tuple(int(part) for part in text.split(",") if part.strip())
+                nodes = [int(part) for part in text.split(",") if part.strip()]
         except ValueError:
             raise ValueError(f"nodes must be a count N or a list of node ids such as 0,2; "
-                             f"got {nodes!r}") from None
+                             f"got {_short(nodes)}") from None
     if isinstance(nodes, (int, np.integer)) and not isinstance(nodes, bool):
         if nodes < 1:
             raise ValueError(f"number of nodes must be >= 1, got {nodes}")
+        if nodes > MAX_NODES:
+            raise ValueError(f"number of nodes must be at most {MAX_NODES} (the most a Linux "
+                             f"machine or a virtual topology has), got {nodes}")
         return tuple(range(int(nodes)))
-    return tuple(int(n) for n in nodes)
+    return tuple(check_node_id(int(n)) for n in nodes)
 
 
 def buffer_shape(dims: ModelDims, kind: str) -> tuple[int, int]:
@@ -246,7 +251,7 @@ class ExpertStore:
                         for e, matrix in enumerate(source.matrices[kind]):
                             fd = fds.get(matrix.tensor.path)
                             if fd is None:
-                                fd = fds[matrix.tensor.path] = os.open(matrix.tensor.path, os.O_RDONLY)
+                                fd = fds[matrix.tensor.path] = open_checkpoint_file(matrix.tensor.path)
                             read_matrix_into(matrix, buffer[slice(*expert_rows(dims, kind, e))], fd)
                             bar.update(matrix.nbytes)
                         table, theory, was_measured, mismatch = _table_of(

@@ -14,8 +14,13 @@ time so memory stays at about one tensor. The reader side is tested against the
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import os
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -107,7 +112,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # exact: never wraps
 
 
 def _moe_prefix(spec: ModelSpec, layer: int) -> str:
@@ -192,7 +197,7 @@ def _config(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: int,
 
 def _random_bytes(plan: TensorPlan, rng: np.random.Generator) -> Iterable[bytes]:
     """The tensor's values in row-major chunks: normal(0, 1/sqrt(fan_in)) in its dtype."""
-    total = int(np.prod(plan.shape, dtype=np.int64))
+    total = math.prod(plan.shape)
     scale = np.float32(1.0 / np.sqrt(plan.fan_in))
     done = 0
     while done < total:
@@ -217,6 +222,17 @@ def write_safetensors(path: str | os.PathLike, plans: list[TensorPlan],
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors does
     tmp = Path(str(path) + ".tmp")
+    try:
+        _write_safetensors_to(tmp, raw, plans, chunks, on_bytes)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_safetensors_to(tmp: Path, raw: bytes, plans: list[TensorPlan],
+                          chunks: Callable[[TensorPlan], Iterable[bytes]],
+                          on_bytes: Callable[[int], None] | None) -> None:
     with open(tmp, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
@@ -230,7 +246,6 @@ def write_safetensors(path: str | os.PathLike, plans: list[TensorPlan],
             if written != plan.nbytes:
                 raise RuntimeError(f"internal error: {plan.name} produced {written} bytes, "
                                    f"expected {plan.nbytes}")
-    os.replace(tmp, path)
 
 
 def _shards(plans: list[TensorPlan], max_shard_bytes: int) -> list[list[TensorPlan]]:
@@ -249,8 +264,14 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
                     layers: int | None = None, experts: int | None = None, seed: int = 0,
                     *, hidden_size: int | None = None, intermediate_size: int | None = None,
                     fused: bool = False, shared: bool = True,
-                    max_shard_bytes: int = 512 << 20, progress: bool = True) -> Path:
+                    max_shard_bytes: int = 512 << 20, progress: bool = True,
+                    overwrite: bool = False) -> Path:
     """Write a generated checkpoint into ``out_dir`` and return the directory.
+
+    ``out_dir`` must be new, empty or a previous output of this function; anything else
+    is refused unless ``overwrite`` (then the whole directory is replaced). The
+    checkpoint is built in a temporary sibling directory and swapped in at the end, so an
+    interrupted run leaves ``out_dir`` as it was.
 
     ``layers``/``experts`` default to the model's small defaults (``MODEL_SPECS``);
     ``hidden_size``/``intermediate_size`` override the real shapes (tests only).
@@ -269,11 +290,94 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
         raise ValueError(f"experts must be in 1..{spec.n_experts} for {like}, got {n_experts}")
     if H < 1 or I < 1:
         raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
-        stale.unlink()  # a previous run's shards would otherwise be read as part of this one
+    out = given = Path(out_dir)
+    if out.is_symlink():  # build beside the directory it names; the link stays
+        out = Path(os.path.realpath(out))
+    _check_replaceable(out, overwrite)
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    # Built in a temporary sibling and swapped in whole: an interrupted run leaves the
+    # previous checkpoint (or nothing) in out_dir, never a mix, and no temporary behind.
+    build = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
+    try:
+        _write_checkpoint(build, spec, n_layers, n_experts, H, I, seed, fused, shared,
+                          max_shard_bytes, progress, like)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(build, 0o777 & ~umask)  # mkdtemp's 0700 would surprise a user sharing it
+        _swap_in(build, out)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)  # the new build, or the old checkpoint
+    return given
 
+
+# Files make_checkpoint writes: a directory holding only these, with a config.json that
+# says it was generated, is a previous output and may be replaced without --overwrite.
+_OWN_FILE = re.compile(r"config\.json|model\.safetensors|model\.safetensors\.index\.json"
+                       r"|model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory; the output must be a directory")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries or overwrite:
+        return
+    foreign = [name for name in entries if not _OWN_FILE.fullmatch(name)]
+    generated = False
+    if not foreign:
+        try:
+            config = json.loads((out / "config.json").read_text())
+            generated = isinstance(config, dict) and isinstance(config.get("numa_moe_synthetic"), dict)
+        except (OSError, ValueError, RecursionError):
+            generated = False
+    if foreign or not generated:
+        shown = ", ".join(foreign[:3] or entries[:3]) + (" ..." if len(foreign or entries) > 3 else "")
+        raise ValueError(f"{out}: not empty and not a previous make-checkpoint output (it holds "
+                         f"{shown}); refusing to replace it. Choose a new or empty directory, or "
+                         "pass --overwrite to replace the directory and everything in it")
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _swap_in(build: Path, out: Path) -> None:
+    """Put ``build`` at ``out``; the previous ``out`` (if any) ends up at ``build``.
+
+    One renameat2(RENAME_EXCHANGE) where Linux offers it, so ``out`` is never missing or
+    half-written; elsewhere two renames, undone if the second one fails.
+    """
+    if not (out.exists() or out.is_symlink()):
+        os.rename(build, out)
+        build.mkdir()  # the caller removes it
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        renameat2 = None
+    if renameat2 is not None:
+        at_fdcwd = -100
+        if renameat2(at_fdcwd, os.fsencode(build), at_fdcwd, os.fsencode(out), _RENAME_EXCHANGE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: no exchange here
+            raise OSError(err, f"cannot swap {build} into {out}: {os.strerror(err)}")
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old.tmp", dir=build.parent))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(build, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    os.rename(old, build)
+
+
+def _write_checkpoint(out: Path, spec: ModelSpec, n_layers: int, n_experts: int, H: int, I: int,
+                      seed: int, fused: bool, shared: bool, max_shard_bytes: int, progress: bool,
+                      like: str) -> None:
     plans = checkpoint_plan(spec, n_layers, n_experts, H, I, fused=fused, shared=shared)
     # One generator per tensor, derived from (seed, tensor index): the values do not
     # depend on how the tensors are sharded.
@@ -299,4 +403,3 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config = _config(spec, n_layers, n_experts, H, I, seed, fused)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from numa_moe_cli.options import PAGES, isa_option, wrote
+from numa_moe_cli.options import PAGES, check_output, isa_option, output_file, wrote
 
 
 @click.group()
@@ -40,6 +40,8 @@ def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_tor
     from numa_moe.benchmarking import kernels as kernel_bench
     from numa_moe.memory import PlacementError
 
+    if json_path:
+        check_output(json_path, "--json")  # before the benchmark, not after it
     try:
         result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
                                   repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
@@ -51,7 +53,8 @@ def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_tor
         hint = " (--page 4k runs without them)" if page == "2m" else ""
         raise click.ClickException(f"{error}{hint}") from None
     if json_path:
-        kernel_bench.to_json(result, json_path)
+        with output_file(json_path, "--json") as tmp:
+            kernel_bench.to_json(result, tmp)
         wrote(json_path)
 
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import click
 
-from numa_moe_cli.options import page_option
+from numa_moe_cli.options import check_output, output_file, page_option, write_output
 
 _MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b")
 
@@ -45,24 +43,6 @@ def _open(path: str, pattern: str | None, kinds: str | None):
         raise click.ClickException(str(err)) from None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    folder = path.resolve().parent
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would surprise a user sharing the file
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @click.command("make-checkpoint")
 @click.option("--like", "like", type=click.Choice(_MODELS), default="qwen3-30b-a3b", show_default=True,
               help="Model whose expert shapes, tensor names and config keys are reproduced.")
@@ -78,17 +58,24 @@ def _write_atomic(path: Path, text: str) -> None:
               help="Shard the output above this many MiB per file.")
 @click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=False),
               help="Output directory.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUTPUT even when it holds files this command did not write (the "
+                   "whole directory is replaced). Without it such a directory is refused.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, quiet):
+def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
+                            quiet):
     """Generate a small safetensors checkpoint with a real model's expert shapes."""
     from numa_moe.checkpoint import Checkpoint
     from numa_moe.synthetic import make_checkpoint
 
     try:
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
-                              max_shard_bytes=shard_mb << 20, progress=not quiet)
+                              max_shard_bytes=shard_mb << 20, progress=not quiet,
+                              overwrite=overwrite)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
+    except OSError as err:
+        raise click.ClickException(f"cannot write {output}: {err.strerror or err}") from None
     ck = Checkpoint.open(out)
     size = sum(f.stat().st_size for f in ck.files)
     d = ck.dims
@@ -110,7 +97,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
               show_default=True, help="Element format of the group scales (int8/int4 only).")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
-              help="JSON file to write the tables to (folders are created).")
+              help="JSON file to write the tables to (missing folders are created, and said so).")
 @_pattern_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, output, pattern,
@@ -123,6 +110,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
 
     if group is not None and fmt == "bf16":
         raise click.UsageError("--group applies to --format int8/int4 only")
+    check_output(output, "-o", create_parents=True)
     ck = _open(checkpoint, pattern, kinds)
     try:
         node_ids = parse_nodes(nodes)
@@ -158,7 +146,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         "layers": {str(layer): {name: t.to_dict() for name, t in per_layer.items()}
                    for layer, per_layer in tables.items()},
     }
-    _write_atomic(Path(output), json.dumps(document, indent=1) + "\n")
+    write_output(output, json.dumps(document, indent=1) + "\n", "-o", create_parents=True)
     click.echo(f"{ck.root}: {len(tables)} MoE layer(s), E={d.n_experts} H={d.hidden_size} "
                f"I={d.intermediate_size}; {fmt}, {page} pages, nodes {list(node_ids)}")
     click.echo(f"{'layer':>5}  {'buffer':<12} {'shape':>16}  {'period':>7}  {'segs':>5}  "
@@ -194,6 +182,8 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
 
     if pages and not as_json:
         raise click.UsageError("--pages needs --json (the text report has no per-page lists)")
+    if plot:
+        check_output(plot, "--plot")
     ck = _open(checkpoint, pattern, kinds)
     try:
         report = inspect_checkpoint(ck, tensor=tensor, nodes=nodes, touch=touch,
@@ -206,7 +196,8 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
         click.echo(report.format_text())
     if plot:
         try:
-            drawn = plot_placement(report, plot)
-        except (RuntimeError, OSError) as err:
+            with output_file(plot, "--plot") as tmp:
+                drawn = plot_placement(report, tmp, format="png")
+        except RuntimeError as err:
             raise click.ClickException(f"cannot write the plot {plot}: {err}") from None
         click.echo(f"wrote {plot} ({drawn} of {len(report.tensors)} tensors)", err=as_json)

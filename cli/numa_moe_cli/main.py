@@ -7,6 +7,10 @@ only assembles the group.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import sys
+import threading
 
 import click
 
@@ -25,7 +29,29 @@ _COMMANDS = {
 }
 
 
+def _terminate(signum, frame):
+    # SIGTERM as an exception, like SIGINT's KeyboardInterrupt: cleanup handlers run (no
+    # temporary file or directory is left behind) and the exit status is the usual 143.
+    raise SystemExit(128 + signum)
+
+
 class _LazyGroup(click.Group):
+    def main(self, *args, **kwargs):
+        """click's main, plus: SIGTERM runs the cleanup handlers, and a closed stdout
+        (``numa-moe ... | head``) ends the command quietly (the Python docs' recipe)."""
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _terminate)
+        try:
+            return super().main(*args, **kwargs)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(1)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
     def list_commands(self, ctx):
         return sorted(_COMMANDS)
 

@@ -3,6 +3,11 @@ everywhere."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
 import click
 
 from numa_moe.pages import PAGE_CHOICES
@@ -36,3 +41,94 @@ def page_option(default: str = DEFAULT_PAGE, help_text: str = PAGE_HELP):
 def wrote(path: str, what: str = "") -> None:
     """Says where a --json/-o writer wrote (on stderr, so that stdout stays the report)."""
     click.echo(f"wrote {what + ' ' if what else ''}{path}", err=True)
+
+
+# ------------------------------------------------------------------ output files
+
+def _what_is(path: Path) -> str | None:
+    """None for a regular file (or nothing there), else what the path is."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # nothing there yet (a parent that is a file is reported apart)
+    except OSError as err:
+        return f"unusable ({err.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a pipe (FIFO)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def check_output(path: str, option: str, create_parents: bool = False) -> Path:
+    """The real file an output option names, refused (one-line click error, exit 1) when it
+    cannot be written as a regular file: a device, a pipe such as /dev/stdout, a
+    directory, a parent that is a file or (unless ``create_parents``) missing.
+
+    Symlinks are followed: the file written is the link's target, the link is kept.
+    Call it before the work, so that a bad path fails in a second, not after the job.
+    """
+    given = Path(path)
+    what = _what_is(given)
+    if what is not None:
+        raise click.ClickException(f"cannot write {option} {path}: it is {what}; give the "
+                                   "path of a regular file")
+    target = Path(os.path.realpath(given))
+    special = (("proc",), ("dev",), ("sys",))
+    if target.parts[1:2] in special or Path(os.path.abspath(given)).parts[1:2] in special:
+        # /dev/stdout redirected to a file resolves to /proc/PID/fd/...: not a file to replace.
+        raise click.ClickException(f"cannot write {option} {path}: it is not a regular file "
+                                   "on a disk (/dev, /proc, /sys); give the path of one")
+    folder = target.parent
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise click.ClickException(f"cannot write {option} {path}: {parent} is not a "
+                                           "directory")
+            break
+    if not folder.exists() and not create_parents:
+        raise click.ClickException(f"cannot write {option} {path}: the folder {folder} does "
+                                   "not exist")
+    return target
+
+
+@contextlib.contextmanager
+def output_file(path: str, option: str, create_parents: bool = False):
+    """Yields a temporary path beside the output; when the block ends without an
+    exception the temporary file is fsynced and renamed onto the output (atomic), else
+    it is removed (also on SIGINT and SIGTERM, which the CLI turns into exceptions).
+    OS errors become one-line click errors naming the option and the path."""
+    target = check_output(path, option, create_parents)
+    folder = target.parent
+    tmp = None
+    try:
+        if not folder.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            click.echo(f"created folder {folder} for {option}", err=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would surprise a user sharing the file
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as err:
+        raise click.ClickException(f"cannot write {option} {path}: {err.strerror or err}") from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def write_output(path: str, text: str, option: str, create_parents: bool = False) -> None:
+    """``text`` written atomically to the file ``option`` names (see ``output_file``)."""
+    with output_file(path, option, create_parents) as tmp:
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write(text)

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import click
 
-from numa_moe_cli.options import isa_option, page_option, wrote
+from numa_moe_cli.options import check_output, isa_option, page_option, write_output, wrote
 
 
 @click.command("run")
@@ -36,15 +36,18 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
 
     if nodes is not None and virtual_nodes is not None:
         raise click.UsageError("give --nodes or --virtual-nodes, not both")
+    if json_path:
+        check_output(json_path, "--json")  # before the job, not after it
     try:
         report = run_job(checkpoint, tokens=tokens, steps=steps, nodes=nodes, virtual_nodes=virtual_nodes, isa=isa,
                          page=page, seed=seed, echo=click.echo, progress=sys.stderr.isatty())
+    except BrokenPipeError:
+        raise  # stdout closed (| head): the entry point ends quietly
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     except RuntimeError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(asdict(report), f, indent=2)
+        write_output(json_path, json.dumps(asdict(report), indent=2), "--json")
         wrote(json_path)
