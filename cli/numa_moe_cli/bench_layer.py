@@ -7,7 +7,7 @@ import json
 
 import click
 
-from numa_moe_cli.options import isa_option, wrote
+from numa_moe_cli.options import check_output, isa_option, write_output, wrote
 
 
 @click.command("layer")
@@ -30,6 +30,8 @@ def layer_command(models, tokens, repeats, virtual_nodes, isa, app, json_path):
     and the read ceiling of the weights touched, all in one run (--app: the layer as an
     application calls it)."""
     models = models or ("qwen3-30b-a3b", "mixtral-8x7b")
+    if json_path:
+        check_output(json_path, "--json")  # before the benchmark, not after it
     if app:
         from numa_moe.benchmarking.app import bench_app
 
@@ -40,6 +42,5 @@ def layer_command(models, tokens, repeats, virtual_nodes, isa, app, json_path):
         rows = bench_layer(models, tokens or (1, 16), repeats=repeats, virtual_nodes=virtual_nodes, isa=isa,
                            echo=click.echo)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_output(json_path, json.dumps(rows, indent=2), "--json")
         wrote(json_path)
