@@ -123,3 +123,27 @@ def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):
     result = CliRunner().invoke(cli, ["run", str(directory), "--steps", "1"])
     assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.output
     assert "F32" in result.output and "BF16" in result.output
+
+
+def test_bench_layer_app_mode_on_small_shapes(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from numa_moe.benchmarking import app, layer as layer_bench
+
+    monkeypatch.setitem(layer_bench.BENCH_MODELS, "tiny", (6, 2, 256, 128))
+    monkeypatch.setattr(app, "hf_block_row", lambda repeats, rng: None)  # a 1.2 GB block is not for a unit test
+    lines = []
+    result = app.bench_app(models=("tiny",), tokens=(1, 3), repeats=3, echo=lines.append)
+    assert [row["tokens"] for row in result["app"]] == [1, 3]
+    for row in result["app"]:
+        assert all(row[key] > 0 for key in ("back_to_back_ms", "app_ms", "torch_in_app_ms", "torch_alone_ms"))
+    overhead = result["overhead"]
+    assert 0 < overhead["layer_native_us"] and 0 < overhead["expert_ffn_us"]
+    assert overhead["thread_backend"] == _native_backend()
+    assert lines[0].startswith("threads: ") and any("after torch work" in line for line in lines)
+    assert torch.get_num_threads() >= 1
+
+
+def _native_backend():
+    from numa_moe import _native
+
+    return _native.thread_backend()

@@ -27,6 +27,7 @@ import numpy as np
 
 from numa_moe import _native, memory
 from numa_moe.benchmarking.layer import BENCH_MODELS, fill_bf16
+from numa_moe.benchmarking.yardsticks import evict_caches
 from numa_moe.moe import MoELayer
 from numa_moe.moe_run import random_routing
 
@@ -46,18 +47,6 @@ def _layer(n_experts: int, hidden: int, inter: int, rng: np.random.Generator, is
     tables = (SegmentTable.theoretical(n_experts * 2 * inter, hidden, "bf16", 4096, topo.node_ids),
               SegmentTable.theoretical(n_experts * hidden, inter, "bf16", 4096, topo.node_ids))
     return MoELayer.from_stacked(gate_up, down, *tables, topology=topo, isa=isa), gate_up, down
-
-
-def settle_caches() -> None:
-    """What a layer call does to torch's caches, without numa-moe's threads."""
-    from numa_moe.benchmarking.yardsticks import l3_bytes
-
-    if not _SWEEP:
-        _SWEEP.append(np.ones(2 * l3_bytes(), dtype=np.uint8))
-    int(_SWEEP[0][::64].sum())
-
-
-_SWEEP: list[np.ndarray] = []
 
 
 def _median_us(samples) -> float:
@@ -95,7 +84,7 @@ def app_rows(name: str, tokens, repeats: int, rng, isa=None) -> list[dict]:
             app.append(_timed(lambda: layer(x, *routing)))
         torch_alone = []
         for _ in routings:
-            settle_caches()
+            evict_caches()
             torch_alone.append(_timed(torch_work))
         # the first two calls of each loop warm it up
         b2b, app, torch_in_app, torch_alone = (s[2:] for s in (b2b, app, torch_in_app, torch_alone))

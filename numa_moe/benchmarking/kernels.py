@@ -28,14 +28,15 @@ import numpy as np
 
 from numa_moe import kernels, memory
 from numa_moe.benchmarking import native_loops
-from numa_moe.pages import page_name
 from numa_moe.benchmarking.yardsticks import (
     MEASUREMENT_NOTE,
     Yardstick,
     busy_warning,
     is_measurement_problem,
+    l3_bytes,
     ratio_cell,
 )
+from numa_moe.pages import page_name
 
 # Routed-expert shapes (hidden H, intermediate I) from the models' published configs.
 SHAPES: dict[str, tuple[int, int]] = {
@@ -45,7 +46,6 @@ SHAPES: dict[str, tuple[int, int]] = {
     "qwen3-235b": (4096, 1536),
 }
 M_VALUES = (1, 2, 4, 8, 16, 32, 128)
-L3_BYTES_DEFAULT = 32 * 1024**2
 ROTATION_TARGET_FACTOR = 4        # rotate over >= 4x the L3 size of weights
 MAX_ROTATION_BYTES = 3 * 1024**3  # ... but never allocate more than this
 
@@ -95,22 +95,6 @@ class Result:
     peak_instruction: str | None = None
     peak_end_gflop_s: float | None = None  # measured again after the last point
     warnings: list[str] = field(default_factory=list)
-
-
-def l3_bytes() -> int:
-    """Size of the largest cache (sysfs), or 32 MiB when unknown."""
-    best = 0
-    try:
-        import glob
-
-        for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-            text = open(path).read().strip()
-            value = int(text.rstrip("KMG"))
-            value *= {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1], 1)
-            best = max(best, value)
-    except (OSError, ValueError):
-        pass
-    return best or L3_BYTES_DEFAULT
 
 
 def random_bf16_bits(rng: np.random.Generator, shape) -> np.ndarray:

@@ -103,18 +103,29 @@ _EVICTION_BUFFER: list[np.ndarray] = []
 
 
 def l3_bytes() -> int:
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
-            text = f.read().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-    except (OSError, ValueError):
-        return 32 << 20
+    """Size of the largest cache (sysfs), or 32 MiB when unknown."""
+    import glob
+
+    best = 0
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+            value = int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        except (OSError, ValueError):
+            continue
+        best = max(best, value)
+    return best or 32 << 20
+
+
+def evict_caches() -> None:
+    """Streams a buffer twice the largest cache (single-threaded numpy), so that what
+    runs next finds its data in DRAM."""
+    if not _EVICTION_BUFFER:
+        _EVICTION_BUFFER.append(np.ones(2 * l3_bytes(), dtype=np.uint8))
+    int(_EVICTION_BUFFER[0][::64].sum())
 
 
 def settle() -> None:
     """Evicts the caches and lets spinning threads sleep (see above)."""
-    if not _EVICTION_BUFFER:
-        _EVICTION_BUFFER.append(np.ones(2 * l3_bytes(), dtype=np.uint8))
-    int(_EVICTION_BUFFER[0][::64].sum())
+    evict_caches()
     time.sleep(SETTLE_SECONDS)
