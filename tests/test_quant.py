@@ -1,0 +1,102 @@
+"""The INT8 / INT4 format contract (numa_moe.quant, docs/quantization.md): round trips
+within the documented bound, the nibble order, and llama.cpp's Q8_0 / Q4_0 blocks
+converted without loss against a decoder written from ggml's block definitions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numa_moe import quant
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(quant.QUANT_FORMATS), group=st.sampled_from(quant.GROUPS),
+       scale_dtype=st.sampled_from(sorted(quant.SCALE_DTYPES)), rows=st.integers(1, 6), groups=st.integers(1, 3),
+       seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-6, 3))
+def test_round_trip_is_within_the_bound(fmt, group, scale_dtype, rows, groups, seed, log_scale):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, groups * group)) * 10.0 ** log_scale).astype(np.float32)
+    w[0, :group] = 0  # an all-zero group
+    qm = quant.quantize(w, fmt, group, scale_dtype)
+    assert qm.shape == w.shape and qm.scales.shape == (rows, groups)
+    scales = qm.scales.astype(np.float32)
+    assert np.all(np.isfinite(scales)) and np.all(scales > 0)
+    q = quant.values(qm)
+    assert q.min() >= quant.Q_MIN[fmt] and q.max() <= quant.Q_MAX[fmt]
+    error = np.abs(w.astype(np.float64) - quant.dequantize(qm).astype(np.float64))
+    assert np.all(error <= quant.error_bound(w, qm) * (1 + 1e-6) + 1e-30)
+    assert np.all(quant.dequantize(qm)[0, :group] == 0)
+
+
+def test_int8_error_is_small_relative_to_the_weights(rng):
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    rel = lambda qm: np.linalg.norm(w - quant.dequantize(qm)) / np.linalg.norm(w)  # noqa: E731
+    assert rel(quant.quantize(w, "int8", 128)) < 0.01
+    assert rel(quant.quantize(w, "int4", 32)) < 0.12
+
+
+def test_int4_packs_the_even_column_into_the_low_nibble():
+    q = np.array([[1, -2, 7, -8]], dtype=np.int8)
+    packed = quant.pack_int4(q)
+    assert packed.tolist() == [[0x01 | (0x0E << 4), 0x07 | (0x08 << 4)]]
+    np.testing.assert_array_equal(quant.unpack_int4(packed), q)
+
+
+def test_pack_unpack_are_inverse(rng):
+    q = rng.integers(-8, 8, (5, 64)).astype(np.int8)
+    np.testing.assert_array_equal(quant.unpack_int4(quant.pack_int4(q)), q)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(w=np.zeros((4, 100)), group=32), "not a multiple of the group size 32"),
+    (dict(w=np.zeros((4, 96)), group=48), "group 48 is not one of"),
+    (dict(w=np.zeros(96), group=32), "2-D"),
+    (dict(w=np.full((2, 32), np.nan), group=32), "NaN"),
+    (dict(w=np.zeros((2, 32)), group=32, fmt="int3"), "format 'int3'"),
+    (dict(w=np.zeros((2, 32)), group=32, scale_dtype="fp8"), "scale dtype 'fp8'"),
+])
+def test_bad_input_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        quant.quantize(**bad)
+
+
+def ggml_blocks(rng, rows, cols, q4):
+    """Random Q8_0 / Q4_0 data and its dequantization per ggml's reference decoder:
+    y = d * q in fp32 (Q4_0: q = nibble - 8, weights j and j + 16 share byte j)."""
+    n_blocks = rows * cols // 32
+    d = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16)
+    out = np.empty((n_blocks, 32), np.float32)
+    raw = bytearray()
+    for b in range(n_blocks):
+        raw += d[b].tobytes()
+        if q4:
+            nib = rng.integers(0, 16, 32).astype(np.uint8)
+            raw += bytes((nib[:16] | (nib[16:] << 4)).astype(np.uint8))
+            out[b] = (nib.astype(np.float32) - 8) * np.float32(d[b])
+        else:
+            q = rng.integers(-127, 128, 32).astype(np.int8)  # llama.cpp never writes -128
+            raw += q.tobytes()
+            out[b] = q.astype(np.float32) * np.float32(d[b])
+    return bytes(raw), out.reshape(rows, cols)
+
+
+@pytest.mark.parametrize("q4", [False, True], ids=["Q8_0", "Q4_0"])
+def test_ggml_blocks_convert_without_loss(rng, q4):
+    rows, cols = 3, 96
+    raw, expected = ggml_blocks(rng, rows, cols, q4)
+    qm = (quant.from_q4_0 if q4 else quant.from_q8_0)(raw, rows, cols)
+    assert (qm.fmt, qm.group, qm.scales.dtype) == ("int4" if q4 else "int8", 32, np.float16)
+    np.testing.assert_array_equal(quant.dequantize(qm).view(np.uint32), expected.view(np.uint32))
+
+
+def test_ggml_data_of_the_wrong_size_or_range_is_refused(rng):
+    raw, _ = ggml_blocks(rng, 2, 64, q4=False)
+    with pytest.raises(ValueError, match="Q8_0: 136 bytes for a 2 x 96 matrix, expected 204"):
+        quant.from_q8_0(raw, 2, 96)
+    bad = bytearray(raw)
+    bad[2] = 0x80  # q = -128 in the first block
+    with pytest.raises(ValueError, match="-128"):
+        quant.from_q8_0(bytes(bad), 2, 64)
