@@ -38,9 +38,9 @@ ISA_ENV = "NUMA_MOE_ISA"
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def available_isas() -> tuple[str, ...]:
-    """ISAs this CPU (and OS) can run, slowest first."""
-    return tuple(_native.kernel_isas())
+def available_isas(fmt: str = "bf16") -> tuple[str, ...]:
+    """ISAs this CPU (and OS) can run for a weight format, slowest first."""
+    return tuple(_native.kernel_isas(fmt))
 
 
 def default_isa() -> str:
@@ -60,9 +60,14 @@ def forced_isa() -> str | None:
     return default_isa()
 
 
-def _resolve_isa(isa: str | None) -> str:
-    """The ISA name to hand to native code, which refuses unknown and unavailable ones."""
-    return default_isa() if isa is None else str(isa)
+def _resolve_isa(isa: str | None, fmt: str = "bf16") -> str:
+    """The ISA name to hand to native code, which refuses unknown and unavailable ones:
+    the default, or for integer weights the fastest ISA that has kernels for them."""
+    if isa is not None:
+        return str(isa)
+    if fmt == "bf16":
+        return default_isa()
+    return _native.kernel_isas(fmt)[-1]
 
 
 def _is_torch(value: Any) -> bool:
@@ -91,6 +96,22 @@ def _bf16_view(name: str, value: Any, ndim: int) -> np.ndarray:
     else:
         raise TypeError(f"{name}: expected a torch tensor or numpy array, got {type(value).__name__}")
     return array
+
+
+def _weight_format(w: Any) -> str:
+    from numa_moe.quant import QuantizedMatrix
+
+    return w.fmt if isinstance(w, QuantizedMatrix) else "bf16"
+
+
+def _weight_view(name: str, w: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values, scales): a bf16 weight's uint16 view and None, or a
+    numa_moe.quant.QuantizedMatrix's int8 / packed int4 values and group scales."""
+    from numa_moe.quant import QuantizedMatrix
+
+    if isinstance(w, QuantizedMatrix):
+        return w.q, w.scales
+    return _bf16_view(name, w, 2), None
 
 
 def as_index_array(name: str, value: Any) -> np.ndarray:
@@ -143,7 +164,9 @@ def expert_ffn(
     """``out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T`` for one expert.
 
     x: ``[T, H]`` bf16; w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (all bf16, row-major,
-    torch or numpy). token_index: the rows of x to use (default all, in order).
+    torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 with group scales,
+    tokens then quantized per 32-column block, docs/quantization.md). token_index: the
+    rows of x to use (default all, in order).
     out_dtype: float32 or bfloat16 (numpy, ml_dtypes or torch dtype); out: optional
     preallocated ``[M, H]`` output of that dtype (same library as x). threads: worker
     threads (default: the CPUs in this process's affinity mask). *_segments: optional
@@ -152,9 +175,8 @@ def expert_ffn(
     """
     use_torch = _is_torch(x)
     x_u16 = _bf16_view("x", x, 2)
-    wg = _bf16_view("w_gate", w_gate, 2)
-    wu = _bf16_view("w_up", w_up, 2)
-    wd = _bf16_view("w_down", w_down, 2)
+    (wg, gate_scales), (wu, up_scales), (wd, down_scales) = (
+        _weight_view(name, w) for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
     # Shapes, ranges and layouts are checked natively (native/bindings/checks.cpp); here
     # only what allocating the output needs.
     hidden = x_u16.shape[-1] if x_u16.ndim else 0
@@ -174,7 +196,7 @@ def expert_ffn(
     elif threads < 1:
         raise ValueError(f"threads: must be >= 1, got {threads}")
     _native.expert_ffn(
-        _resolve_isa(isa),
+        _resolve_isa(isa, _weight_format(w_gate)),
         x_u16,
         index,
         wg,
@@ -185,6 +207,9 @@ def expert_ffn(
         _segments_array("down_segments", down_segments),
         out_native,
         int(threads),
+        gate_scales=gate_scales,
+        up_scales=up_scales,
+        down_scales=down_scales,
     )
     return out
 
@@ -225,13 +250,16 @@ def _out_view(out: Any) -> np.ndarray:
 
 def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *, isa: str | None = None,
                     row_begin: int = 0, row_end: int | None = None) -> np.ndarray:
+    # weight may be a numa_moe.quant.QuantizedMatrix (then tokens are quantized per
+    # 32-column block as the kernels do)
     """Low-level: ``out[r, t] += sum_{c in [k0, k1)} weight[r, c] * tokens[t, c]`` for the rows
     of every segment (int64 ``[n, 5]``: row0, row_stride, nrows, k0, k1) inside
     ``[row_begin, row_end)``. out: float32 ``[rows, >= M]`` (accumulated into)."""
-    w = _bf16_view("weight", weight, 2)
+    w, scales = _weight_view("weight", weight)
     x = _bf16_view("tokens", tokens, 2)
     seg = _segments_array("segments", segments)
-    _native.matmul_segments(_resolve_isa(isa), w, seg, x, out, int(row_begin), -1 if row_end is None else int(row_end))
+    _native.matmul_segments(_resolve_isa(isa, _weight_format(weight)), w, seg, x, out, int(row_begin), -1 if row_end is None else int(row_end),
+                            scales=scales)
     return out
 
 

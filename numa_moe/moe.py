@@ -111,6 +111,25 @@ def _as_bf16_bits(array, what: str) -> np.ndarray:
     return array.view(np.uint16)
 
 
+def _weight_operand(w, what: str):
+    """(values, scales or None, format) of an expert matrix for the native layer: bf16
+    bits, or a QuantizedMatrix's int8 / packed int4 values and its scales."""
+    from numa_moe.quant import QuantizedMatrix
+
+    if isinstance(w, QuantizedMatrix):
+        return w.q, w.scales, w.fmt
+    return _as_bf16_bits(w, what), None, "bf16"
+
+
+def _matrix_shape(w, what: str) -> tuple[int, int]:
+    from numa_moe.quant import QuantizedMatrix
+
+    if isinstance(w, QuantizedMatrix):
+        return w.shape
+    rows, cols = _as_bf16_bits(w, what).shape
+    return int(rows), int(cols)
+
+
 def _is_torch(obj) -> bool:
     return type(obj).__module__.startswith("torch")
 
@@ -135,7 +154,8 @@ class MoELayer:
     call ``from_store`` (an ExpertStore layer), ``from_tensors`` (torch tensors or numpy
     arrays, copied into interleaved memory) instead.
 
-    experts: sequence of (gate [I, H], up [I, H], down [H, I]) bf16 arrays/tensors.
+    experts: sequence of (gate [I, H], up [I, H], down [H, I]) bf16 arrays/tensors, or
+        numa_moe.quant.QuantizedMatrix (int8 / int4 with group scales, all three alike).
     tables: per expert a mapping kind -> segment table (anything with ``nodes`` and
         ``node_array(node)``, e.g. numa_moe.segments.SegmentTable), rows numbered from 0
         within the expert's matrix.
@@ -161,20 +181,23 @@ class MoELayer:
         self._lock = threading.Lock()
         self.experts: list[ExpertMatrices] = []
         self.tables = [dict(t) for t in tables]
-        first = experts[0]
-        gate0 = _as_bf16_bits(first[0], "expert 0 gate")
-        self.intermediate, self.hidden = (int(s) for s in gate0.shape)
+        self.intermediate, self.hidden = _matrix_shape(experts[0][0], "expert 0 gate")
         self.n_experts = len(experts)
         self._core = _native.MoELayerCore(self.pool, self.hidden, self.intermediate)
+        self.weight_format = "bf16"
         for e, (weights, table_set) in enumerate(zip(experts, self.tables)):
-            mats = ExpertMatrices(*(_as_bf16_bits(w, f"expert {e} {kind}") for w, kind in zip(weights, MATRIX_KINDS)))
+            operands = [_weight_operand(w, f"expert {e} {kind}") for w, kind in zip(weights, MATRIX_KINDS)]
+            mats = ExpertMatrices(*(values for values, _, _ in operands))
             segs = {}
             for kind in MATRIX_KINDS:
                 if kind not in table_set:
                     raise ValueError(f"expert {e}: no table for its {kind} matrix")
                 segs[kind] = self._node_arrays(table_set[kind], f"expert {e} {kind}")
+            scales = [s for _, s, _ in operands]
             self._core.add_expert(mats.gate, mats.up, mats.down, segs["gate"], segs["up"], segs["down"],
-                                  verify_partition=verify_tables)
+                                  verify_partition=verify_tables, gate_scales=scales[0], up_scales=scales[1],
+                                  down_scales=scales[2])
+            self.weight_format = operands[0][2]
             self.experts.append(mats)
         self.isa = isa if isa is not None else kernels.forced_isa()
         self._core.set_isa(self.isa)
@@ -366,7 +389,7 @@ class MoELayer:
         return stats
 
     def isa_for_tokens(self, m: int) -> str:
-        return self._core.isa_for_tokens(int(m)) if self.isa is None else self.isa
+        return self._core.isa_for_tokens(int(m), self.weight_format) if self.isa is None else self.isa
 
     def weight_bytes(self) -> int:
         return self.n_experts * 3 * self.hidden * self.intermediate * 2

@@ -126,7 +126,9 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
                         wd = triple[2].cast<py::array>();
         engine::ExpertFfnArgs args;
         try {
-            args = bindings::expert_ffn_args(x, token_index, wg, wu, wd, threads);
+            args = bindings::expert_ffn_args(x, token_index, bindings::weight_operand(wg, py::none(), "w_gate"),
+                                             bindings::weight_operand(wu, py::none(), "w_up"),
+                                             bindings::weight_operand(wd, py::none(), "w_down"), threads);
         } catch (const std::invalid_argument& error) {
             throw std::invalid_argument("experts[" + std::to_string(e) + "]: shapes do not match x [T, H] and each other (" +
                                         error.what() + ")");

@@ -1,5 +1,7 @@
 #include "bindings/checks.hpp"
 
+#include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "engine/expert_ffn.hpp"
@@ -51,9 +53,17 @@ void check_array(const py::array& a, const std::string& name, Kind kind, int ndi
     if (writable && !a.writeable()) fail(name + ": must be writable");
 }
 
-py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable) {
+py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable,
+                        bool any_float) {
     if (!py::isinstance<py::array>(obj)) fail(name + ": expected a numpy array, got " + py::str(py::type::of(obj)).cast<std::string>());
     py::array a = py::reinterpret_borrow<py::array>(obj);
+    if (any_float) {
+        // the dtype is checked by the caller; the layout here
+        if (a.ndim() != ndim) fail(name + ": expected " + std::to_string(ndim) + "-D array, got shape " + shape_text(a));
+        if (!(a.flags() & py::array::c_style)) fail(name + ": must be C-contiguous (row-major)");
+        if (reinterpret_cast<uintptr_t>(a.data()) % a.itemsize()) fail(name + ": data is not aligned to its elements");
+        return a;
+    }
     check_array(a, name, kind, ndim, writable);
     return a;
 }
@@ -66,12 +76,15 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
     return bf16;
 }
 
-const kernels::KernelOps& ops_for(const std::string& isa) {
+const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format) {
     kernels::Isa parsed;
     if (!kernels::parse_isa(isa.c_str(), &parsed))
         fail("unknown ISA '" + isa + "': not one of ref, avx2, avx512, amx_model, amx");
-    const kernels::KernelOps* ops = kernels::kernel_ops(parsed);
-    if (!ops) fail("isa '" + isa + "' is not available: " + kernels::unavailable_reason(parsed));
+    const kernels::KernelOps* ops = kernels::kernel_ops(parsed, format);
+    if (!ops)
+        fail("isa '" + isa + "' is not available" +
+             (format == kernels::Format::bf16 ? "" : std::string(" for ") + kernels::format_name(format) + " weights") +
+             ": " + kernels::unavailable_reason(parsed, format));
     return *ops;
 }
 
@@ -131,20 +144,100 @@ void check_range(int64_t begin, int64_t end, int64_t size, int64_t align, const 
              std::to_string(size) + ")" + (align > 1 ? " with multiples of " + std::to_string(align) + " (except the end)" : ""));
 }
 
-engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token_index, const py::array& w_gate,
-                                      const py::array& w_up, const py::array& w_down, int threads) {
+namespace {
+
+kernels::ScaleType scale_type_of(const py::array& scales, const std::string& name) {
+    const py::dtype dt = scales.dtype();
+    if (dt.kind() == 'f' && dt.itemsize() == 4) return kernels::ScaleType::fp32;
+    if (dt.kind() == 'f' && dt.itemsize() == 2) return kernels::ScaleType::fp16;
+    if (dtype_text(scales) == "bfloat16") return kernels::ScaleType::bf16;
+    fail(name + ": dtype " + dtype_text(scales) + ", expected float32, float16 or bfloat16");
+}
+
+float scale_at(const py::array& scales, kernels::ScaleType type, py::ssize_t index) {
+    const void* data = scales.data();
+    switch (type) {
+        case kernels::ScaleType::fp32: return static_cast<const float*>(data)[index];
+        case kernels::ScaleType::bf16: {
+            const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(data)[index]) << 16;
+            float value;
+            std::memcpy(&value, &bits, sizeof(value));
+            return value;
+        }
+        case kernels::ScaleType::fp16: {
+            // only finiteness and zero matter here: exponent all ones, or all bits but the sign zero
+            const uint16_t h = static_cast<const uint16_t*>(data)[index];
+            if ((h & 0x7c00u) == 0x7c00u) return INFINITY;
+            return (h & 0x7fffu) ? 1.0f : 0.0f;
+        }
+    }
+    return 0.0f;
+}
+
+}  // namespace
+
+WeightArg weight_operand(const py::array& values, const py::object& scales_obj, const std::string& name) {
+    WeightArg arg;
+    if (scales_obj.is_none()) {
+        const Bf16Rows w = bf16_rows(values, name);
+        arg.weights.data = w.data;
+        arg.weights.ld = w.ld;
+        arg.rows = w.rows;
+        arg.cols = w.cols;
+        return arg;
+    }
+    const py::dtype dt = values.dtype();
+    if (dt.itemsize() != 1 || (dt.kind() != 'i' && dt.kind() != 'u'))
+        fail(name + ": dtype " + dtype_text(values) + ", expected int8 (int8 weights) or uint8 (int4, two per byte) "
+             "since scales are given");
+    arg.format = dt.kind() == 'i' ? kernels::Format::int8 : kernels::Format::int4;
+    const int per_byte = arg.format == kernels::Format::int4 ? 2 : 1;
+    if (values.ndim() != 2) fail(name + ": expected a 2-D array, got shape " + shape_text(values));
+    if (values.shape(1) > 1 && values.strides(1) != 1) fail(name + ": rows must be contiguous");
+    const int64_t row_bytes = values.shape(0) > 1 ? values.strides(0) : values.shape(1);
+    if (row_bytes < values.shape(1)) fail(name + ": rows overlap (row stride below the row length)");
+    arg.rows = values.shape(0);
+    arg.cols = values.shape(1) * per_byte;
+    arg.weights.data = values.data();
+    arg.weights.ld = row_bytes * per_byte;
+    const std::string scales_name = name + "_scales";
+    const py::array scales = checked_array(scales_obj, scales_name, Kind::f32, 2, false, /*any_float=*/true);
+    arg.weights.scale_type = scale_type_of(scales, scales_name);
+    if (scales.shape(0) != arg.rows || scales.shape(1) < 1 || arg.cols % scales.shape(1))
+        fail(scales_name + ": shape " + shape_text(scales) + " does not give a group for a " + std::to_string(arg.rows) +
+             " x " + std::to_string(arg.cols) + " matrix ([rows, cols / group])");
+    arg.weights.group = arg.cols / scales.shape(1);
+    if (arg.weights.group % kernels::kActivationBlock)
+        fail(scales_name + ": group " + std::to_string(arg.weights.group) + " is not a multiple of " +
+             std::to_string(kernels::kActivationBlock));
+    arg.weights.scales = scales.data();
+    arg.weights.scales_ld = scales.shape(1);
+    for (py::ssize_t i = 0; i < scales.size(); ++i) {
+        const float s = scale_at(scales, arg.weights.scale_type, i);
+        if (!std::isfinite(s) || s == 0.0f)
+            fail(scales_name + ": entry " + std::to_string(i) + " is " + (s == 0.0f ? "zero" : "not finite") +
+                 " (scales must be finite and non-zero)");
+    }
+    return arg;
+}
+
+engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token_index, const WeightArg& gate,
+                                      const WeightArg& up, const WeightArg& down, int threads) {
     check_array(x, "x", Kind::bf16, 2);
-    check_array(w_gate, "w_gate", Kind::bf16, 2);
-    check_array(w_up, "w_up", Kind::bf16, 2);
-    check_array(w_down, "w_down", Kind::bf16, 2);
-    const int64_t hidden = x.shape(1), inter = w_gate.shape(0);
-    if (w_gate.shape(1) != hidden)
-        fail("w_gate: shape " + shape_text(w_gate) + ", expected [I, H] with H = " + std::to_string(hidden));
-    if (w_up.shape(0) != inter || w_up.shape(1) != hidden)
-        fail("w_up: shape " + shape_text(w_up) + ", expected " + shape_text(w_gate));
-    if (w_down.shape(0) != hidden || w_down.shape(1) != inter)
-        fail("w_down: shape " + shape_text(w_down) + ", expected [" + std::to_string(hidden) +
-                                    ", " + std::to_string(inter) + "]");
+    const int64_t hidden = x.shape(1), inter = gate.rows;
+    if (gate.cols != hidden)
+        fail("w_gate: shape [" + std::to_string(gate.rows) + ", " + std::to_string(gate.cols) +
+             "], expected [I, H] with H = " + std::to_string(hidden));
+    if (up.rows != inter || up.cols != hidden)
+        fail("w_up: shape [" + std::to_string(up.rows) + ", " + std::to_string(up.cols) + "], expected [" +
+             std::to_string(inter) + ", " + std::to_string(hidden) + "]");
+    if (down.rows != hidden || down.cols != inter)
+        fail("w_down: shape [" + std::to_string(down.rows) + ", " + std::to_string(down.cols) + "], expected [" +
+             std::to_string(hidden) + ", " + std::to_string(inter) + "]");
+    if (up.format != gate.format || down.format != gate.format)
+        fail(std::string("w_gate, w_up, w_down: one weight format for all three, got ") +
+             kernels::format_name(gate.format) + ", " + kernels::format_name(up.format) + ", " +
+             kernels::format_name(down.format));
     check_index(token_index, "token_index", x.shape(0));
     if (threads < 0) fail("threads: must be >= 1 (or 0 for the CPUs of this process)");
     engine::ExpertFfnArgs args;
@@ -154,9 +247,10 @@ engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token
     args.m = token_index.shape(0);
     args.hidden = hidden;
     args.intermediate = inter;
-    args.w_gate = static_cast<const bf16*>(w_gate.data());
-    args.w_up = static_cast<const bf16*>(w_up.data());
-    args.w_down = static_cast<const bf16*>(w_down.data());
+    args.gate = gate.weights;
+    args.up = up.weights;
+    args.down = down.weights;
+    args.format = gate.format;
     args.threads = threads == 0 ? engine::affinity_cpu_count() : threads;
     return args;
 }

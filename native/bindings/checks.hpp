@@ -31,14 +31,17 @@ std::string shape_text(const py::array& a);
 void check_array(const py::array& a, const std::string& name, Kind kind, int ndim, bool writable = false);
 
 // A checked C-contiguous array from any object (std::invalid_argument if it is none).
-py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable = false);
+// any_float: leave the dtype to the caller (it accepts several).
+py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable = false,
+                        bool any_float = false);
 
 // The output array of a kernel: float32 or bf16, C-contiguous, writable, of this shape.
 // Returns whether it is bf16.
 bool check_output(const py::array& out, const std::string& name, int64_t rows, int64_t cols);
 
-// The KernelOps of an ISA name; unknown or unavailable names are refused.
-const kernels::KernelOps& ops_for(const std::string& isa);
+// The KernelOps of an ISA name for a weight format; unknown or unavailable names are
+// refused.
+const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16);
 
 // An int64 [n, 5] segment array (None: empty list) whose segments lie in rows x cols.
 std::vector<Segment> read_segments(const py::object& obj, const std::string& name, int64_t rows, int64_t cols);
@@ -52,6 +55,18 @@ struct Bf16Rows {
     int64_t rows, cols, ld;
 };
 Bf16Rows bf16_rows(const py::array& a, const std::string& name);
+
+// A weight matrix argument: bf16 values (scales None), or int8 [rows, cols] / uint8
+// [rows, cols / 2] (int4, two per byte) values with their group scales [rows, cols /
+// group] (float32, float16 or bfloat16; finite, non-zero; group a multiple of 32). Rows
+// must be contiguous (any row stride). `name` names the values, name + "_scales" the
+// scales in messages.
+struct WeightArg {
+    kernels::Weights weights;
+    kernels::Format format = kernels::Format::bf16;
+    int64_t rows = 0, cols = 0;
+};
+WeightArg weight_operand(const py::array& values, const py::object& scales, const std::string& name);
 
 // A list of fp32 [rows, cols] partial arrays, all shaped like the first.
 struct PartList {
@@ -72,6 +87,6 @@ struct ExpertFfnArgs;
 namespace numa_moe::bindings {
 // The checked operands of one expert_ffn call (x [T, H], token_index [m], w_gate and w_up
 // [I, H], w_down [H, I]; threads 0 = this process's CPUs); segments and out not set.
-engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token_index, const py::array& w_gate,
-                                      const py::array& w_up, const py::array& w_down, int threads);
+engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token_index, const WeightArg& gate,
+                                      const WeightArg& up, const WeightArg& down, int threads);
 }  // namespace numa_moe::bindings

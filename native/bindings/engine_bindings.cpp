@@ -43,13 +43,14 @@ std::vector<std::vector<Segment>> node_segments(const py::list& per_node, const 
     return result;
 }
 
-MatrixPart matrix_part(const py::array& a, const py::list& segments, const std::string& what) {
-    const Bf16Rows w = bf16_rows(a, what);
+MatrixPart matrix_part(const py::array& a, const py::object& scales, const py::list& segments,
+                       const std::string& what) {
+    const WeightArg w = weight_operand(a, scales, what);
     MatrixPart part;
-    part.w = w.data;
+    part.weights = w.weights;
+    part.format = w.format;
     part.rows = w.rows;
     part.cols = w.cols;
-    part.ldw = w.ld;
     part.node_segments = node_segments(segments, what);
     return part;
 }
@@ -57,7 +58,7 @@ MatrixPart matrix_part(const py::array& a, const py::list& segments, const std::
 // Keeps the weight arrays alive as long as the layer.
 struct PyLayer {
     std::unique_ptr<MoELayerCore> core;
-    std::vector<py::object> keep_alive;
+    std::vector<py::object> keep_alive;  // the weight and scale arrays
 };
 
 // The matrix `kind` ("gate", "up", "down") of an expert, with errors for a bad index or kind.
@@ -153,21 +154,23 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
         .def_property_readonly("intermediate", [](const PyLayer& l) { return l.core->intermediate(); })
         .def("add_expert",
              [](PyLayer& l, py::array gate, py::array up, py::array down, py::list gate_segments,
-                py::list up_segments, py::list down_segments, bool verify_partition) {
+                py::list up_segments, py::list down_segments, bool verify_partition, py::object gate_scales,
+                py::object up_scales, py::object down_scales) {
                  const std::string name = "expert " + std::to_string(l.core->n_experts());
-                 ExpertParts parts{matrix_part(gate, gate_segments, name + " gate"),
-                                   matrix_part(up, up_segments, name + " up"),
-                                   matrix_part(down, down_segments, name + " down")};
+                 ExpertParts parts{matrix_part(gate, gate_scales, gate_segments, name + " gate"),
+                                   matrix_part(up, up_scales, up_segments, name + " up"),
+                                   matrix_part(down, down_scales, down_segments, name + " down")};
                  {
                      py::gil_scoped_release release;
                      l.core->add_expert(std::move(parts), verify_partition);
                  }
-                 l.keep_alive.insert(l.keep_alive.end(), {gate, up, down});
+                 l.keep_alive.insert(l.keep_alive.end(), {gate, up, down, gate_scales, up_scales, down_scales});
              },
              py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("gate_segments"), py::arg("up_segments"),
-             py::arg("down_segments"), py::arg("verify_partition") = true,
-             "Adds the next expert: gate, up [I, H] and down [H, I] bf16 (uint16 views) and, per matrix, a list "
-             "with one int64 [n, 5] segment array per pool node.")
+             py::arg("down_segments"), py::arg("verify_partition") = true, py::arg("gate_scales") = py::none(),
+             py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(),
+             "Adds the next expert: gate, up [I, H] and down [H, I] bf16 (uint16 views), or int8 / uint8 (int4) "
+             "with their group scales, and, per matrix, a list with one int64 [n, 5] segment array per pool node.")
         .def("set_isa",
              [](PyLayer& l, std::optional<std::string> name) {
                  if (!name) l.core->set_isa(false, kernels::Isa::ref);
@@ -179,7 +182,12 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
             if (b < 0) throw std::invalid_argument("group budget must be >= 0 bytes, got " + std::to_string(b));
             l.core->set_group_budget_bytes(b);
         })
-        .def("isa_for_tokens", [](const PyLayer& l, int64_t m) { return std::string(l.core->isa_for_tokens(m)->name); })
+        .def("isa_for_tokens", [](const PyLayer& l, int64_t m, const std::string& format) {
+            kernels::Format f;
+            if (!kernels::parse_format(format.c_str(), &f))
+                throw std::invalid_argument("format '" + format + "' is not one of bf16, int8, int4");
+            return std::string(l.core->isa_for_tokens(m, f)->name);
+        }, py::arg("m"), py::arg("format") = "bf16")
         .def("thread_rows",
              [](const PyLayer& l, int64_t expert, const std::string& kind) {
                  py::list result;

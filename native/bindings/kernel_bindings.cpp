@@ -26,12 +26,13 @@ using kernels::KernelOps;
 // out[r, t] += sum_c weight[r, c] * tokens[t, c] over the segments (tokens gathered by the
 // ISA's gather with the identity index).
 void py_matmul_segments(const std::string& isa, const py::array& weight, const py::object& segments,
-                        const py::array& tokens, py::array& out, int64_t row_begin, int64_t row_end) {
-    const KernelOps& ops = ops_for(isa);
-    check_array(weight, "weight", Kind::bf16, 2);
+                        const py::array& tokens, py::array& out, int64_t row_begin, int64_t row_end,
+                        const py::object& scales) {
+    const WeightArg w = weight_operand(weight, scales, "weight");
+    const KernelOps& ops = ops_for(isa, w.format);
     check_array(tokens, "tokens", Kind::bf16, 2);
     check_array(out, "out", Kind::f32, 2, true);
-    const int64_t rows = weight.shape(0), k = weight.shape(1), m = tokens.shape(0);
+    const int64_t rows = w.rows, k = w.cols, m = tokens.shape(0);
     if (tokens.shape(1) != k)
         throw std::invalid_argument("tokens: " + std::to_string(tokens.shape(1)) + " columns, weight has " + std::to_string(k));
     if (out.shape(0) != rows || out.shape(1) < m)
@@ -39,9 +40,10 @@ void py_matmul_segments(const std::string& isa, const py::array& weight, const p
                                     std::to_string(m) + "]");
     if (segments.is_none()) throw std::invalid_argument("segments: required (int64 [n, 5])");
     const std::vector<Segment> segs = read_segments(segments, "segments", rows, k);
+    if (w.format != kernels::Format::bf16)
+        check_block_edges(segs.data(), static_cast<int64_t>(segs.size()), k, kernels::kActivationBlock, "segments");
     if (row_end < 0) row_end = rows;
     check_range(row_begin, row_end, rows, 1, "[row_begin, row_end)");
-    const auto* w = static_cast<const bf16*>(weight.data());
     const auto* x = static_cast<const bf16*>(tokens.data());
     auto* o = static_cast<float*>(out.mutable_data());
     const int64_t ldo = out.shape(1);
@@ -50,8 +52,8 @@ void py_matmul_segments(const std::string& isa, const py::array& weight, const p
     std::vector<int64_t> identity(m);
     for (int64_t t = 0; t < m; ++t) identity[t] = t;
     if (m > 0) ops.gather(x, k, identity.data(), m, k, packed.get());
-    ops.matmul_segments(w, k, segs.data(), static_cast<int64_t>(segs.size()), row_begin, row_end, packed.get(), m, k, o,
-                        ldo);
+    ops.matmul_segments(w.weights, segs.data(), static_cast<int64_t>(segs.size()), row_begin, row_end, packed.get(), m,
+                        k, o, ldo);
 }
 
 // silu_mul_pack over [i_begin, i_end) from partials [I, m]; returns act [m, I] (uint16
@@ -118,14 +120,17 @@ void py_store_down(const std::string& isa, const py::list& parts, int64_t h_begi
 
 void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index, const py::array& w_gate,
                    const py::array& w_up, const py::array& w_down, const py::object& gate_segments,
-                   const py::object& up_segments, const py::object& down_segments, py::array& out, int threads) {
-    engine::ExpertFfnArgs args = expert_ffn_args(x, token_index, w_gate, w_up, w_down, threads);
+                   const py::object& up_segments, const py::object& down_segments, py::array& out, int threads,
+                   const py::object& gate_scales, const py::object& up_scales, const py::object& down_scales) {
+    engine::ExpertFfnArgs args = expert_ffn_args(x, token_index, weight_operand(w_gate, gate_scales, "w_gate"),
+                                                 weight_operand(w_up, up_scales, "w_up"),
+                                                 weight_operand(w_down, down_scales, "w_down"), threads);
     args.gate_segments = read_segments(gate_segments, "gate_segments", args.intermediate, args.hidden);
     args.up_segments = read_segments(up_segments, "up_segments", args.intermediate, args.hidden);
     args.down_segments = read_segments(down_segments, "down_segments", args.hidden, args.intermediate);
     args.out_bf16 = check_output(out, "out", args.m, args.hidden);
     args.out = out.mutable_data();
-    const KernelOps& ops = ops_for(isa);
+    const KernelOps& ops = ops_for(isa, args.format);
     bool completed;
     {
         py::gil_scoped_release release;
@@ -137,18 +142,23 @@ void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& 
 }  // namespace
 
 void register_kernels(py::module_& m) {
-    m.def("kernel_isas", [] {
+    m.def("kernel_isas", [](const std::string& format) {
+        kernels::Format f;
+        if (!kernels::parse_format(format.c_str(), &f))
+            throw std::invalid_argument("format '" + format + "' is not one of bf16, int8, int4");
         std::vector<std::string> names;
         for (Isa isa : {Isa::ref, Isa::avx2, Isa::avx512, Isa::amx_model, Isa::amx})
-            if (kernels::kernel_ops(isa)) names.emplace_back(kernels::isa_name(isa));
+            if (kernels::kernel_ops(isa, f)) names.emplace_back(kernels::isa_name(isa));
         return names;
-    }, "Names of the kernel ISAs this CPU (and OS) can run.");
+    }, py::arg("format") = "bf16", "Names of the kernel ISAs this CPU (and OS) can run for a weight format, slowest first.");
     m.def("default_kernel_isa", [] { return std::string(kernels::isa_name(kernels::default_isa())); },
           "The ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("matmul_segments", &py_matmul_segments, py::arg("isa"), py::arg("weight"), py::arg("segments"),
           py::arg("tokens"), py::arg("out"), py::arg("row_begin") = 0, py::arg("row_end") = -1,
+          py::arg("scales") = py::none(),
           "out[r, t] += sum over segment columns of weight[r, c] * tokens[t, c] (rows of the segments in "
-          "[row_begin, row_end)).");
+          "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4) and tokens are quantized per "
+          "32-column block as the kernels do.");
     m.def("silu_mul_pack", &py_silu_mul_pack, py::arg("isa"), py::arg("gate_parts"), py::arg("up_parts"),
           py::arg("i_begin"), py::arg("i_end"), "act[t, i] = bf16(silu(sum gate) * sum up), unpacked to [m, I] uint16.");
     m.def("combine_down", &py_combine_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),
@@ -158,8 +168,10 @@ void register_kernels(py::module_& m) {
           py::arg("out"), "out[t, h] = sum_p parts[p][h, t] (stored, bf16 or float32) for h in [h_begin, h_end).");
     m.def("expert_ffn", &py_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"), py::arg("w_gate"),
           py::arg("w_up"), py::arg("w_down"), py::arg("gate_segments"), py::arg("up_segments"),
-          py::arg("down_segments"), py::arg("out"), py::arg("threads") = 0,
-          "out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T; out is float32 or bfloat16 [m, H]. Ctrl-C interrupts it.");
+          py::arg("down_segments"), py::arg("out"), py::arg("threads") = 0, py::arg("gate_scales") = py::none(),
+          py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(),
+          "out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T; out is float32 or bfloat16 [m, H]; with scales the "
+          "weights are int8 (or uint8: int4). Ctrl-C interrupts it.");
     m.def("process_pool_start_count", &engine::process_pool_start_count,
           "Thread creations over the process pool of the single-expert path so far (none per call).");
     m.def("affinity_cpu_count", &engine::affinity_cpu_count, "CPUs in this process's affinity mask.");

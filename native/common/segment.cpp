@@ -36,6 +36,17 @@ void check_segments(const Segment* segments, int64_t n_segments, int64_t rows, i
     }
 }
 
+void check_block_edges(const Segment* segments, int64_t n_segments, int64_t cols, int64_t block,
+                       const std::string& what) {
+    for (int64_t i = 0; i < n_segments; ++i) {
+        const Segment& s = segments[i];
+        if (s.k0 % block || (s.k1 % block && s.k1 != cols))
+            throw std::invalid_argument(what + "[" + std::to_string(i) + "] = " + segment_text(s) + " cuts a " +
+                                        std::to_string(block) + "-column block of integer weights (k0 and k1 must "
+                                        "be multiples of " + std::to_string(block) + ")");
+    }
+}
+
 void check_partition(const std::vector<std::vector<Segment>>& node_segments, int64_t rows, int64_t cols,
                      const std::string& what) {
     // (row, k0, k1, node) of every covered piece, sorted: a partition has, per row,

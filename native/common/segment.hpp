@@ -30,6 +30,11 @@ std::string segment_text(const Segment& s);
 // names the list in the message ("gate segments of node 1").
 void check_segments(const Segment* segments, int64_t n_segments, int64_t rows, int64_t cols, const std::string& what);
 
+// Throws std::invalid_argument unless every segment starts and ends on a multiple of
+// `block` columns (or at cols): integer weights are multiplied block by block.
+void check_block_edges(const Segment* segments, int64_t n_segments, int64_t cols, int64_t block,
+                       const std::string& what);
+
 // Throws std::invalid_argument unless the segments of all nodes together cover every
 // element of the rows x cols matrix exactly once (no gap, no overlap).
 void check_partition(const std::vector<std::vector<Segment>>& node_segments, int64_t rows, int64_t cols,

@@ -8,10 +8,11 @@
 namespace numa_moe::engine {
 namespace {
 
-MatrixPart whole_or_segments(const bf16* w, int64_t rows, int64_t cols, const std::vector<Segment>& segments) {
+MatrixPart whole_or_segments(const kernels::Weights& w, kernels::Format format, int64_t rows, int64_t cols,
+                             const std::vector<Segment>& segments) {
     MatrixPart part;
-    part.w = w;
-    part.ldw = cols;
+    part.weights = w;
+    part.format = format;
     part.rows = rows;
     part.cols = cols;
     part.node_segments = {segments.empty() ? std::vector<Segment>{Segment{0, 1, rows, 0, cols}} : segments};
@@ -24,9 +25,12 @@ bool expert_ffn(const kernels::KernelOps& ops, const ExpertFfnArgs& a, const std
     if (a.m == 0) return true;
     const std::shared_ptr<WorkerPool> pool = a.threads > 1 ? process_pool(a.threads) : nullptr;
     Team team(pool.get());
-    ExpertParts parts{whole_or_segments(a.w_gate, a.intermediate, a.hidden, a.gate_segments),
-                      whole_or_segments(a.w_up, a.intermediate, a.hidden, a.up_segments),
-                      whole_or_segments(a.w_down, a.hidden, a.intermediate, a.down_segments)};
+    if (ops.format != a.format)
+        throw std::invalid_argument(std::string("expert_ffn: ") + kernels::format_name(a.format) +
+                                    " weights handed to " + kernels::format_name(ops.format) + " kernels");
+    ExpertParts parts{whole_or_segments(a.gate, a.format, a.intermediate, a.hidden, a.gate_segments),
+                      whole_or_segments(a.up, a.format, a.intermediate, a.hidden, a.up_segments),
+                      whole_or_segments(a.down, a.format, a.hidden, a.intermediate, a.down_segments)};
     prepare_matrix(parts.gate, team.node_participants(), "gate_segments", false);
     prepare_matrix(parts.up, team.node_participants(), "up_segments", false);
     prepare_matrix(parts.down, team.node_participants(), "down_segments", false);

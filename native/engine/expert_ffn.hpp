@@ -18,9 +18,9 @@ struct ExpertFfnArgs {
     const int64_t* token_index = nullptr;  // m rows of x; output row t is token_index[t]'s
     int64_t m = 0;
     int64_t hidden = 0, intermediate = 0;
-    const bf16* w_gate = nullptr;  // [intermediate, hidden]
-    const bf16* w_up = nullptr;    // [intermediate, hidden]
-    const bf16* w_down = nullptr;  // [hidden, intermediate]
+    kernels::Weights gate, up;  // [intermediate, hidden]
+    kernels::Weights down;      // [hidden, intermediate]
+    kernels::Format format = kernels::Format::bf16;  // of all three
     // Segment lists per matrix; empty = the whole matrix as one segment.
     std::vector<Segment> gate_segments, up_segments, down_segments;
     void* out = nullptr;  // [m, hidden] row-major, bf16 or fp32 (overwritten)
@@ -28,7 +28,7 @@ struct ExpertFfnArgs {
     int threads = 1;
 };
 
-// Runs the FFN. Returns false when keep_going aborted it (out is then unspecified);
+// Runs the FFN with `ops` (a table of args.format). Returns false when keep_going aborted it (out is then unspecified);
 // exceptions from any thread are rethrown here.
 bool expert_ffn(const kernels::KernelOps& ops, const ExpertFfnArgs& args, const std::function<bool()>& keep_going = {});
 

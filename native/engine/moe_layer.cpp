@@ -19,8 +19,12 @@ void check_shape(const MatrixPart& m, int64_t rows, int64_t cols, const std::str
     if (m.rows != rows || m.cols != cols)
         throw std::invalid_argument(what + ": shape [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) +
                                     "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
-    if (!m.w || m.ldw < m.cols)
+    if (!m.weights.data || m.weights.ld < m.cols)
         throw std::invalid_argument(what + ": null weights or row stride below the row length");
+    if (m.format != kernels::Format::bf16 && (!m.weights.scales || m.weights.group % kernels::kActivationBlock))
+        throw std::invalid_argument(what + ": " + kernels::format_name(m.format) +
+                                    " weights need scales and a group that is a multiple of " +
+                                    std::to_string(kernels::kActivationBlock));
 }
 
 }  // namespace
@@ -30,6 +34,11 @@ void MoELayerCore::add_expert(ExpertParts parts, bool verify_partition) {
     check_shape(parts.gate, intermediate_, hidden_, name + " gate");
     check_shape(parts.up, intermediate_, hidden_, name + " up");
     check_shape(parts.down, hidden_, intermediate_, name + " down");
+    if (parts.up.format != parts.gate.format || parts.down.format != parts.gate.format)
+        throw std::invalid_argument(name + ": gate, up and down must share one weight format, got " +
+                                    kernels::format_name(parts.gate.format) + ", " +
+                                    kernels::format_name(parts.up.format) + " and " +
+                                    kernels::format_name(parts.down.format));
     prepare_matrix(parts.gate, team_.node_participants(), name + " gate", verify_partition);
     prepare_matrix(parts.up, team_.node_participants(), name + " up", verify_partition);
     prepare_matrix(parts.down, team_.node_participants(), name + " down", verify_partition);
@@ -37,21 +46,26 @@ void MoELayerCore::add_expert(ExpertParts parts, bool verify_partition) {
 }
 
 void MoELayerCore::set_isa(bool forced, Isa isa) {
-    if (!forced) {
-        forced_ops_ = nullptr;
-        return;
-    }
-    forced_ops_ = kernels::kernel_ops(isa);
-    if (!forced_ops_)
+    if (forced && !kernels::kernel_ops(isa))
         throw std::invalid_argument(std::string("ISA ") + kernels::isa_name(isa) + " is not available on this CPU");
+    isa_forced_ = forced;
+    forced_isa_ = isa;
 }
 
-const KernelOps* MoELayerCore::isa_for_tokens(int64_t m) const {
+const KernelOps* MoELayerCore::isa_for_tokens(int64_t m, kernels::Format format) const {
     if (m >= amx_min_tokens_)
-        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx)) return ops;
-    for (Isa isa : {Isa::avx512, Isa::avx2})
-        if (const KernelOps* ops = kernels::kernel_ops(isa)) return ops;
-    return &kernels::ref_ops();
+        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx, format)) return ops;
+    for (Isa isa : {Isa::avx512, Isa::avx2, Isa::ref})
+        if (const KernelOps* ops = kernels::kernel_ops(isa, format)) return ops;
+    throw std::logic_error("no kernels for weight format " + std::string(kernels::format_name(format)));
+}
+
+const KernelOps* MoELayerCore::ops_for(int64_t m, kernels::Format format) const {
+    if (!isa_forced_) return isa_for_tokens(m, format);
+    if (const KernelOps* ops = kernels::kernel_ops(forced_isa_, format)) return ops;
+    throw std::invalid_argument(std::string("ISA ") + kernels::isa_name(forced_isa_) + " cannot run " +
+                                kernels::format_name(format) + " experts: " +
+                                kernels::unavailable_reason(forced_isa_, format));
 }
 
 // One task per active expert, ascending id.
@@ -62,7 +76,7 @@ void MoELayerCore::plan_tasks() {
         if (m == 0) continue;
         const int64_t slot0 = routing_.expert_offset[e];
         const int64_t* tokens = routing_.slot_token.data() + slot0;
-        tasks_.push_back(ExpertTask{&experts_[e], forced_ops_ ? forced_ops_ : isa_for_tokens(m), m, tokens, tokens,
+        tasks_.push_back(ExpertTask{&experts_[e], ops_for(m, experts_[e].gate.format), m, tokens, tokens,
                                     routing_.slot_weight.data() + slot0});
     }
 }

@@ -58,9 +58,10 @@ public:
     // into several pool runs.
     void set_group_budget_bytes(int64_t bytes) { group_budget_bytes_ = bytes; }
 
-    // The ISA an expert with m tokens runs with (not forced): AMX (real, when this CPU
-    // and OS allow it) from amx_min_tokens tokens, else AVX-512-BF16, else AVX2, else ref.
-    const KernelOps* isa_for_tokens(int64_t m) const;
+    // The kernels an expert with m tokens of a weight format runs with (not forced): AMX
+    // (real, when this CPU and OS allow it) from amx_min_tokens tokens, else AVX-512,
+    // else AVX2, else ref, the first that has kernels for the format.
+    const KernelOps* isa_for_tokens(int64_t m, kernels::Format format = kernels::Format::bf16) const;
 
     // Returns false when keep_going() asked to abort (out is then unspecified).
     bool forward(const bf16* x, int64_t ldx, int64_t n_tokens, const int64_t* ids, const float* weights, int64_t top_k,
@@ -70,13 +71,17 @@ public:
 
 private:
     void plan_tasks();
+    // isa_for_tokens, or the forced ISA's table (std::invalid_argument when it has no
+    // kernels for the format).
+    const KernelOps* ops_for(int64_t m, kernels::Format format) const;
     void record_stats();
 
     std::shared_ptr<WorkerPool> pool_;
     Team team_;
     int64_t hidden_, intermediate_;
     std::vector<ExpertParts> experts_;
-    const KernelOps* forced_ops_ = nullptr;
+    bool isa_forced_ = false;
+    Isa forced_isa_ = Isa::ref;
     int64_t amx_min_tokens_ = 1;
     int64_t group_budget_bytes_ = int64_t(256) << 20;
 

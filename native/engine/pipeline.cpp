@@ -42,22 +42,40 @@ std::vector<Range> split_node_rows(const std::vector<Segment>& segments, int64_t
 
 }  // namespace
 
+int64_t weight_bytes(const MatrixPart& part, int64_t elements) {
+    switch (part.format) {
+        case kernels::Format::bf16: return elements * 2;
+        case kernels::Format::int8:
+        case kernels::Format::int4: {
+            const int64_t scale_bytes = part.weights.scale_type == kernels::ScaleType::fp32 ? 4 : 2;
+            const int64_t values = part.format == kernels::Format::int8 ? elements : elements / 2;
+            return values + elements / std::max<int64_t>(part.weights.group, 1) * scale_bytes;
+        }
+    }
+    return 0;
+}
+
 void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants, const std::string& what,
                     bool verify_partition) {
     const size_t n_nodes = node_participants.size();
     if (part.node_segments.size() != n_nodes)
         throw std::invalid_argument(what + ": segments given for " + std::to_string(part.node_segments.size()) +
                                     " nodes, the worker pool has " + std::to_string(n_nodes));
-    for (size_t n = 0; n < n_nodes; ++n)
+    for (size_t n = 0; n < n_nodes; ++n) {
+        const std::string name = what + " segments of node " + std::to_string(n);
         check_segments(part.node_segments[n].data(), static_cast<int64_t>(part.node_segments[n].size()), part.rows,
-                       part.cols, what + " segments of node " + std::to_string(n));
+                       part.cols, name);
+        if (part.format != kernels::Format::bf16)
+            check_block_edges(part.node_segments[n].data(), static_cast<int64_t>(part.node_segments[n].size()),
+                              part.cols, kernels::kActivationBlock, name);
+    }
     if (verify_partition) check_partition(part.node_segments, part.rows, part.cols, what);
     part.thread_rows.assign(n_nodes, {});
     part.node_bytes.assign(n_nodes, 0);
     for (size_t n = 0; n < n_nodes; ++n) {
         int64_t elements = 0;
         part.thread_rows[n] = split_node_rows(part.node_segments[n], part.rows, part.cols, node_participants[n], &elements);
-        part.node_bytes[n] = elements * static_cast<int64_t>(sizeof(bf16));
+        part.node_bytes[n] = weight_bytes(part, elements);
     }
     part.even_split = n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], kRowAlign);
 }
@@ -203,7 +221,7 @@ void StepRun::matmul(const ExpertTask& task, const MatrixPart& mp, const void* t
     std::memset(part + rows.begin * task.m, 0, sizeof(float) * (rows.end - rows.begin) * task.m);
     const std::vector<Segment>& segs = mp.node_segments[ti.node];
     for (int64_t r = rows.begin; r < rows.end && !team_.aborted(); r += kRowsPerCall)
-        task.ops->matmul_segments(mp.w, mp.ldw, segs.data(), static_cast<int64_t>(segs.size()), r,
+        task.ops->matmul_segments(mp.weights, segs.data(), static_cast<int64_t>(segs.size()), r,
                                   std::min(rows.end, r + kRowsPerCall), tokens, task.m, k, part, task.m);
 }
 

@@ -38,27 +38,31 @@ using kernels::bf16;
 using kernels::KernelOps;
 
 struct MatrixPart {
-    const bf16* w = nullptr;
-    int64_t ldw = 0;
+    kernels::Weights weights;
+    kernels::Format format = kernels::Format::bf16;
     int64_t rows = 0;
     int64_t cols = 0;
     std::vector<std::vector<Segment>> node_segments;  // [node][i]
     // Filled by prepare_matrix:
     std::vector<std::vector<Range>> thread_rows;  // [node][local participant]
-    std::vector<int64_t> node_bytes;              // weight bytes per node
+    std::vector<int64_t> node_bytes;              // weight (and scale) bytes per node
     bool even_split = false;  // one node, rows split as split_even(rows, participants, kRowAlign)
 };
 
 struct ExpertParts {
-    MatrixPart gate, up, down;
+    MatrixPart gate, up, down;  // all three in one format
 };
+
+// Bytes of `elements` weights of a matrix in its format, scales included.
+int64_t weight_bytes(const MatrixPart& part, int64_t elements);
 
 // Row ranges handed to threads are multiples of this (silu_mul_pack's contract).
 constexpr int64_t kRowAlign = 32;
 
-// Checks the matrix's segments (each inside the matrix; with verify_partition, all nodes'
-// segments together cover it exactly once) and splits each node's rows over that node's
-// participants by weight bytes. std::invalid_argument names `what`.
+// Checks the matrix's segments (each inside the matrix, integer formats on whole
+// activation blocks; with verify_partition, all nodes' segments together cover it exactly
+// once) and splits each node's rows over that node's participants by weight bytes.
+// std::invalid_argument names `what`.
 void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants, const std::string& what,
                     bool verify_partition);
 

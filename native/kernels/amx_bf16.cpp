@@ -160,8 +160,10 @@ void run_block(const BlockShape& shape, const bf16* w_block, int64_t w_stride_by
     if (two_rows && two_tokens) TILE_STORED(kC11, c_block + c_tile1_offset + 16, c_stride_bytes);
 }
 
-void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t /*k*/, float* out, int64_t ldo) {
+    const bf16* w = static_cast<const bf16*>(weights.data);
+    const int64_t ldw = weights.ld;
     const bf16* tokens = static_cast<const bf16*>(packed);
     if (m <= 0) return;
     const bool stream_weights = m <= 32;  // each weight byte is used by one token block only
@@ -215,14 +217,14 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 
 #ifdef NUMA_MOE_AMX_MODEL
 const KernelOps& amx_model_ops() {
-    static const KernelOps ops{Isa::amx_model,          "amx_model", pairs_layout, AMX_NAMESPACE::packed_bytes,
+    static const KernelOps ops{Isa::amx_model,          "amx_model", Format::bf16, pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
                                combine_down_avx512,     store_down_avx512};
     return ops;
 }
 #else
 const KernelOps& amx_ops() {
-    static const KernelOps ops{Isa::amx,                "amx", pairs_layout, AMX_NAMESPACE::packed_bytes,
+    static const KernelOps ops{Isa::amx,                "amx", Format::bf16, pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
                                combine_down_avx512,     store_down_avx512};
     return ops;

@@ -64,8 +64,10 @@ MicroFn micro_for_tokens(int64_t t) {
     }
 }
 
-void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const bf16* w = static_cast<const bf16*>(weights.data);
+    const int64_t ldw = weights.ld;
     const bf16* tokens = static_cast<const bf16*>(packed);
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
@@ -101,7 +103,7 @@ const KernelOps& avx2_ops() {
     // The token layout is the plain one of the reference (its gather is a row copy), and
     // the epilogues touch rows x tokens floats, nothing next to the weights: the
     // reference versions serve.
-    static const KernelOps ops{Isa::avx2, "avx2", plain_layout, ref_ops().packed_bytes, ref_ops().gather, matmul_segments,
+    static const KernelOps ops{Isa::avx2, "avx2", Format::bf16, plain_layout, ref_ops().packed_bytes, ref_ops().gather, matmul_segments,
                                ref_ops().silu_mul_pack, ref_ops().combine_down, ref_ops().store_down};
     return ops;
 }

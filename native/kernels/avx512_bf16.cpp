@@ -540,8 +540,10 @@ void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, i
     }
 }
 
-void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments, int64_t row_begin,
+void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const bf16* w = static_cast<const bf16*>(weights.data);
+    const int64_t ldw = weights.ld;
     if (m <= 0) return;
     const bf16* x = static_cast<const bf16*>(packed);
     if (!uses_lanes(m)) return dot_matmul_segments(w, ldw, segments, n_segments, row_begin, row_end, x, m, k, out, ldo);
@@ -560,7 +562,7 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 }  // namespace
 
 const KernelOps& avx512_ops() {
-    static const KernelOps ops{Isa::avx512,   "avx512",  token_layout,    packed_bytes, gather, matmul_segments,
+    static const KernelOps ops{Isa::avx512,   "avx512",  Format::bf16, token_layout,    packed_bytes, gather, matmul_segments,
                                silu_mul_pack, combine_down_avx512, store_down_avx512};
     return ops;
 }

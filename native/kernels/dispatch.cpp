@@ -31,7 +31,37 @@ bool parse_isa(const char* name, Isa* isa) {
     return false;
 }
 
-const KernelOps* kernel_ops(Isa isa) {
+const char* format_name(Format format) {
+    switch (format) {
+        case Format::bf16: return "bf16";
+        case Format::int8: return "int8";
+        case Format::int4: return "int4";
+    }
+    return "unknown";
+}
+
+bool parse_format(const char* name, Format* format) {
+    for (Format candidate : {Format::bf16, Format::int8, Format::int4}) {
+        if (std::strcmp(name, format_name(candidate)) == 0) {
+            *format = candidate;
+            return true;
+        }
+    }
+    return false;
+}
+
+namespace {
+
+// The integer formats have reference kernels only so far.
+const KernelOps* integer_ops(Isa isa, Format format) {
+    if (isa != Isa::ref) return nullptr;
+    return format == Format::int8 ? &ref_int8_ops() : &ref_int4_ops();
+}
+
+}  // namespace
+
+const KernelOps* kernel_ops(Isa isa, Format format) {
+    if (format != Format::bf16) return integer_ops(isa, format);
     switch (isa) {
         case Isa::ref: return &ref_ops();
         case Isa::avx2: return has_avx2_kernels() ? &avx2_ops() : nullptr;
@@ -43,8 +73,10 @@ const KernelOps* kernel_ops(Isa isa) {
     return nullptr;
 }
 
-std::string unavailable_reason(Isa isa) {
-    if (kernel_ops(isa)) return "";
+std::string unavailable_reason(Isa isa, Format format) {
+    if (kernel_ops(isa, format)) return "";
+    if (format != Format::bf16 && kernel_ops(isa))
+        return std::string("it has no ") + format_name(format) + " kernels yet (ref has)";
     switch (isa) {
         case Isa::ref: return "";
         case Isa::avx2: return "this CPU (or OS) lacks AVX2 + FMA";

@@ -26,6 +26,28 @@ using bf16 = uint16_t;
 
 enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2, amx_model = 3, amx = 4 };
 
+// Weight formats (docs/quantization.md): bf16, or group-wise symmetric int8 / int4 with a
+// scale per row and group of columns.
+enum class Format : int { bf16 = 0, int8 = 1, int4 = 2 };
+enum class ScaleType : int { fp32 = 0, fp16 = 1, bf16 = 2 };
+
+// The weight operand of matmul_segments. Row r starts at element r * ld of `data` (bf16,
+// int8, or int4 two per byte with the even column in the low nibble, so ld is even).
+// Integer formats: scale of row r, columns [c, c + group) at scales[r * scales_ld + c / group].
+struct Weights {
+    const void* data = nullptr;
+    int64_t ld = 0;
+    const void* scales = nullptr;
+    int64_t scales_ld = 0;
+    int64_t group = 0;
+    ScaleType scale_type = ScaleType::fp32;
+};
+
+// Integer formats quantize the token operand per token and per block of this many
+// columns (symmetric int8, an fp32 scale each); segment columns of integer weights start
+// and end on these blocks.
+constexpr int64_t kActivationBlock = 32;
+
 // Layout of the packed token operand, m tokens x k columns of bf16. The columns come in
 // blocks of B = block_columns; a block stores every token's B columns in turn, tokens padded
 // with zeros to m_pad, a multiple of token_multiple:
@@ -66,6 +88,7 @@ inline TokenLayout pairs_layout(int64_t) { return TokenLayout{2, 1}; }
 struct KernelOps {
     Isa isa;
     const char* name;
+    Format format;  // of the weights matmul_segments reads
 
     // The layout gather and silu_mul_pack write, and matmul_segments reads, for m tokens.
     // Only the bindings (tests) look at it; the worker layer treats the operand as bytes.
@@ -81,10 +104,11 @@ struct KernelOps {
 
     // For each segment s, for each row r = s.row0 + j * s.row_stride (j < s.nrows) with
     // row_begin <= r < row_end, for each token t < m:
-    //     out[r * ldo + t] += sum_{c in [s.k0, s.k1)} w[r * ldw + c] * tokens[t][c]
-    // Threads that own disjoint [row_begin, row_end) ranges may run concurrently on the
-    // same out buffer.
-    void (*matmul_segments)(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments,
+    //     out[r * ldo + t] += sum_{c in [s.k0, s.k1)} w[r][c] * tokens[t][c]
+    // (integer formats: the int32 dot product of each activation block, times the weight
+    // and token scales, summed in fp32). Threads that own disjoint [row_begin, row_end)
+    // ranges may run concurrently on the same out buffer.
+    void (*matmul_segments)(const Weights& w, const Segment* segments, int64_t n_segments,
                             int64_t row_begin, int64_t row_end, const void* packed, int64_t m,
                             int64_t k, float* out, int64_t ldo);
 
@@ -118,8 +142,9 @@ struct KernelOps {
                        int64_t m, void* out, int64_t ldo, bool out_bf16);
 };
 
-// The table for an ISA, or nullptr when this CPU (or OS) cannot run it.
-const KernelOps* kernel_ops(Isa isa);
+// The table for an ISA and weight format, or nullptr when this CPU (or OS) cannot run it
+// or the ISA has no kernels for the format.
+const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16);
 
 // The fastest ISA this machine runs, unless NUMA_MOE_ISA (ref|avx2|avx512|amx_model|amx)
 // names another; an unavailable choice there is an error (std::runtime_error).
@@ -128,10 +153,15 @@ Isa default_isa();
 const char* isa_name(Isa isa);
 bool parse_isa(const char* name, Isa* isa);
 
-// Why an ISA is not available here ("" when it is).
-std::string unavailable_reason(Isa isa);
+// Why an ISA is not available here for a format ("" when it is).
+std::string unavailable_reason(Isa isa, Format format = Format::bf16);
 
-// The portable reference table, always available.
+const char* format_name(Format format);
+bool parse_format(const char* name, Format* format);
+
+// The portable reference tables, always available.
 const KernelOps& ref_ops();
+const KernelOps& ref_int8_ops();
+const KernelOps& ref_int4_ops();
 
 }  // namespace numa_moe::kernels

@@ -22,9 +22,10 @@ void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, i
     for (int64_t t = 0; t < m; ++t) std::memcpy(dst + t * k, x + token_index[t] * ldx, k * sizeof(bf16));
 }
 
-void matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, int64_t n_segments,
-                     int64_t row_begin, int64_t row_end, const void* packed, int64_t m, int64_t k,
-                     float* out, int64_t ldo) {
+void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                     int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const bf16* w = static_cast<const bf16*>(weights.data);
+    const int64_t ldw = weights.ld;
     const bf16* tokens = static_cast<const bf16*>(packed);
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
@@ -86,7 +87,7 @@ void store_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_be
 }  // namespace
 
 const KernelOps& ref_ops() {
-    static const KernelOps ops{Isa::ref,      "ref",        plain_layout, packed_bytes, gather, matmul_segments,
+    static const KernelOps ops{Isa::ref,      "ref",        Format::bf16, plain_layout, packed_bytes, gather, matmul_segments,
                                silu_mul_pack, combine_down, store_down};
     return ops;
 }

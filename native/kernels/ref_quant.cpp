@@ -1,0 +1,155 @@
+// Scalar reference kernels of the integer weight formats (docs/quantization.md): the
+// specification the SIMD and AMX kernels of int8 / int4 are tested against. Baseline
+// x86-64 code.
+//
+// Operand layouts (kernel_api.hpp):
+//   weights  int8 w[r * ld + c]; int4: byte (r * ld + c) / 2, the even column in its low
+//            nibble, 4-bit two's complement; scales s[r * scales_ld + c / group]
+//   tokens   per token t and block b of kActivationBlock columns, symmetric int8:
+//            q[t * k + c] (m * k bytes, padded to 64), then fp32 scale[t * (k / 32) + b]
+//            with x ~= scale * q; k is a multiple of kActivationBlock
+//   partials out[r * ldo + t] fp32: sum over blocks of int32 dot * s_w * s_x, in fp32
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels/bf16.hpp"
+#include "kernels/kernel_api.hpp"
+
+namespace numa_moe::kernels {
+namespace {
+
+constexpr int64_t kBlock = kActivationBlock;
+
+float fp16_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    float value;
+    if (exponent == 0) {
+        value = std::ldexp(static_cast<float>(mantissa), -24);  // zero or subnormal
+    } else if (exponent == 31) {
+        value = mantissa ? std::nanf("") : INFINITY;
+    } else {
+        value = std::ldexp(static_cast<float>(mantissa | 0x400u), static_cast<int>(exponent) - 25);
+    }
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    bits |= sign;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+float weight_scale(const Weights& w, int64_t r, int64_t c) {
+    const int64_t index = r * w.scales_ld + c / w.group;
+    switch (w.scale_type) {
+        case ScaleType::fp32: return static_cast<const float*>(w.scales)[index];
+        case ScaleType::fp16: return fp16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
+        case ScaleType::bf16: return bf16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
+    }
+    return 0.0f;
+}
+
+template <Format F>
+int32_t weight_value(const Weights& w, int64_t r, int64_t c) {
+    if constexpr (F == Format::int8) {
+        return static_cast<const int8_t*>(w.data)[r * w.ld + c];
+    } else {
+        const uint8_t byte = static_cast<const uint8_t*>(w.data)[(r * w.ld + c) / 2];
+        const int32_t nibble = (c % 2 == 0) ? (byte & 0x0f) : (byte >> 4);
+        return nibble >= 8 ? nibble - 16 : nibble;
+    }
+}
+
+size_t packed_bytes(int64_t m, int64_t k) {
+    const size_t values = (static_cast<size_t>(m * k) + 63) / 64 * 64;
+    return values + static_cast<size_t>(m * (k / kBlock)) * sizeof(float);
+}
+
+int8_t* token_values(void* packed) { return static_cast<int8_t*>(packed); }
+float* token_scales(void* packed, int64_t m, int64_t k) {
+    return reinterpret_cast<float*>(static_cast<uint8_t*>(packed) + (static_cast<size_t>(m * k) + 63) / 64 * 64);
+}
+
+// One block of kBlock values -> symmetric int8 with scale amax / 127 (0 for a zero block).
+void quantize_block(const float* v, int8_t* q, float* scale) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float s = amax / 127.0f;
+    *scale = s;
+    for (int64_t j = 0; j < kBlock; ++j)
+        q[j] = s > 0.0f ? static_cast<int8_t>(std::clamp(std::nearbyint(v[j] / s), -127.0f, 127.0f)) : 0;
+}
+
+void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    int8_t* q = token_values(packed);
+    float* scales = token_scales(packed, m, k);
+    float block[kBlock];
+    for (int64_t t = 0; t < m; ++t) {
+        const bf16* row = x + token_index[t] * ldx;
+        for (int64_t b = 0; b < k / kBlock; ++b) {
+            for (int64_t j = 0; j < kBlock; ++j) block[j] = bf16_to_float(row[b * kBlock + j]);
+            quantize_block(block, q + t * k + b * kBlock, scales + t * (k / kBlock) + b);
+        }
+    }
+}
+
+template <Format F>
+void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                     int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const int8_t* q = static_cast<const int8_t*>(packed);
+    const float* x_scales = token_scales(const_cast<void*>(packed), m, k);
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        for (int64_t j = 0; j < seg.nrows; ++j) {
+            const int64_t r = seg.row0 + j * seg.row_stride;
+            if (r < row_begin || r >= row_end) continue;
+            for (int64_t t = 0; t < m; ++t) {
+                float sum = 0.0f;
+                for (int64_t c0 = seg.k0; c0 < seg.k1; c0 += kBlock) {
+                    int32_t dot = 0;
+                    for (int64_t c = c0; c < c0 + kBlock; ++c) dot += weight_value<F>(w, r, c) * q[t * k + c];
+                    sum += static_cast<float>(dot) * (weight_scale(w, r, c0) * x_scales[t * (k / kBlock) + c0 / kBlock]);
+                }
+                out[r * ldo + t] += sum;
+            }
+        }
+    }
+}
+
+void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+    int8_t* q = token_values(packed);
+    float* scales = token_scales(packed, m, i_total);
+    float block[kBlock];
+    for (int64_t t = 0; t < m; ++t) {
+        for (int64_t b0 = i_begin; b0 < i_end; b0 += kBlock) {
+            for (int64_t j = 0; j < kBlock; ++j) {
+                float g = 0.0f, u = 0.0f;
+                for (int p = 0; p < n_parts; ++p) {
+                    g += gate_parts[p][(b0 + j) * ld + t];
+                    u += up_parts[p][(b0 + j) * ld + t];
+                }
+                block[j] = silu(g) * u;
+            }
+            quantize_block(block, q + t * i_total + b0, scales + t * (i_total / kBlock) + b0 / kBlock);
+        }
+    }
+}
+
+}  // namespace
+
+const KernelOps& ref_int8_ops() {
+    static const KernelOps ops{Isa::ref, "ref", Format::int8, plain_layout, packed_bytes, gather,
+                               matmul_segments<Format::int8>, silu_mul_pack, ref_ops().combine_down,
+                               ref_ops().store_down};
+    return ops;
+}
+
+const KernelOps& ref_int4_ops() {
+    static const KernelOps ops{Isa::ref, "ref", Format::int4, plain_layout, packed_bytes, gather,
+                               matmul_segments<Format::int4>, silu_mul_pack, ref_ops().combine_down,
+                               ref_ops().store_down};
+    return ops;
+}
+
+}  // namespace numa_moe::kernels

@@ -1,0 +1,155 @@
+"""Integer expert weights (int8, int4; docs/quantization.md) through every ISA that has
+kernels for them, against independent references of the same quantized operands: exact
+integer sums, then the weight and token scales."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from numa_moe import _native, kernels, quant
+from numa_moe.moe import MoELayer
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+BLOCK = 32
+FORMATS = ("int8", "int4")
+
+
+def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The token rule, restated: per token and 32-column block, s = amax / 127 (fp32),
+    q = round-half-even(x / s) clipped to [-127, 127] (0 for an all-zero block)."""
+    x = x.astype(np.float32)
+    m, k = x.shape
+    blocks = x.reshape(m, k // BLOCK, BLOCK)
+    s = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1))[:, :, None]
+    q = np.where(s[:, :, None] > 0, np.clip(np.rint(blocks / safe), -127, 127), 0).astype(np.int64)
+    return q.reshape(m, k), s
+
+
+def reference_matmul(qm, x_q, x_s, rows, k0, k1) -> np.ndarray:
+    """float64 [len(rows), m]: sum over blocks of int dot * s_w * s_x."""
+    w_q = quant.values(qm).astype(np.int64)
+    w_s = qm.scales.astype(np.float64)
+    out = np.zeros((len(rows), x_q.shape[0]))
+    for c0 in range(k0, k1, BLOCK):
+        dot = w_q[rows, c0:c0 + BLOCK] @ x_q[:, c0:c0 + BLOCK].T
+        out += dot * w_s[rows, c0 // qm.group][:, None] * x_s[:, c0 // BLOCK][None, :].astype(np.float64)
+    return out
+
+
+def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * cols ** -0.5
+    return w, quant.quantize(w, fmt, group, scale_dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", kernels.available_isas("int8"))
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
+    rows, cols, group = 40, 256, 64
+    _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
+    x = rng.standard_normal((m, cols)).astype(BF16)
+    x[0, :BLOCK] = 0  # an all-zero block
+    segments = np.array([[1, 3, 12, 64, 192], [0, 2, 20, 0, 64], [2, 5, 7, 192, 256]], np.int64)
+    out = np.full((rows, m), np.nan, np.float32)
+    covered = np.zeros(rows, bool)
+    for row0, stride, nrows, _, _ in segments:
+        covered[row0:row0 + stride * nrows:stride] = True
+    out[covered] = 0
+    kernels.matmul_segments(qm, segments, x, out, isa=isa)
+    x_q, x_s = quantize_tokens(x.astype(np.float32))
+    expected = np.zeros((rows, m))
+    for row0, stride, nrows, k0, k1 in segments:
+        rs = np.arange(row0, row0 + stride * nrows, stride)
+        expected[rs] += reference_matmul(qm, x_q, x_s, rs, k0, k1)
+    assert np.all(np.isnan(out[~covered])), "rows outside the segments were written"
+    err = np.abs(out[covered] - expected[covered]).max() / np.abs(expected[covered]).max()
+    assert err < 1e-5, err
+
+
+def ffn_reference(x, qms, index):
+    """float64 FFN on the same quantized operands: tokens quantized for gate/up, silu(g) * u
+    (fp32, as the kernels compute it) quantized again for down."""
+    gate, up, down = qms
+    x_q, x_s = quantize_tokens(x[index].astype(np.float32))
+    rows_i = np.arange(gate.shape[0])
+    g = reference_matmul(gate, x_q, x_s, rows_i, 0, gate.shape[1]).T
+    u = reference_matmul(up, x_q, x_s, rows_i, 0, up.shape[1]).T
+    act = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+    a_q, a_s = quantize_tokens(act)
+    return reference_matmul(down, a_q, a_s, np.arange(down.shape[0]), 0, down.shape[1]).T
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt, threads):
+    hidden, inter, group = 256, 192, 32
+    floats, qms = zip(*(random_qm(rng, r, c, fmt, group) for r, c in ((inter, hidden), (inter, hidden),
+                                                                        (hidden, inter))))
+    x = rng.standard_normal((9, hidden)).astype(BF16)
+    index = np.array([3, 0, 8, 8, 1])
+    out = np.full((len(index), hidden), np.nan, np.float32)
+    kernels.expert_ffn(x, *qms, token_index=index, out=out, threads=threads)
+    expected = ffn_reference(x, qms, index)
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 1e-4
+    # and against the unquantized float model: the scheme's own error, not a kernel's
+    xf = x[index].astype(np.float64)
+    g, u = xf @ floats[0].T, xf @ floats[1].T
+    float_out = (g / (1 + np.exp(-g)) * u) @ floats[2].T
+    bound = 0.03 if fmt == "int8" else 0.25
+    assert np.linalg.norm(out - float_out) / np.linalg.norm(float_out) < bound
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_nodes", [1, 2])
+def test_layer_with_integer_experts(rng, fmt, n_nodes):
+    from numa_moe.segments import SegmentTable
+    from numa_moe.topology import Topology
+
+    hidden, inter, group, n_experts = 128, 96, 32, 3
+    experts = [tuple(random_qm(rng, r, c, fmt, group)[1] for r, c in ((inter, hidden), (inter, hidden),
+                                                                      (hidden, inter))) for _ in range(n_experts)]
+    topo = Topology.virtual(n_nodes)
+
+    def table(qm):
+        rows, cols = qm.shape
+        return SegmentTable.theoretical(rows, cols, fmt, 4096, topo.node_ids)
+
+    tables = [{kind: table(qm) for kind, qm in zip(("gate", "up", "down"), e)} for e in experts]
+    layer = MoELayer(experts, tables, topology=topo)
+    assert layer.weight_format == fmt and layer.isa_for_tokens(1) == "ref"
+    x = rng.standard_normal((4, hidden)).astype(BF16)
+    ids = np.array([[0, 2], [1, 1], [2, 0], [1, 2]])
+    w = rng.random((4, 2)).astype(np.float32)
+    y = layer.forward_numpy(x, ids, w, out_dtype="float32")
+    expected = np.zeros((4, hidden))
+    for t in range(4):
+        for j in range(2):  # a repeated expert counts with its summed weight: the same sum
+            expected[t] += w[t, j] * ffn_reference(x, experts[ids[t, j]], [t])[0]
+    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-4
+
+
+def test_integer_weights_get_clear_errors(rng):
+    _, qm = random_qm(rng, 32, 128, "int8", 32)
+    x = rng.standard_normal((2, 128)).astype(BF16).view(np.uint16)
+    out = np.zeros((32, 2), np.float32)
+    seg = np.array([[0, 1, 32, 0, 128]], np.int64)
+    call = lambda w, s, segments=seg: _native.matmul_segments("ref", w, segments, x, out, scales=s)  # noqa: E731
+    with pytest.raises(ValueError, match="expected int8 .* or uint8"):
+        call(qm.q.astype(np.int16), qm.scales)
+    with pytest.raises(ValueError, match=r"weight_scales: shape \(32, 3\) does not give a group"):
+        call(qm.q, qm.scales[:, :3].copy())
+    with pytest.raises(ValueError, match="group 16 is not a multiple of 32"):
+        call(qm.q, np.ones((32, 8), np.float16))
+    for bad, word in ((0.0, "zero"), (np.nan, "not finite"), (np.inf, "not finite")):
+        scales = qm.scales.copy()
+        scales[3, 1] = bad
+        with pytest.raises(ValueError, match=f"weight_scales: entry 13 is {word}"):
+            call(qm.q, scales)
+    with pytest.raises(ValueError, match="cuts a 32-column block"):
+        call(qm.q, qm.scales, np.array([[0, 1, 32, 0, 48]], np.int64))
+    if "avx512" in kernels.available_isas():
+        with pytest.raises(ValueError, match="isa 'avx512' is not available for int8 weights: it has no int8 kernels"):
+            _native.matmul_segments("avx512", qm.q, seg, x, out, scales=qm.scales)
