@@ -245,7 +245,8 @@ class MoELayer:
 
     @classmethod
     def from_tensors(cls, gate_up=None, down=None, *, gate=None, up=None, topology=None, page: str = "4k",
-                     tables: str = "measured", phase: int = 0, **kwargs) -> "MoELayer":
+                     tables: str = "measured", phase: int = 0, weight_format: str = "bf16", group: int = 128,
+                     scale_dtype: str = "fp16", **kwargs) -> "MoELayer":
         """Copies the experts into memory interleaved over the topology's nodes and builds
         the tables.
 
@@ -253,7 +254,9 @@ class MoELayer:
         [E, I, H] (stacked or lists of [I, H]) + ``down`` (stacked or a list of [H, I]).
         tables="measured": from the page map the kernel reports (numa_moe.memory.page_map);
         tables="theoretical": from the interleave rule with the given phase (virtual
-        topologies, where the memory is not really on those nodes)."""
+        topologies, where the memory is not really on those nodes). weight_format "int8" or
+        "int4" quantizes the experts while copying (numa_moe.quant: group-wise symmetric,
+        ``group`` columns per scale, scales in ``scale_dtype``)."""
         from numa_moe import memory
         from numa_moe.segments import SegmentTable
 
@@ -263,6 +266,9 @@ class MoELayer:
         I = two_i // 2
         node_ids = tuple(topology.node_ids)
         alloc_nodes = None if topology.is_virtual else node_ids
+        if weight_format != "bf16":
+            return cls._from_quantized(gate_up_np, down_np, topology, alloc_nodes, page, tables, phase,
+                                       weight_format, group, scale_dtype, **kwargs)
         dst_gate_up = memory.interleaved_empty((E, two_i, H), "bfloat16", nodes=alloc_nodes, page=page)
         dst_down = memory.interleaved_empty((E, H, I), "bfloat16", nodes=alloc_nodes, page=page)
         dst_gate_up.view(np.uint16)[...] = gate_up_np
@@ -277,6 +283,56 @@ class MoELayer:
         else:
             raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
         return cls.from_stacked(dst_gate_up, dst_down, t_gu, t_d, topology=topology, **kwargs)
+
+    @classmethod
+    def _from_quantized(cls, gate_up_bits, down_bits, topology, alloc_nodes, page, tables, phase, fmt, group,
+                        scale_dtype, **kwargs) -> "MoELayer":
+        """from_tensors for integer formats: each expert matrix quantized into interleaved
+        value and scale buffers stacked like the bf16 ones; tables of the value buffers."""
+        import ml_dtypes
+
+        from numa_moe import memory, quant
+        from numa_moe.segments import SegmentTable
+
+        if fmt not in quant.QUANT_FORMATS:
+            raise ValueError(f"weight_format must be bf16, {' or '.join(quant.QUANT_FORMATS)}, got {fmt!r}")
+        E, two_i, H = gate_up_bits.shape
+        I = two_i // 2
+        per_byte = 2 if fmt == "int4" else 1
+        value_dtype = "uint8" if fmt == "int4" else "int8"
+
+        def stacked(rows, cols):
+            values = memory.interleaved_empty((E, rows, cols // per_byte), value_dtype, nodes=alloc_nodes, page=page)
+            scales = memory.interleaved_empty((E, rows, cols // group), quant.SCALE_DTYPES[scale_dtype],
+                                              nodes=alloc_nodes, page=page)
+            return values, scales
+
+        (gu_q, gu_s), (d_q, d_s) = stacked(two_i, H), stacked(H, I)
+        for e in range(E):
+            for src, values, scales in ((gate_up_bits[e], gu_q[e], gu_s[e]), (down_bits[e], d_q[e], d_s[e])):
+                qm = quant.quantize(src.view(ml_dtypes.bfloat16), fmt, group, scale_dtype)
+                values[...] = qm.q
+                scales[...] = qm.scales
+        page_bytes = page_bytes_of(page)
+
+        def table(values, rows, cols):
+            if tables == "measured" and not topology.is_virtual:
+                return _measured_table(values, rows, cols, SegmentTable, memory, fmt)
+            if tables not in ("measured", "theoretical"):
+                raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
+            return SegmentTable.theoretical(rows, cols, fmt, page_bytes, tuple(topology.node_ids), phase=phase)
+
+        t_gu, t_d = table(gu_q, E * two_i, H), table(d_q, E * H, I)
+        experts, expert_tables = [], []
+        for e in range(E):
+            experts.append((quant.QuantizedMatrix(fmt, group, gu_q[e, :I], gu_s[e, :I]),
+                            quant.QuantizedMatrix(fmt, group, gu_q[e, I:], gu_s[e, I:]),
+                            quant.QuantizedMatrix(fmt, group, d_q[e], d_s[e])))
+            expert_tables.append({"gate": t_gu.slice_rows(e * two_i, e * two_i + I),
+                                  "up": t_gu.slice_rows(e * two_i + I, (e + 1) * two_i),
+                                  "down": t_d.slice_rows(e * H, (e + 1) * H)})
+        kwargs.setdefault("keep_alive", (gu_q, gu_s, d_q, d_s))
+        return cls(experts, expert_tables, topology=topology, **kwargs)
 
     @classmethod
     def from_store(cls, store, layer: int, *, topology=None, **kwargs) -> "MoELayer":
@@ -504,9 +560,9 @@ def _stack_inputs(gate_up, down, gate, up):
     return gate_up_np, down_np
 
 
-def _measured_table(buffer, rows, cols, SegmentTable, memory):
+def _measured_table(buffer, rows, cols, SegmentTable, memory, fmt: str = "bf16"):
     pm = memory.page_map(buffer)
-    return SegmentTable.from_page_map(rows, cols, "bf16", pm.nodes, pm.page_bytes, offset_bytes=pm.offset_bytes)
+    return SegmentTable.from_page_map(rows, cols, fmt, pm.nodes, pm.page_bytes, offset_bytes=pm.offset_bytes)
 
 
 def store_layer_experts(store, layer, topology):

@@ -107,3 +107,23 @@ def test_release_weights_then_unpatch_is_refused(rng):
         with pytest.raises(ValueError, match="release_weights"):
             unpatch_moe(model)
         assert rel(model(ids).logits.float(), expected) < 3e-2  # still patched, still right
+
+
+@pytest.mark.parametrize("build", [qwen3_moe, mixtral])
+@pytest.mark.parametrize("fmt,max_error", [("int8", 0.05), ("int4", 0.35)])
+def test_quantized_patch_keeps_the_logits_within_the_scheme(rng, build, fmt, max_error):
+    """INT8 / INT4 experts (group 32) against the BF16 model: relative logit error and
+    top-1 agreement over a prompt, printed (docs/quantization.md quotes them) and bounded
+    by what the scheme allows on these tiny random models, not tighter."""
+    model = prepare(build(int(rng.integers(1 << 30))))
+    ids = torch.from_numpy(rng.integers(0, 96, (2, 16)))
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        layers = patch_moe(model, weight_format=fmt, group=32, tables="theoretical")
+        got = model(ids).logits.float()
+    assert all(layer.weight_format == fmt for layer in layers)
+    error = rel(got, expected)
+    top1 = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
+    print(f"{build.__name__} {fmt}: relative logit error {error:.4f}, top-1 agreement {top1:.3f}")
+    assert 0 < error < max_error
+    assert top1 >= (0.8 if fmt == "int8" else 0.4)

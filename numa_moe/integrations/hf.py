@@ -41,10 +41,12 @@ def find_expert_modules(model):
 
 
 def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured", isa: str | None = None,
-              release_weights: bool = False, **layer_kwargs) -> list[MoELayer]:
+              release_weights: bool = False, weight_format: str = "bf16", group: int = 128,
+              **layer_kwargs) -> list[MoELayer]:
     """Replace the expert computation of every supported sparse-MoE block of ``model``;
-    returns the MoELayers (one per block, in module order). Raises ValueError when the
-    model has no supported block."""
+    returns the MoELayers (one per block, in module order). ``weight_format`` "int8" or
+    "int4" quantizes the experts while copying them (``group`` columns per scale;
+    docs/quantization.md). Raises ValueError when the model has no supported block."""
     found = find_expert_modules(model)
     if not found:
         names = sorted({type(m).__name__ for m in model.modules() if "expert" in type(m).__name__.lower()})
@@ -61,7 +63,8 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
                              f"{list(gate_up.shape)} and {list(down.shape)}")
         layer = MoELayer.from_tensors(gate_up=gate_up.to(torch.bfloat16).contiguous(),
                                       down=down.to(torch.bfloat16).contiguous(), topology=topology, page=page,
-                                      tables=tables, isa=isa, **layer_kwargs)
+                                      tables=tables, isa=isa, weight_format=weight_format, group=group,
+                                      **layer_kwargs)
         experts._numa_moe_layer = layer
         experts.forward = types.MethodType(_patched_forward, experts)
         if release_weights:
