@@ -105,4 +105,6 @@ def test_ctrl_c_interrupts_a_long_expert_ffn(rng):
         kernels.expert_ffn(x, wg, wu, wd, isa="ref", threads=2)  # 64 tokens: ~32x the 2-token call
     elapsed = time.perf_counter() - start
     timer.join()
-    assert elapsed < 0.3 + max(2.0, 4 * one_call_2_tokens), (elapsed, one_call_2_tokens)
+    # Ctrl-C is seen between kernel calls of at most 1024 rows: a few 2-token calls' worth
+    # at 64 tokens, against about 32 of them for the whole call.
+    assert elapsed < 0.3 + max(2.0, 12 * one_call_2_tokens), (elapsed, one_call_2_tokens)
