@@ -281,7 +281,8 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
                     *, hidden_size: int | None = None, intermediate_size: int | None = None,
                     fused: bool = False, shared: bool = True,
                     max_shard_bytes: int = 512 << 20, progress: bool = True,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, weight_format: str | None = None,
+                    group: int = 128, scale_dtype: str = "fp16") -> Path:
     """Write a generated checkpoint into ``out_dir`` and return the directory.
 
     ``out_dir`` must be new, empty or a previous output of this function; anything else
@@ -292,6 +293,9 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     ``layers``/``experts`` default to the model's small defaults (``MODEL_SPECS``);
     ``hidden_size``/``intermediate_size`` override the real shapes (tests only).
     Output above ``max_shard_bytes`` is sharded with a ``model.safetensors.index.json``.
+    ``weight_format`` "int8"/"int4": the routed experts are then quantized
+    (``numa_moe.quantize``, ``group``, ``scale_dtype``); the result equals generating the
+    BF16 checkpoint and quantizing it.
     """
     if like not in MODEL_SPECS:
         raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
@@ -308,6 +312,20 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
         raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
     given = Path(out_dir)
     _check_replaceable(_real_output(given), overwrite)
+    if weight_format is not None:
+        from numa_moe.quantize import quantize_checkpoint
+
+        parent = _real_output(given).absolute().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{given.name}.", suffix=".bf16.tmp",
+                                         dir=parent) as tmp:
+            source = make_checkpoint(Path(tmp) / "bf16", like, layers, experts, seed,
+                                     hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                     fused=fused, shared=shared, max_shard_bytes=max_shard_bytes,
+                                     progress=progress)
+            quantize_checkpoint(source, given, weight_format, group, scale_dtype, overwrite=True,
+                                progress=progress)
+        return given
     with building_directory(given) as build:
         _write_checkpoint(build, spec, n_layers, n_experts, H, I, seed, fused, shared,
                           max_shard_bytes, progress, like)

@@ -62,9 +62,16 @@ def _open(path: str, pattern: str | None, kinds: str | None):
 @click.option("--overwrite", is_flag=True,
               help="Replace OUTPUT even when it holds files this command did not write (the "
                    "whole directory is replaced). Without it such a directory is refused.")
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
+              show_default=True,
+              help="Routed experts in bf16, or quantized as by `numa-moe quantize`.")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="Scale group size (int8/int4).")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16",
+              show_default=True, help="Element type of the group scales (int8/int4).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
-                            quiet):
+                            fmt, group, scale_dtype, quiet):
     """Generate a small safetensors checkpoint with a real model's expert shapes."""
     from numa_moe.checkpoint import Checkpoint
     from numa_moe.synthetic import make_checkpoint
@@ -72,7 +79,8 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
     try:
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
                               max_shard_bytes=shard_mb << 20, progress=not quiet,
-                              overwrite=overwrite)
+                              overwrite=overwrite, weight_format=None if fmt == "bf16" else fmt,
+                              group=int(group), scale_dtype=scale_dtype)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
     except OSError as err:
