@@ -114,14 +114,14 @@ def _quant_of_metadata(path: Path, metadata: dict) -> QuantInfo | None:
         raise CheckpointError(f"{path}: quantization metadata is incomplete: {', '.join(missing)} "
                               f"missing (a quantized file carries {', '.join(QUANT_METADATA)})")
     fmt, group, scale = (metadata[k] for k in QUANT_METADATA)
-    if fmt not in QUANT_DTYPES:
+    if not isinstance(fmt, str) or fmt not in QUANT_DTYPES:
         raise CheckpointError(f"{path}: unknown quantization scheme numa_moe.quant={_short(fmt)}; "
                               f"this reader knows {', '.join(QUANT_DTYPES)}")
     if not (isinstance(group, str) and group.isascii() and group.isdigit()) \
             or int(group) not in QUANT_GROUPS:
         raise CheckpointError(f"{path}: numa_moe.group={_short(group)} is not one of "
                               f"{', '.join(map(str, QUANT_GROUPS))}")
-    if scale not in SCALE_DTYPE_CODES:
+    if not isinstance(scale, str) or scale not in SCALE_DTYPE_CODES:
         raise CheckpointError(f"{path}: numa_moe.scale_dtype={_short(scale)} is not one of "
                               f"{', '.join(SCALE_DTYPE_CODES)}")
     return QuantInfo(fmt, int(group), scale)

@@ -195,7 +195,9 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
                     else:
                         yield from pending_scales.pop(info.name)
 
-                metadata = {str(k): str(v) for k, v in (metadata or {"format": "pt"}).items()}
+                if not isinstance(metadata, dict) or not metadata:
+                    metadata = {"format": "pt"}
+                metadata = {str(k): str(v) for k, v in metadata.items()}
                 metadata.update(meta_quant)
                 write_safetensors(build / path.name, plans, chunks, metadata=metadata)
             _copy_other_files(ck, src_dir, build, weight_map)

@@ -177,3 +177,23 @@ def test_raw_int8_without_metadata_is_not_quantized(tmp_path, rng):
     assert ck.quant is None and ck.dtype == "I8"
     with pytest.raises(ValueError, match="routed experts are I8; the store loads"):
         ExpertStore.load(ck, progress=False)
+
+
+@pytest.mark.parametrize("value", [["int8"], {"a": 1}, 8])
+def test_metadata_of_the_wrong_type_is_one_line(tmp_path, rng, value):
+    """safetensors metadata holds strings; a crafted header may hold anything."""
+    import json
+
+    tensors, _ = _experts(rng)
+    codes = {np.dtype(np.int8): "I8", np.dtype(np.float16): "F16",
+             np.dtype(ml_dtypes.bfloat16): "BF16"}
+    header, offset, data = {"__metadata__": {**_meta(), "numa_moe.quant": value}}, 0, b""
+    for name, a in tensors.items():
+        header[name] = {"dtype": codes[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        data += np.ascontiguousarray(a).tobytes()
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (tmp_path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data)
+    _error(tmp_path, "unknown quantization scheme")
