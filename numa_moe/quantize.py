@@ -49,6 +49,7 @@ class QuantizeResult:
     expert_bytes_before: int  # the routed-expert weights alone
     expert_bytes_after: int  # their values plus scales
     tensors_quantized: int
+    not_copied: tuple[str, ...] = ()  # entries of the source directory left out, and why
 
 
 def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int,
@@ -94,8 +95,9 @@ def _check_output(src: Path, out: Path, overwrite: bool) -> None:
     if real.exists() and not real.is_dir():
         raise ValueError(f"{out}: exists and is not a directory; the output must be a directory")
     source_dir = Path(os.path.realpath(src if src.is_dir() else src.parent))
-    if real == source_dir or source_dir in real.parents:
-        raise ValueError(f"{out}: is (inside) the source checkpoint {src}; choose another directory")
+    if real == source_dir or (src.is_dir() and source_dir in real.parents):
+        raise ValueError(f"{out}: is (inside) the directory of the source checkpoint {src}; "
+                         "choose another directory")
     if real.exists() and any(real.iterdir()) and not overwrite:
         raise ValueError(f"{out}: exists and is not empty; refusing to replace it. Choose a new "
                          "or empty directory, or pass --overwrite to replace the directory and "
@@ -200,13 +202,13 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
                 metadata = {str(k): str(v) for k, v in metadata.items()}
                 metadata.update(meta_quant)
                 write_safetensors(build / path.name, plans, chunks, metadata=metadata)
-            _copy_other_files(ck, src_dir, build, weight_map)
+            not_copied = _copy_other_files(ck, src_dir, build, weight_map)
     finally:
         for fd in fds.values():
             os.close(fd)
     bytes_after = sum((out / p.name).stat().st_size for p in ck.files)
     return QuantizeResult(out, fmt, group, scale_dtype, bytes_before, bytes_after, expert_before,
-                          expert_after, len(by_tensor))
+                          expert_after, len(by_tensor), tuple(not_copied))
 
 
 def _copy_bytes(info: TensorInfo, fd: int, bar) -> Iterable[bytes]:
@@ -222,17 +224,30 @@ def _copy_bytes(info: TensorInfo, fd: int, bar) -> Iterable[bytes]:
         yield chunk
 
 
-def _copy_other_files(ck: Checkpoint, src_dir: Path, build: Path, weight_map: dict[str, str]) -> None:
+def _copy_other_files(ck: Checkpoint, src_dir: Path, build: Path,
+                      weight_map: dict[str, str]) -> list[str]:
     """The index (rewritten with the scale tensors) and every other regular file of the
-    checkpoint directory (config.json, tokenizer, ...), copied as they are. A checkpoint
-    named by one file brings only that file and its directory's config.json."""
+    checkpoint directory (config.json, tokenizer, ...), copied as they are; returns what
+    was left out (sub-directories, special files, symlinks out of the directory: a
+    checkpoint directory holds its own files, as for its shards). A checkpoint named by
+    one file brings only that file and its directory's config.json."""
     shards = {p.name for p in ck.files}
     index_names = {"model.safetensors.index.json"} | {
         p.name for p in src_dir.glob("*.safetensors.index.json")}
+    not_copied = []
     if ck.root.is_dir():
-        others = [p for p in sorted(src_dir.iterdir())
-                  if p.name not in shards and p.is_file() and not p.is_symlink()
-                  and not p.name.startswith(".")]
+        others = []
+        for p in sorted(src_dir.iterdir()):
+            if p.name in shards or p.name.startswith("."):
+                continue
+            if p.is_symlink() and Path(os.path.realpath(p)).parent != Path(os.path.realpath(src_dir)):
+                not_copied.append(f"{p.name} (a symlink out of the directory)")
+            elif p.is_dir():
+                not_copied.append(f"{p.name}/ (a directory)")
+            elif not p.is_file():
+                not_copied.append(f"{p.name} (not a regular file)")
+            else:
+                others.append(p)
     else:
         others = [p for p in (src_dir / "config.json",) if p.is_file()]
         if ck.root.name.endswith(".json"):
@@ -248,6 +263,7 @@ def _copy_other_files(ck: Checkpoint, src_dir: Path, build: Path, weight_map: di
             (build / path.name).write_text(json.dumps(document, indent=2) + "\n")
         else:
             shutil.copy2(path, build / path.name)
+    return not_copied
 
 
 def _tensor_bytes(path: Path) -> int:

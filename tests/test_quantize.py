@@ -204,3 +204,28 @@ def test_make_checkpoint_format(tmp_path, rng):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "q", "ref"]
     for kind in KINDS:
         assert Checkpoint.open(tmp_path / "q").layers[0].matrices[kind][0].quant == "int4"
+
+
+def test_other_files_copied_and_what_is_left_out_said(source, tmp_path):
+    (source / "tokenizer.json").write_text('{"v": 1}')
+    (source / "extra").mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the checkpoint's")
+    (source / "link.txt").symlink_to(outside)
+    result = CliRunner().invoke(cli, ["quantize", str(source), "--format", "int8", "-o",
+                                      str(tmp_path / "q"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "not copied: extra/ (a directory), link.txt (a symlink out of the directory)" in result.output
+    out = tmp_path / "q"
+    assert (out / "tokenizer.json").read_text() == '{"v": 1}'
+    assert not (out / "link.txt").exists() and not (out / "extra").exists()
+
+
+def test_single_file_checkpoint_may_write_beside_it(tmp_path, rng):
+    src = make_checkpoint(tmp_path / "src", "qwen3-30b-a3b", 1, 2, int(rng.integers(1 << 31)),
+                          hidden_size=H, intermediate_size=I, progress=False)
+    result = quantize_checkpoint(src / "model.safetensors", src / "q", "int8", progress=False)
+    assert sorted(p.name for p in (src / "q").iterdir()) == ["config.json", "model.safetensors"]
+    assert Checkpoint.open(src / "q").quant.fmt == "int8" and result.not_copied == ()
+    with pytest.raises(ValueError, match="directory of the source checkpoint"):
+        quantize_checkpoint(src / "model.safetensors", src, "int8", progress=False, overwrite=True)

@@ -256,3 +256,5 @@ def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pat
                f"{result.bytes_after} ({mib(result.bytes_after)}); routed experts "
                f"{mib(result.expert_bytes_before)} -> {mib(result.expert_bytes_after)} "
                f"(values + scales, {result.expert_bytes_after / result.expert_bytes_before:.3f}x)")
+    if result.not_copied:
+        click.echo(f"not copied: {', '.join(result.not_copied)}")
