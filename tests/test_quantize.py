@@ -229,3 +229,18 @@ def test_single_file_checkpoint_may_write_beside_it(tmp_path, rng):
     assert Checkpoint.open(src / "q").quant.fmt == "int8" and result.not_copied == ()
     with pytest.raises(ValueError, match="directory of the source checkpoint"):
         quantize_checkpoint(src / "model.safetensors", src, "int8", progress=False, overwrite=True)
+
+
+def test_tables_of_a_quantized_checkpoint_default_to_its_format(source, tmp_path):
+    from numa_moe.segments import SegmentTable
+
+    quantize_checkpoint(source, tmp_path / "q", "int4", 64, "bf16", progress=False)
+    result = CliRunner().invoke(cli, ["tables", str(tmp_path / "q"), "--nodes", "2", "-o",
+                                      str(tmp_path / "t.json"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "t.json").read_text())
+    assert (document["format"], document["group"], document["scale_format"]) == ("int4", 64, "bf16")
+    assert SegmentTable.from_dict(document["layers"]["0"]["down"]) == SegmentTable.theoretical(
+        E * H, I, "int4", 4096, 2)
+    assert SegmentTable.from_dict(document["layers"]["0"]["gate_scales"]) == SegmentTable.theoretical(
+        E * I, H // 64, "bf16", 4096, 2)

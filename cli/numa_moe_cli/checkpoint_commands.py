@@ -99,12 +99,15 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 @click.option("--nodes", default="2", show_default=True,
               help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
 @page_option()
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
-              show_default=True, help="Weight format of the loaded experts.")
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default=None,
+              help="Weight format of the loaded experts [default: the checkpoint's when it is "
+                   "quantized, else bf16].")
 @click.option("--group", type=click.IntRange(min=1), default=None,
-              help="Scale group size (elements along k) for int8/int4 [default: 128].")
-@click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32",
-              show_default=True, help="Element format of the group scales (int8/int4 only).")
+              help="Scale group size (elements along k) for int8/int4 [default: the checkpoint's "
+                   "when quantized, else 128].")
+@click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Element format of the group scales (int8/int4 only) [default: the "
+                   "checkpoint's when quantized, else fp32].")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
               help="JSON file to write the tables to (missing folders are created, and said so).")
@@ -122,6 +125,15 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         raise click.UsageError("--group applies to --format int8/int4 only")
     check_output(output, "-o", create_parents=True)
     ck = _open(checkpoint, pattern, kinds)
+    quant = ck.quant
+    if fmt is None:
+        fmt = quant.fmt if quant is not None else "bf16"
+        if group is not None and fmt == "bf16":
+            raise click.UsageError("--group applies to --format int8/int4 only")
+    if quant is not None and fmt == quant.fmt:
+        group = group or quant.group
+        scale_format = scale_format or quant.scale_dtype
+    scale_format = scale_format or "fp32"
     try:
         node_ids = parse_nodes(nodes)
     except ValueError as err:
