@@ -31,7 +31,7 @@ import os
 import re
 import stat
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,10 @@ __all__ = [
     "tensor_nbytes",
     "parse_kind_map",
     "read_matrix_into",
+    "read_scales_into",
+    "scale_tensor_name",
+    "QuantInfo",
+    "QUANT_METADATA",
     "KINDS",
 ]
 
@@ -67,6 +71,60 @@ _MAX_HEADER_BYTES = 100_000_000
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as asked: the message names the file and tensor."""
+
+
+# safetensors ``__metadata__`` keys of a quantized checkpoint (docs/quantization.md,
+# "Checkpoints"): the scheme, the group size and the scale dtype, all strings.
+QUANT_METADATA = ("numa_moe.quant", "numa_moe.group", "numa_moe.scale_dtype")
+# quantization scheme -> safetensors dtype of its expert weight values
+QUANT_DTYPES = {"int8": "I8", "int4": "U8"}
+# scale dtype name (numa_moe.quant.SCALE_DTYPES) -> safetensors dtype
+SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
+QUANT_GROUPS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """How a quantized checkpoint stores its routed experts: ``fmt`` (int8/int4), the
+    group size and the scale dtype name (fp16/bf16/fp32)."""
+
+    fmt: str
+    group: int
+    scale_dtype: str
+
+    def describe(self) -> str:
+        return f"{self.fmt}, group {self.group}, {self.scale_dtype} scales"
+
+
+def scale_tensor_name(weight_name: str) -> str:
+    """Name of the group-scale tensor of a quantized expert weight: the weight's name
+    without a trailing ``.weight``, plus ``.weight_scale``
+    (``...gate_proj.weight`` -> ``...gate_proj.weight_scale``,
+    ``...experts.gate_up_proj`` -> ``...experts.gate_up_proj.weight_scale``)."""
+    base = weight_name[:-len(".weight")] if weight_name.endswith(".weight") else weight_name
+    return base + ".weight_scale"
+
+
+def _quant_of_metadata(path: Path, metadata: dict) -> QuantInfo | None:
+    """The QuantInfo a file's ``__metadata__`` declares, None when it declares none."""
+    if not isinstance(metadata, dict) or not any(k in metadata for k in QUANT_METADATA):
+        return None
+    missing = [k for k in QUANT_METADATA if k not in metadata]
+    if missing:
+        raise CheckpointError(f"{path}: quantization metadata is incomplete: {', '.join(missing)} "
+                              f"missing (a quantized file carries {', '.join(QUANT_METADATA)})")
+    fmt, group, scale = (metadata[k] for k in QUANT_METADATA)
+    if not isinstance(fmt, str) or fmt not in QUANT_DTYPES:
+        raise CheckpointError(f"{path}: unknown quantization scheme numa_moe.quant={_short(fmt)}; "
+                              f"this reader knows {', '.join(QUANT_DTYPES)}")
+    if not (isinstance(group, str) and group.isascii() and group.isdigit()) \
+            or int(group) not in QUANT_GROUPS:
+        raise CheckpointError(f"{path}: numa_moe.group={_short(group)} is not one of "
+                              f"{', '.join(map(str, QUANT_GROUPS))}")
+    if not isinstance(scale, str) or scale not in SCALE_DTYPE_CODES:
+        raise CheckpointError(f"{path}: numa_moe.scale_dtype={_short(scale)} is not one of "
+                              f"{', '.join(SCALE_DTYPE_CODES)}")
+    return QuantInfo(fmt, int(group), scale)
 
 
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -320,7 +378,11 @@ def parse_kind_map(text: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ExpertMatrix:
-    """One routed-expert matrix: ``rows x cols`` row-major at ``file_offset`` of ``tensor.path``."""
+    """One routed-expert matrix: ``rows x cols`` row-major at ``file_offset`` of ``tensor.path``.
+
+    Quantized (``quant`` "int8" or "int4"): ``cols`` counts weights (elements), so an
+    int4 row holds ``cols / 2`` bytes; ``scales`` is the matrix's group-scale tensor
+    ``[rows, cols / group]`` (itself an ExpertMatrix of the scale tensor)."""
 
     layer: int
     expert: int
@@ -329,9 +391,13 @@ class ExpertMatrix:
     file_offset: int
     rows: int
     cols: int
+    quant: str | None = None
+    scales: "ExpertMatrix | None" = None
 
     @property
     def nbytes(self) -> int:
+        if self.quant == "int4":
+            return self.rows * self.cols // 2
         return self.rows * self.cols * self.tensor.itemsize
 
     @property
@@ -351,6 +417,7 @@ class ExpertLayer:
     matrices: dict[str, tuple[ExpertMatrix, ...]]
     router: TensorInfo | None = None
     shared: tuple[TensorInfo, ...] = ()
+    quant: QuantInfo | None = None
 
     def matrix(self, kind: str, expert: int) -> ExpertMatrix:
         return self.matrices[kind][expert]
@@ -396,6 +463,9 @@ class Checkpoint:
     shared_tensors: tuple[TensorInfo, ...] = ()
     router_tensors: tuple[TensorInfo, ...] = ()
     notes: list[str] = field(default_factory=list)
+    # safetensors __metadata__ of each file, and the quantization the files declare
+    file_metadata: dict[Path, dict] = field(default_factory=dict)
+    quant: QuantInfo | None = None
 
     # ---------------------------------------------------------------- opening
     @classmethod
@@ -403,7 +473,7 @@ class Checkpoint:
         root = Path(path)
         if not root.exists():
             raise CheckpointError(f"{root}: no such file or directory")
-        files, tensors = _read_tensors(root)
+        files, tensors, metadata = _read_tensors(root)
         directory = root if root.is_dir() else root.parent
         config = None
         config_path = directory / "config.json"
@@ -411,7 +481,9 @@ class Checkpoint:
             config = _read_json_file(config_path, directory, "config.json")
             if not isinstance(config, dict):
                 raise CheckpointError(f"{config_path}: a JSON object was expected")
-        checkpoint = cls(root=root, files=files, tensors=tensors, config=config)
+        checkpoint = cls(root=root, files=files, tensors=tensors, config=config,
+                         file_metadata=metadata)
+        checkpoint.quant = _checkpoint_quant(metadata)
         checkpoint._find_experts(pattern)
         return checkpoint
 
@@ -422,6 +494,37 @@ class Checkpoint:
     @property
     def dtype(self) -> str:
         return next(iter(self.layers.values())).dtype
+
+    @property
+    def weight_format(self) -> str:
+        """Format of the routed experts: "int8"/"int4" when quantized, else the float
+        format of their dtype ("bf16", "fp16", "fp32"), else the safetensors dtype."""
+        if self.quant is not None:
+            return self.quant.fmt
+        return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(self.dtype, self.dtype)
+
+    def expert_matrices(self):
+        """Every routed-expert matrix, layer by layer, kind by kind, expert by expert."""
+        for layer in self.layer_ids:
+            for kind in KINDS:
+                yield from self.layers[layer].matrices[kind]
+
+    def check_scales(self) -> None:
+        """Read every group-scale tensor of a quantized checkpoint and refuse NaN,
+        infinite or zero scales (CheckpointError naming the tensor); a no-op otherwise."""
+        if self.quant is None:
+            return
+        fds: dict[Path, int] = {}
+        try:
+            for m in self.expert_matrices():
+                s = m.scales
+                fd = fds.get(s.tensor.path)
+                if fd is None:
+                    fd = fds[s.tensor.path] = open_checkpoint_file(s.tensor.path)
+                read_scales_into(m, np.empty((s.rows, s.cols), dtype=_SCALE_NP[s.dtype]), fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     # ------------------------------------------------------------ recognising
     def _find_experts(self, pattern: NamingPattern | None) -> None:
@@ -442,7 +545,9 @@ class Checkpoint:
                                           f"mapping {pat.kinds}")
                 layer_id = _group_int(match, "layer", pat, info)
                 expert_id = None if pat.fused else _group_int(match, "expert", pat, info)
-                for matrix in _matrices_of(info, layer_id, expert_id, pat.kinds[raw_kind]):
+                matrices = _matrices_of(info, layer_id, expert_id, pat.kinds[raw_kind])
+                matrices = self._quantized(info, matrices, layer_id, expert_id, pat.kinds[raw_kind])
+                for matrix in matrices:
                     key = (matrix.layer, matrix.expert, matrix.kind)
                     if key in found:
                         other = found[key].tensor
@@ -465,6 +570,47 @@ class Checkpoint:
             raise CheckpointError(self._unknown_layout_message(pattern))
         self.naming = tuple(used)
         self._assemble_layers(found)
+
+    def _quantized(self, info: TensorInfo, matrices: list[ExpertMatrix], layer: int,
+                   expert: int | None, kind: str) -> list[ExpertMatrix]:
+        """The matrices of one expert tensor with their quantization and scales attached;
+        unquantized checkpoints pass through (I8/U8 without metadata stay raw dtypes)."""
+        quant = self.quant
+        if quant is None:
+            return matrices
+        where = f"{info.path}: tensor {_short(info.name)}"
+        own = _quant_of_metadata(info.path, self.file_metadata.get(info.path, {}))
+        if own is None:
+            raise CheckpointError(f"{where}: mixed formats: the checkpoint is quantized "
+                                  f"({quant.describe()}) but this file carries no numa_moe.quant "
+                                  "metadata")
+        expected = QUANT_DTYPES[quant.fmt]
+        if info.dtype != expected:
+            raise CheckpointError(f"{where} is {info.dtype} but the checkpoint is {quant.fmt} "
+                                  f"({expected} expert weights): mixed formats are not supported")
+        bytes_cols = info.shape[-1]
+        cols = bytes_cols * 2 if quant.fmt == "int4" else bytes_cols
+        if cols % quant.group:
+            raise CheckpointError(f"{where}: {cols} columns are not a multiple of the group "
+                                  f"size {quant.group}")
+        name = scale_tensor_name(info.name)
+        scale = self.tensors.get(name)
+        if scale is None:
+            raise CheckpointError(f"{where}: missing scales: no tensor {_short(name)} in the "
+                                  "checkpoint (a quantized expert weight needs its group scales)")
+        shape = (*info.shape[:-1], cols // quant.group)
+        if scale.shape != shape:
+            raise CheckpointError(f"{scale.path}: tensor {_short(name)} has shape "
+                                  f"{list(scale.shape)}, expected {list(shape)} (the scales of "
+                                  f"{list(info.shape)} {info.dtype} {quant.fmt} weights, group "
+                                  f"{quant.group})")
+        if scale.dtype != SCALE_DTYPE_CODES[quant.scale_dtype]:
+            raise CheckpointError(f"{scale.path}: tensor {_short(name)} is {scale.dtype} but the "
+                                  f"metadata says numa_moe.scale_dtype={quant.scale_dtype} "
+                                  f"({SCALE_DTYPE_CODES[quant.scale_dtype]})")
+        scales = _matrices_of(scale, layer, None if expert is None else str(expert), kind)
+        return [replace(m, cols=cols, quant=quant.fmt, scales=s)
+                for m, s in zip(matrices, scales, strict=True)]
 
     def _unknown_layout_message(self, pattern: NamingPattern | None) -> str:
         shapes: Counter = Counter()
@@ -548,7 +694,7 @@ class Checkpoint:
             self.layers[layer] = ExpertLayer(
                 layer, H, I, n_experts, gate0.dtype,
                 {kind: tuple(kinds[kind][e] for e in range(n_experts)) for kind in KINDS},
-                routers.get(layer), tuple(shared_by_layer.get(layer, ())))
+                routers.get(layer), tuple(shared_by_layer.get(layer, ())), self.quant)
 
         first = self.layers[self.layer_ids[0]]
         H, I, E = first.hidden_size, first.intermediate_size, first.n_experts
@@ -580,6 +726,10 @@ class Checkpoint:
             "files": [str(p) for p in self.files],
             "naming": list(self.naming),
             "dtype": self.dtype,
+            "weight_format": self.weight_format,
+            "quant": None if self.quant is None else {
+                "format": self.quant.fmt, "group": self.quant.group,
+                "scale_dtype": self.quant.scale_dtype},
             "layers": list(self.layer_ids),
             "hidden_size": dims.hidden_size,
             "intermediate_size": dims.intermediate_size,
@@ -664,12 +814,26 @@ def _matrices_of(info: TensorInfo, layer: int, expert: str | None, kind: str) ->
             for e in range(n_experts)]
 
 
-def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
+def _checkpoint_quant(metadata: dict[Path, dict]) -> QuantInfo | None:
+    """The one quantization the files declare (None: none does); several is refused."""
+    declared: dict[QuantInfo, Path] = {}
+    for path, meta in metadata.items():
+        quant = _quant_of_metadata(path, meta)
+        if quant is not None:
+            declared.setdefault(quant, path)
+    if len(declared) > 1:
+        listing = "; ".join(f"{p.name}: {q.describe()}" for q, p in declared.items())
+        raise CheckpointError(f"mixed formats: the files of the checkpoint declare different "
+                              f"quantizations ({listing})")
+    return next(iter(declared), None)
+
+
+def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:
     if not root.is_dir():  # a file named on the command line (a FIFO or device is refused)
         if root.name.endswith(".json"):
             return _read_index(root)
-        tensors, _ = read_safetensors_header(root)
-        return (root,), tensors
+        tensors, metadata = read_safetensors_header(root)
+        return (root,), tensors, {root: metadata}
     index = root / "model.safetensors.index.json"
     if not (index.exists() or index.is_symlink()):
         candidates = sorted(root.glob("*.safetensors.index.json"))
@@ -681,16 +845,19 @@ def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files and no model.safetensors.index.json")
     tensors: dict[str, TensorInfo] = {}
+    metadata: dict[Path, dict] = {}
     for path in files:
         # The same rule as an index's shards: files of the directory, no links out of it.
-        for name, info in read_safetensors_header(path, inside=root)[0].items():
+        header, metadata[path] = read_safetensors_header(path, inside=root)
+        for name, info in header.items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} is in both {tensors[name].path} and {path}")
             tensors[name] = info
-    return files, tensors
+    return files, tensors, metadata
 
 
-def _read_index(index: Path, inside: Path | None = None) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
+def _read_index(index: Path, inside: Path | None = None
+                ) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:
     document = _read_json_file(index, inside, "safetensors index")
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict):
@@ -703,6 +870,7 @@ def _read_index(index: Path, inside: Path | None = None) -> tuple[tuple[Path, ..
                                   "a shard file name (a string) was expected")
         by_file[filename].append(name)
     tensors: dict[str, TensorInfo] = {}
+    metadata: dict[Path, dict] = {}
     files = []
     for filename in sorted(by_file):
         path = index.parent / filename
@@ -712,14 +880,14 @@ def _read_index(index: Path, inside: Path | None = None) -> tuple[tuple[Path, ..
         if not (path.exists() or path.is_symlink()):
             raise CheckpointError(f"{index}: shard {filename!r} (holding e.g. tensor "
                                   f"{by_file[filename][0]!r}) does not exist")
-        header = read_safetensors_header(path, inside=index.parent)[0]
+        header, metadata[path] = read_safetensors_header(path, inside=index.parent)
         for name in by_file[filename]:
             if name not in header:
                 raise CheckpointError(f"{path}: missing tensor {_short(name)} (listed for this "
                                       f"file in {index.name})")
             tensors[name] = header[name]
         files.append(path)
-    return tuple(files), tensors
+    return tuple(files), tensors, metadata
 
 
 def read_matrix_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = None) -> None:
@@ -748,3 +916,33 @@ def read_matrix_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = Non
     finally:
         if own:
             os.close(fd)
+
+
+def _scale_np_dtypes() -> dict[str, np.dtype]:
+    import ml_dtypes
+
+    return {"F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+            "F32": np.dtype(np.float32)}
+
+
+_SCALE_NP = _scale_np_dtypes()
+
+
+def read_scales_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = None) -> None:
+    """Copy the group scales of a quantized expert matrix into ``out`` ([rows, cols /
+    group], C-contiguous, the scale dtype) and check them: a NaN, infinite or zero scale
+    is a CheckpointError naming the tensor and the first bad element."""
+    scales = matrix.scales
+    if scales is None:
+        raise ValueError(f"{matrix.tensor.name!r} is not a quantized expert matrix (no scales)")
+    read_matrix_into(scales, out, fd)
+    values = out.reshape(scales.rows, scales.cols).astype(np.float32)
+    bad = ~np.isfinite(values) | (values == 0)
+    if bad.any():
+        r, c = (int(i) for i in np.argwhere(bad)[0])
+        what = "NaN" if np.isnan(values[r, c]) else "zero" if values[r, c] == 0 else "infinite"
+        raise CheckpointError(
+            f"{scales.tensor.path}: tensor {_short(scales.tensor.name)}: {int(bad.sum())} NaN, "
+            f"infinite or zero scale(s) for layer {matrix.layer} expert {matrix.expert} "
+            f"{matrix.kind} (first: row {r}, group {c} is {what}); scales must be finite and "
+            "non-zero")

@@ -567,12 +567,18 @@ def _measured_table(buffer, rows, cols, SegmentTable, memory, fmt: str = "bf16")
 
 def store_layer_experts(store, layer, topology):
     """(experts, tables, keep_alive) of one ExpertStore layer: the experts are views of
-    the store's stacked buffers and their tables row slices of the stack's tables, both
-    cut where the store's layout (numa_moe.store.expert_rows) puts each expert."""
+    the store's stacked buffers (with their scales, as numa_moe.quant.QuantizedMatrix, for
+    an int8 / int4 store) and their tables row slices of the stack's tables, both cut
+    where the store's layout (numa_moe.store.expert_rows) puts each expert."""
+    from numa_moe.quant import QuantizedMatrix
     from numa_moe.store import expert_tables_of, layer_tables
 
     n_experts = store.n_experts
     experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
+    if store.quantized:
+        experts = [tuple(QuantizedMatrix(store.weight_format, store.group, values, scales)
+                         for values, scales in zip(matrices, store.expert_scales(layer, e)))
+                   for e, matrices in enumerate(experts)]
     node_ids = tuple(topology.node_ids)
     store_nodes = {int(n) for kind in MATRIX_KINDS for n in store.table(layer, kind).nodes}
     if not getattr(topology, "is_virtual", False):
@@ -582,7 +588,10 @@ def store_layer_experts(store, layer, topology):
         tables = [store.expert_tables(layer, e) for e in range(n_experts)]
     else:
         fmt = store.table(layer, "gate").fmt
-        stacked = layer_tables(store.dims, node_ids, store.page_bytes, fmt)
+        stacked = layer_tables(store.dims, node_ids, store.page_bytes, fmt, group=store.group,
+                               scale_fmt=store.scale_dtype or "fp32")
         tables = [expert_tables_of(stacked, store.dims, e) for e in range(n_experts)]
     keep = tuple(store.weights(layer, kind) for kind in MATRIX_KINDS)
+    if store.quantized:
+        keep += tuple(store.scales(layer, kind) for kind in MATRIX_KINDS)
     return experts, tables, keep

@@ -14,6 +14,13 @@ fraction of remote reads a per-node worker split would suffer:
 
 A checkpoint sitting in the page cache is typically on one node (the one that read it)
 or in node-sized chunks: a naive split then reads (N - 1) / N of the bytes remotely.
+
+INT8 / INT4 experts (docs/quantization.md, "Placement"): the group scales are one
+interleaved copy, not replicated per node, so a node's workers read the scales their
+weight segments need wherever those lie. The report adds per node: weight bytes, scale
+bytes, the remote weight bytes of the table split (0 by construction) and the remote
+scale bytes (``remote_scale_bytes``: the scale elements of the node's segments that sit
+on another node's pages), measured from the maps of both buffers.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ __all__ = [
     "remote_bytes",
     "table_byte_ranges",
     "analyse_map",
+    "scale_byte_ranges",
+    "remote_scale_bytes",
+    "quant_node_summary",
     "inspect_checkpoint",
     "placement_report",
     "plot_placement",
@@ -127,6 +137,9 @@ class PlacementReport:
     worker_nodes: tuple[int, ...]
     tensors: list[TensorPlacement]
     notes: list[str] = field(default_factory=list)
+    # int8/int4 only: per node {weight_bytes, scale_bytes, remote_weight_bytes,
+    # scale_bytes_needed, remote_scale_bytes} over every expert buffer of the report
+    per_node: dict[int, dict[str, int]] | None = None
 
     def totals(self) -> dict:
         pages: dict[int, int] = {}
@@ -154,9 +167,12 @@ class PlacementReport:
         }
 
     def to_dict(self, with_pages: bool = False) -> dict:
-        return {"source": self.source, "worker_nodes": list(self.worker_nodes),
-                "totals": self.totals(), "notes": list(self.notes),
-                "tensors": [t.to_dict(with_pages) for t in self.tensors]}
+        out = {"source": self.source, "worker_nodes": list(self.worker_nodes),
+               "totals": self.totals(), "notes": list(self.notes),
+               "tensors": [t.to_dict(with_pages) for t in self.tensors]}
+        if self.per_node is not None:
+            out["per_node"] = {str(n): dict(v) for n, v in self.per_node.items()}
+        return out
 
     def format_text(self, max_lines: int = 50) -> str:
         lines = [f"placement of {self.source} (worker nodes {list(self.worker_nodes)})"]
@@ -173,6 +189,15 @@ class PlacementReport:
             f"{tot['periodic_tensors']}; "
             f"remote reads: naive row split {_pct(tot['remote_fraction_naive'])}, table from the "
             f"map {_pct(tot['remote_fraction_table'])}")
+        if self.per_node is not None:
+            lines.append("per node (table split; scales are one interleaved copy, read where they lie):")
+            for node, v in self.per_node.items():
+                needed = v["scale_bytes_needed"]
+                frac = _pct(v["remote_scale_bytes"] / needed if needed else None)
+                lines.append(
+                    f"  node {node}: weights {v['weight_bytes']} B, scales {v['scale_bytes']} B; "
+                    f"remote reads: weights {v['remote_weight_bytes']} B, scales "
+                    f"{v['remote_scale_bytes']} of {needed} B needed ({frac})")
         return "\n".join(lines)
 
 
@@ -276,6 +301,73 @@ def analyse_map(name: str, rows: int, cols: int, fmt: str, page_nodes: np.ndarra
     return placement, table
 
 
+def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
+                      scale_fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``[starts, ends)`` (within the scale matrix ``[rows, cols / group]``)
+    of the scales ``node``'s segments of ``weight_table`` need: for a segment's row r and
+    columns [k0, k1), scale columns [k0 // group, ceil(k1 / group)) of row r. A scale
+    needed by two segments of the node in one row is counted once."""
+    seg = weight_table.node_array(node)
+    if len(seg) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    if weight_table.cols % group:
+        raise ValueError(f"group {group} does not divide the table's {weight_table.cols} columns")
+    element = weight_format(scale_fmt).bits_per_element // 8
+    row_bytes = weight_table.cols // group * element
+    nrows = seg[:, 2]
+    which = np.repeat(np.arange(len(seg)), nrows)
+    step = np.arange(int(nrows.sum()), dtype=np.int64) - np.repeat(np.cumsum(nrows) - nrows, nrows)
+    row = seg[which, 0] + step * seg[which, 1]
+    starts = row * row_bytes + seg[which, 3] // group * element
+    ends = row * row_bytes + -(-seg[which, 4] // group) * element
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    # the node's ranges do not nest, so only a neighbour can share a scale
+    starts[1:] = np.maximum(starts[1:], ends[:-1])
+    keep = starts < ends
+    return starts[keep], ends[keep]
+
+
+def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_fmt: str,
+                       scale_page_nodes: np.ndarray, page_bytes: int, offset_bytes: int = 0
+                       ) -> dict[int, tuple[int, int]]:
+    """Per node of ``weight_table``: (scale bytes its segments need that lie on present
+    pages of another node, scale bytes needed on present pages), given the page map of
+    the scale buffer (``scale_page_nodes``, ``-errno`` for pages not present)."""
+    out = {}
+    for node in weight_table.nodes:
+        starts, ends = scale_byte_ranges(weight_table, node, group, scale_fmt)
+        out[node] = remote_bytes(starts, ends, node, scale_page_nodes, page_bytes, offset_bytes)
+    return out
+
+
+def quant_node_summary(pairs, group: int, scale_fmt: str, nodes) -> dict[int, dict[str, int]]:
+    """Per node totals over ``pairs`` of (weight table from its map, weight page map,
+    scale table from its map, scale page map), each map a ``(page_nodes, page_bytes,
+    offset_bytes)`` triple: weight and scale bytes on the node, the remote weight bytes
+    of the node's own segments (0 by construction; computed) and the scale bytes its
+    segments need, remote and in all."""
+    keys = ("weight_bytes", "scale_bytes", "remote_weight_bytes", "scale_bytes_needed",
+            "remote_scale_bytes")
+    out = {int(n): dict.fromkeys(keys, 0) for n in nodes}
+    for weight_table, weight_map, scale_table, scale_map in pairs:
+        for node in weight_table.nodes:
+            out.setdefault(node, dict.fromkeys(keys, 0))
+        for node, b in weight_table.bytes_per_node().items():
+            out[node]["weight_bytes"] += b
+        for node, b in scale_table.bytes_per_node().items():
+            out.setdefault(node, dict.fromkeys(keys, 0))["scale_bytes"] += b
+        for node in weight_table.nodes:
+            starts, ends = table_byte_ranges(weight_table, node)
+            out[node]["remote_weight_bytes"] += remote_bytes(starts, ends, node, *weight_map)[0]
+        for node, (remote, needed) in remote_scale_bytes(weight_table, group, scale_fmt,
+                                                         *scale_map).items():
+            out[node]["remote_scale_bytes"] += remote
+            out[node]["scale_bytes_needed"] += needed
+    return {n: out[n] for n in sorted(out)}
+
+
 # ------------------------------------------------------------------ checkpoint mmap
 
 def _matches(name: str, pattern: str | None) -> bool:
@@ -318,8 +410,13 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
     chosen = []
     expert_tensors = {m.tensor.name for layer in checkpoint.layers.values()
                       for kind in KINDS for m in layer.matrices[kind]}
+    quant = checkpoint.quant
+    # quantized: weight name -> its scale tensor's name; both are reported
+    scale_of = {} if quant is None else {
+        m.tensor.name: m.scales.tensor.name for m in checkpoint.expert_matrices()}
+    scale_names = set(scale_of.values())
     for name, info in checkpoint.tensors.items():
-        if not include_all and name not in expert_tensors:
+        if not include_all and name not in expert_tensors and name not in scale_names:
             continue
         if not _matches(name, tensor) or len(info.shape) < 1 or info.nbytes == 0:
             continue
@@ -327,7 +424,11 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
             continue
         cols = info.shape[-1]
         rows = info.nbytes // (cols * info.itemsize)
-        chosen.append((name, info, rows, cols))
+        fmt = _FORMAT_OF_DTYPE[info.dtype]
+        if name in scale_of:
+            fmt = quant.fmt
+            cols = cols * 2 if fmt == "int4" else cols
+        chosen.append((name, info, rows, cols, fmt))
     if not chosen:
         raise ValueError(f"{checkpoint.root}: no tensor matches {tensor!r}"
                          + ("" if include_all else " among the routed experts"))
@@ -336,6 +437,7 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
         "all": "every page read (disk I/O for pages not cached), as a loader would",
         "none": "nothing touched: pages this process never mapped read as not present"}[touch]]
     results = []
+    maps: dict[str, tuple] = {}  # name -> (table from the map, (page_nodes, page_bytes, offset))
     by_file: dict = {}
     for entry in chosen:
         by_file.setdefault(entry[1].path, []).append(entry)
@@ -351,20 +453,29 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
                 int(whole[idx].sum())  # reading maps the cached pages into this process
             elif touch == "all":
                 int(whole[::BASE_PAGE_BYTES].sum())
-            for name, info, rows, cols in sorted(entries, key=lambda e: e[1].file_offset):
+            for name, info, rows, cols, fmt in sorted(entries, key=lambda e: e[1].file_offset):
                 view = whole[info.file_offset:info.file_offset + info.nbytes]
                 pm = memory.page_map(view)
-                placement, _ = analyse_map(name, rows, cols, _FORMAT_OF_DTYPE[info.dtype],
-                                           np.asarray(pm.nodes), pm.page_bytes, pm.offset_bytes,
-                                           workers, keep_pages=keep_pages)
+                page_nodes = np.asarray(pm.nodes)
+                placement, table = analyse_map(name, rows, cols, fmt, page_nodes, pm.page_bytes,
+                                               pm.offset_bytes, workers, keep_pages=keep_pages)
                 results.append(placement)
+                if quant is not None:
+                    maps[name] = (table, (page_nodes, pm.page_bytes, pm.offset_bytes))
                 del view
             del whole
         finally:
             mm.close()
     order = {name: i for i, name in enumerate(checkpoint.tensors)}
     results.sort(key=lambda t: order[t.name])
-    return PlacementReport(str(checkpoint.root), workers, results, notes)
+    per_node = None
+    if quant is not None:
+        pairs = [(*maps[w], *maps[sc]) for w, sc in scale_of.items() if w in maps and sc in maps]
+        if pairs:
+            per_node = quant_node_summary(pairs, quant.group, quant.scale_dtype, workers)
+            notes.append(f"{quant.describe()}: per-node weight/scale bytes and remote reads below "
+                         f"({len(pairs)} weight tensor(s) with their scales)")
+    return PlacementReport(str(checkpoint.root), workers, results, notes, per_node)
 
 
 def _worker_nodes(nodes) -> tuple[int, ...]:
@@ -388,21 +499,35 @@ def placement_report(store, keep_pages: bool = True) -> PlacementReport:
     from numa_moe import memory
 
     results = []
+    quantized = getattr(store, "group", None) is not None
+    pairs = []
+
+    def measure(name, buffer, in_use):
+        pm = memory.page_map(buffer)
+        page_nodes = np.asarray(pm.nodes)
+        placement, from_map = analyse_map(
+            name, in_use.rows, in_use.cols, in_use.fmt, page_nodes, pm.page_bytes,
+            pm.offset_bytes, store.nodes, keep_pages=keep_pages)
+        if from_map == in_use:
+            placement.notes.append(f"table in use ({in_use.source}) matches the map")
+        else:
+            placement.notes.append(f"table in use ({in_use.source}) NO LONGER matches the map")
+        results.append(placement)
+        return from_map, (page_nodes, pm.page_bytes, pm.offset_bytes)
+
     for layer in store.layers:
         for kind in KINDS:
-            buffer = store.weights(layer, kind)
-            pm = memory.page_map(buffer)
-            in_use = store.table(layer, kind)
-            placement, from_map = analyse_map(
-                f"layer {layer} {kind}", in_use.rows, in_use.cols, in_use.fmt, np.asarray(pm.nodes),
-                pm.page_bytes, pm.offset_bytes, store.nodes, keep_pages=keep_pages)
-            if from_map == in_use:
-                placement.notes.append(f"table in use ({in_use.source}) matches the map")
-            else:
-                placement.notes.append(f"table in use ({in_use.source}) NO LONGER matches the map")
-            results.append(placement)
+            weights = measure(f"layer {layer} {kind}", store.weights(layer, kind),
+                              store.table(layer, kind))
+            if quantized:
+                scales = measure(f"layer {layer} {kind} scales", store.scales(layer, kind),
+                                 store.scale_table(layer, kind))
+                pairs.append((*weights, *scales))
     notes = [f"{len(store.mismatches)} buffer(s) differed from the theoretical interleave at load"]
-    return PlacementReport(repr(store), tuple(store.nodes), results, notes)
+    per_node = None
+    if quantized:
+        per_node = quant_node_summary(pairs, store.group, store.scale_dtype, store.nodes)
+    return PlacementReport(repr(store), tuple(store.nodes), results, notes, per_node)
 
 
 # ------------------------------------------------------------------ plot

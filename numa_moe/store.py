@@ -7,8 +7,14 @@ kind, experts stacked along rows so the interleave period runs across experts:
 
 each allocated by ``memory.interleaved_empty`` (page-aligned start, the page cycle
 starting at the buffer's ``phase``). Expert ``e`` of ``gate`` is rows ``[e*I, (e+1)*I)``,
-of ``down`` rows ``[e*H, (e+1)*H)``. Quantised formats add one scale buffer per kind
-(``scale_shape`` of the stacked matrix), with its own table.
+of ``down`` rows ``[e*H, (e+1)*H)``.
+
+INT8 / INT4 (docs/quantization.md): the value buffer of a kind is int8 ``[rows, cols]``
+or uint8 ``[rows, cols / 2]`` (two weights per byte), and each kind has a second
+interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or fp32), with
+its own table (``scale_table``). Tables count columns in weights (elements), also for
+int4, as ``segments.WeightFormat`` does. A quantized checkpoint is copied as it is; a
+float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time).
 
 Loading copies tensor by tensor straight from the file into the destination rows
 (``os.preadv``), so extra memory is nil beyond the page cache; the checkpoint is opened
@@ -30,9 +36,10 @@ import numpy as np
 
 from numa_moe.checkpoint import _short
 from numa_moe.checkpoint import (KINDS, Checkpoint, ModelDims, NamingPattern, open_checkpoint_file,
-                                 read_matrix_into)
+                                 read_matrix_into, read_scales_into)
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
 from numa_moe.pages import page_bytes_of
+from numa_moe.quant import DEFAULT_GROUP, GROUPS, SCALE_DTYPES
 from numa_moe.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
 
 __all__ = [
@@ -176,13 +183,18 @@ class PlacementMismatch:
 
 @dataclass
 class StoreLayer:
-    """One layer's buffers (``weights[kind]``), the tables in use and the theoretical ones."""
+    """One layer's buffers (``weights[kind]``), the tables in use and the theoretical ones;
+    for int8/int4 also the scale buffers (``scales[kind]``) and their tables."""
 
     layer: int
     weights: dict[str, np.ndarray]
     tables: dict[str, SegmentTable]
     theoretical: dict[str, SegmentTable | None]
     measured: dict[str, bool] = field(default_factory=dict)
+    scales: dict[str, np.ndarray] = field(default_factory=dict)
+    scale_tables: dict[str, SegmentTable] = field(default_factory=dict)
+    scale_theoretical: dict[str, SegmentTable | None] = field(default_factory=dict)
+    scale_measured: dict[str, bool] = field(default_factory=dict)
 
     @property
     def gate(self) -> np.ndarray:
@@ -201,25 +213,38 @@ class ExpertStore:
     """Routed experts of a checkpoint in interleaved memory. Build with ``ExpertStore.load``."""
 
     def __init__(self, checkpoint: Checkpoint, layers: dict[int, StoreLayer], nodes: tuple[int, ...],
-                 page_bytes: int, mismatches: list[PlacementMismatch]):
+                 page_bytes: int, mismatches: list[PlacementMismatch],
+                 weight_format: str | None = None, group: int | None = None,
+                 scale_dtype: str | None = None):
         self.checkpoint = checkpoint
         self._layers = layers
         self.nodes = nodes
         self.page_bytes = page_bytes
         self.mismatches = mismatches
+        #: "bf16", "fp16", "fp32" (as in the file), "int8" or "int4"
+        self.weight_format = weight_format or _STORE_DTYPES[checkpoint.dtype][1]
+        #: scale group size and scale dtype name ("fp16", "bf16", "fp32"); None unless int8/int4
+        self.group = group
+        self.scale_dtype = scale_dtype
 
     # -------------------------------------------------------------- loading
     @classmethod
     def load(cls, checkpoint: str | os.PathLike | Checkpoint, nodes=None, page: str | int = "4k",
              layers: Iterable[int] | None = None, progress: bool = True,
-             pattern: NamingPattern | None = None) -> "ExpertStore":
+             pattern: NamingPattern | None = None, weight_format: str | None = None,
+             group: int | None = None, scale_dtype: str | None = None) -> "ExpertStore":
         """Copy the routed experts of ``checkpoint`` into interleaved buffers.
 
         ``nodes``: node ids (or a count N for 0..N-1) to interleave over; None = the
         memory layer's default (all allowed nodes). ``page``: "4k" or "2m".
         ``layers``: a subset of MoE layer ids (default all).
+        ``weight_format``: None keeps the file's format; "int8"/"int4" quantizes a
+        BF16/F16/F32 checkpoint while copying (``group``, default 128, and
+        ``scale_dtype``, default "fp16"); a quantized checkpoint loads as it is (its own
+        group and scale dtype; asking for others is refused, as is converting it).
         """
         from numa_moe import memory
+        from numa_moe.quantize import quantize_expert
         from tqdm.auto import tqdm
 
         if not isinstance(checkpoint, Checkpoint):
@@ -228,10 +253,8 @@ class ExpertStore:
         node_list = parse_nodes(nodes)
         chosen = _choose_layers(checkpoint, layers)
         dims = checkpoint.dims
-        if checkpoint.dtype not in _STORE_DTYPES:
-            raise ValueError(f"{checkpoint.root}: routed experts are {checkpoint.dtype}; the store "
-                             f"loads {', '.join(_STORE_DTYPES)} checkpoints")
-        np_dtype, fmt = _STORE_DTYPES[checkpoint.dtype]
+        fmt, group, scale_dtype, quantize = _store_format(checkpoint, weight_format, group, scale_dtype)
+        np_dtype = _VALUE_DTYPES.get(fmt) or _STORE_DTYPES[checkpoint.dtype][0]
         total = sum(m.nbytes for layer in chosen for kind in KINDS
                     for m in checkpoint.layers[layer].matrices[kind])
         loaded: dict[int, StoreLayer] = {}
@@ -241,33 +264,63 @@ class ExpertStore:
         try:
             with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                       desc="load experts") as bar:
+                def fd_of(path: Path) -> int:
+                    if path not in fds:
+                        fds[path] = open_checkpoint_file(path)
+                    return fds[path]
+
+                def placed(buffer, layer, name, rows, cols, buffer_fmt):
+                    table, theory, was_measured, mismatch = _table_of(
+                        memory, buffer, layer, name, rows, cols, buffer_fmt, page_bytes)
+                    if mismatch is not None:
+                        mismatches.append(mismatch)
+                        warnings.warn(f"layer {layer} {name}: {mismatch.reason}; using the "
+                                      "measured table", PlacementMismatchWarning, stacklevel=3)
+                    return table, theory, was_measured
+
                 for layer in chosen:
                     source = checkpoint.layers[layer]
-                    weights, tables, theoretical, measured = {}, {}, {}, {}
+                    out = StoreLayer(layer, {}, {}, {}, {})
                     for kind in KINDS:
                         rows, cols = buffer_shape(dims, kind)
-                        buffer = memory.interleaved_empty((rows, cols), np_dtype, nodes=node_list,
-                                                          page=page)
+                        value_cols = cols // 2 if fmt == "int4" else cols
+                        buffer = memory.interleaved_empty((rows, value_cols), np_dtype,
+                                                          nodes=node_list, page=page)
+                        scales = None
+                        if group is not None:
+                            scales = memory.interleaved_empty(scale_shape(rows, cols, group),
+                                                              SCALE_DTYPES[scale_dtype],
+                                                              nodes=node_list, page=page)
                         for e, matrix in enumerate(source.matrices[kind]):
-                            fd = fds.get(matrix.tensor.path)
-                            if fd is None:
-                                fd = fds[matrix.tensor.path] = open_checkpoint_file(matrix.tensor.path)
-                            read_matrix_into(matrix, buffer[slice(*expert_rows(dims, kind, e))], fd)
+                            where = slice(*expert_rows(dims, kind, e))
+                            fd = fd_of(matrix.tensor.path)
+                            if quantize:
+                                qm = quantize_expert(matrix, fd, fmt, group, scale_dtype)
+                                buffer[where] = qm.q
+                                scales[where] = qm.scales
+                            else:
+                                read_matrix_into(matrix, buffer[where], fd)
+                                if scales is not None:
+                                    read_scales_into(matrix, scales[where],
+                                                     fd_of(matrix.scales.tensor.path))
                             bar.update(matrix.nbytes)
-                        table, theory, was_measured, mismatch = _table_of(
-                            memory, buffer, layer, kind, rows, cols, fmt, page_bytes)
-                        if mismatch is not None:
-                            mismatches.append(mismatch)
-                            warnings.warn(f"layer {layer} {kind}: {mismatch.reason}; using the "
-                                          "measured table", PlacementMismatchWarning, stacklevel=2)
+                        table, theory, was_measured = placed(buffer, layer, kind, rows, cols, fmt)
                         used_nodes = used_nodes or table.nodes
-                        weights[kind], tables[kind] = buffer, table
-                        theoretical[kind], measured[kind] = theory, was_measured
-                    loaded[layer] = StoreLayer(layer, weights, tables, theoretical, measured)
+                        out.weights[kind], out.tables[kind] = buffer, table
+                        out.theoretical[kind], out.measured[kind] = theory, was_measured
+                        if scales is not None:
+                            s_rows, s_cols = scales.shape
+                            table, theory, was_measured = placed(scales, layer, f"{kind} scales",
+                                                                 s_rows, s_cols, scale_dtype)
+                            out.scales[kind], out.scale_tables[kind] = scales, table
+                            out.scale_theoretical[kind] = theory
+                            out.scale_measured[kind] = was_measured
+                    loaded[layer] = out
         finally:
             for fd in fds.values():
                 os.close(fd)
-        return cls(checkpoint, loaded, used_nodes or (), page_bytes, mismatches)
+        return cls(checkpoint, loaded, used_nodes or (), page_bytes, mismatches, fmt, group,
+                   scale_dtype)
 
     # -------------------------------------------------------------- queries
     @property
@@ -301,8 +354,40 @@ class ExpertStore:
             raise KeyError(f"layer {layer} is not loaded; loaded layers: {list(self._layers)}") from None
 
     def weights(self, layer: int, kind: str) -> np.ndarray:
-        """The stacked buffer of ``kind`` (gate/up [E*I, H], down [E*H, I])."""
+        """The stacked buffer of ``kind`` (gate/up [E*I, H], down [E*H, I]); for int8 the
+        int8 values of that shape, for int4 the packed uint8 values [rows, cols / 2]."""
         return self.layer(layer).weights[_check_kind(kind)]
+
+    @property
+    def quantized(self) -> bool:
+        return self.group is not None
+
+    def scales(self, layer: int, kind: str) -> np.ndarray | None:
+        """The stacked group scales of ``kind`` [rows, cols / group] (scale_dtype), None
+        for float formats."""
+        _check_kind(kind)
+        return self.layer(layer).scales.get(kind) if self.quantized else None
+
+    def scale_table(self, layer: int, kind: str) -> SegmentTable | None:
+        """The table of the scale buffer of ``kind`` (None for float formats)."""
+        _check_kind(kind)
+        return self.layer(layer).scale_tables.get(kind) if self.quantized else None
+
+    def expert_scales(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Views (gate [I, H/g], up [I, H/g], down [H, I/g]) of one expert's scales, no
+        copy; None for float formats."""
+        self._check_expert(expert)
+        if not self.quantized:
+            return None
+        return tuple(self.scales(layer, kind)[slice(*expert_rows(self.dims, kind, expert))]
+                     for kind in KINDS)
+
+    def expert_scale_tables(self, layer: int, expert: int) -> dict[str, SegmentTable] | None:
+        """The tables of one expert's scale matrices (None for float formats)."""
+        self._check_expert(expert)
+        if not self.quantized:
+            return None
+        return expert_tables_of(self.layer(layer).scale_tables, self.dims, expert)
 
     def torch_weights(self, layer: int, kind: str):
         """The same buffer as a zero-copy torch tensor (torch.bfloat16 for bf16)."""
@@ -315,7 +400,8 @@ class ExpertStore:
         return self.layer(layer).tables[_check_kind(kind)]
 
     def expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Views (gate [I, H], up [I, H], down [H, I]) of one expert, no copy."""
+        """Views (gate [I, H], up [I, H], down [H, I]) of one expert's values, no copy
+        (int4: uint8 [I, H/2], [I, H/2], [H, I/2])."""
         self._check_expert(expert)
         return tuple(self.weights(layer, kind)[slice(*expert_rows(self.dims, kind, expert))]
                      for kind in KINDS)
@@ -332,8 +418,59 @@ class ExpertStore:
     def __repr__(self) -> str:
         return (f"ExpertStore({self.checkpoint.root}, layers={list(self._layers)}, "
                 f"E={self.n_experts}, H={self.hidden_size}, I={self.intermediate_size}, "
-                f"nodes={list(self.nodes)}, page_bytes={self.page_bytes}, "
+                f"{self.weight_format}"
+                + (f" g={self.group} {self.scale_dtype} scales" if self.quantized else "")
+                + f", nodes={list(self.nodes)}, page_bytes={self.page_bytes}, "
                 f"mismatches={len(self.mismatches)})")
+
+
+_VALUE_DTYPES = {"int8": "int8", "int4": "uint8"}
+
+
+def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int | None,
+                  scale_dtype: str | None) -> tuple[str, int | None, str | None, bool]:
+    """(format, group, scale dtype, quantize while copying?) of a load request."""
+    root = checkpoint.root
+    quant = checkpoint.quant
+    wanted = None if weight_format is None else _format_name(weight_format)
+    if quant is not None:
+        if wanted is not None and wanted != quant.fmt:
+            raise ValueError(f"{root}: routed experts are {quant.fmt}; the store loads a quantized "
+                             f"checkpoint as it is (weight_format None or {quant.fmt!r}), it does not "
+                             f"convert it to {wanted}")
+        for name, asked, have in (("group", group, quant.group),
+                                  ("scale_dtype", scale_dtype, quant.scale_dtype)):
+            if asked is not None and asked != have:
+                raise ValueError(f"{root}: the checkpoint's scales have {name} {have!r}, not "
+                                 f"{asked!r}; a quantized checkpoint loads as it is")
+        return quant.fmt, quant.group, quant.scale_dtype, False
+    if checkpoint.dtype not in _STORE_DTYPES:
+        raise ValueError(f"{root}: routed experts are {checkpoint.dtype}; the store loads "
+                         f"{', '.join(_STORE_DTYPES)} checkpoints and numa-moe quantized ones")
+    own = _STORE_DTYPES[checkpoint.dtype][1]
+    if wanted in (None, own):
+        if group is not None or scale_dtype is not None:
+            raise ValueError(f"group and scale_dtype apply to weight_format 'int8'/'int4', not {own}")
+        return own, None, None, False
+    if wanted not in ("int8", "int4"):
+        raise ValueError(f"{root}: routed experts are {checkpoint.dtype}; the store loads them as "
+                         f"{own} or quantizes them to int8/int4, not to {wanted}")
+    group = DEFAULT_GROUP if group is None else group
+    scale_dtype = "fp16" if scale_dtype is None else scale_dtype
+    if group not in GROUPS:
+        raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
+    d = checkpoint.dims
+    for kind, cols in (("gate/up", d.hidden_size), ("down", d.intermediate_size)):
+        if cols % group:
+            raise ValueError(f"{root}: group {group} does not divide the {cols} columns of the "
+                             f"{kind} matrices")
+    return wanted, group, scale_dtype, True
+
+
+def _format_name(fmt: str) -> str:
+    return weight_format(fmt).name
 
 
 def _check_kind(kind: str) -> str:

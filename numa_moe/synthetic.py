@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -35,14 +36,29 @@ __all__ = [
     "make_checkpoint",
     "write_safetensors",
     "checkpoint_plan",
+    "building_directory",
+    "NUMPY_DTYPES",
 ]
 
 _DTYPE_CODES = {
     np.dtype(ml_dtypes.bfloat16): "BF16",
     np.dtype(np.float16): "F16",
     np.dtype(np.float32): "F32",
+    np.dtype(np.float64): "F64",
     np.dtype(np.int8): "I8",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
 }
+# safetensors dtype code -> numpy dtype (what a copied tensor is written as)
+NUMPY_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 # One random block is generated at most this many elements at a time (memory bound).
 _CHUNK_ELEMENTS = 1 << 23
@@ -265,7 +281,8 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
                     *, hidden_size: int | None = None, intermediate_size: int | None = None,
                     fused: bool = False, shared: bool = True,
                     max_shard_bytes: int = 512 << 20, progress: bool = True,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, weight_format: str | None = None,
+                    group: int = 128, scale_dtype: str = "fp16") -> Path:
     """Write a generated checkpoint into ``out_dir`` and return the directory.
 
     ``out_dir`` must be new, empty or a previous output of this function; anything else
@@ -276,6 +293,9 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     ``layers``/``experts`` default to the model's small defaults (``MODEL_SPECS``);
     ``hidden_size``/``intermediate_size`` override the real shapes (tests only).
     Output above ``max_shard_bytes`` is sharded with a ``model.safetensors.index.json``.
+    ``weight_format`` "int8"/"int4": the routed experts are then quantized
+    (``numa_moe.quantize``, ``group``, ``scale_dtype``); the result equals generating the
+    BF16 checkpoint and quantizing it.
     """
     if like not in MODEL_SPECS:
         raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
@@ -290,24 +310,54 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
         raise ValueError(f"experts must be in 1..{spec.n_experts} for {like}, got {n_experts}")
     if H < 1 or I < 1:
         raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
-    out = given = Path(out_dir)
-    if out.is_symlink():  # build beside the directory it names; the link stays
-        out = Path(os.path.realpath(out))
-    _check_replaceable(out, overwrite)
-    out.absolute().parent.mkdir(parents=True, exist_ok=True)
-    # Built in a temporary sibling and swapped in whole: an interrupted run leaves the
-    # previous checkpoint (or nothing) in out_dir, never a mix, and no temporary behind.
-    build = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
-    try:
+    given = Path(out_dir)
+    _check_replaceable(_real_output(given), overwrite)
+    if weight_format is not None:
+        from numa_moe.quantize import quantize_checkpoint
+
+        parent = _real_output(given).absolute().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{given.name}.", suffix=".bf16.tmp",
+                                         dir=parent) as tmp:
+            source = make_checkpoint(Path(tmp) / "bf16", like, layers, experts, seed,
+                                     hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                     fused=fused, shared=shared, max_shard_bytes=max_shard_bytes,
+                                     progress=progress)
+            quantize_checkpoint(source, given, weight_format, group, scale_dtype, overwrite=True,
+                                progress=progress)
+        return given
+    with building_directory(given) as build:
         _write_checkpoint(build, spec, n_layers, n_experts, H, I, seed, fused, shared,
                           max_shard_bytes, progress, like)
+    return given
+
+
+def _real_output(out_dir: str | os.PathLike) -> Path:
+    out = Path(out_dir)
+    if out.is_symlink():  # build beside the directory it names; the link stays
+        out = Path(os.path.realpath(out))
+    return out
+
+
+@contextmanager
+def building_directory(out_dir: str | os.PathLike):
+    """Build a directory atomically: yields a temporary sibling of ``out_dir`` to write
+    into; when the block ends normally it is swapped in whole for ``out_dir`` (created or
+    replaced), else removed. An interrupted run leaves ``out_dir`` as it was (the
+    previous content or nothing, never a mix) and no temporary behind. A symlinked
+    ``out_dir`` is built beside the directory it names; the link stays. The caller
+    decides first whether ``out_dir`` may be replaced."""
+    out = _real_output(out_dir)
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
+    try:
+        yield build
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(build, 0o777 & ~umask)  # mkdtemp's 0700 would surprise a user sharing it
         _swap_in(build, out)
     finally:
         shutil.rmtree(build, ignore_errors=True)  # the new build, or the old checkpoint
-    return given
 
 
 # Files make_checkpoint writes: a directory holding only these, with a config.json that

@@ -153,3 +153,28 @@ def test_integer_weights_get_clear_errors(rng):
     if "avx512" in kernels.available_isas():
         with pytest.raises(ValueError, match="isa 'avx512' is not available for int8 weights: it has no int8 kernels"):
             _native.matmul_segments("avx512", qm.q, seg, x, out, scales=qm.scales)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_nodes", [1, 2])
+def test_layer_from_a_quantized_store(tmp_path, rng, fmt, n_nodes):
+    from numa_moe.store import ExpertStore
+    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.topology import Topology
+
+    path = make_checkpoint(tmp_path / "ckpt", like="qwen3-30b-a3b", layers=1, experts=3, hidden_size=128,
+                           intermediate_size=96, progress=False, weight_format=fmt, group=32)
+    store = ExpertStore.load(path, nodes=1, progress=False)
+    assert store.weight_format == fmt
+    layer = MoELayer.from_store(store, store.layers[0], topology=Topology.virtual(n_nodes))
+    assert layer.weight_format == fmt
+    x = rng.standard_normal((3, 128)).astype(BF16)
+    ids = np.array([[0, 2], [1, 0], [2, 1]])
+    w = rng.random((3, 2)).astype(np.float32)
+    y = layer.forward_numpy(x, ids, w, out_dtype="float32")
+    experts = [tuple(quant.QuantizedMatrix(fmt, 32, v, s) for v, s in
+                     zip(store.expert(store.layers[0], e), store.expert_scales(store.layers[0], e)))
+               for e in range(3)]
+    expected = np.array([sum(w[t, j] * ffn_reference(x, experts[ids[t, j]], [t])[0] for j in range(2))
+                         for t in range(3)])
+    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-4

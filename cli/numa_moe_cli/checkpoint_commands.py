@@ -1,4 +1,5 @@
-"""``numa-moe make-checkpoint``, ``tables`` and ``inspect``: thin shells over the package."""
+"""``numa-moe make-checkpoint``, ``quantize``, ``tables`` and ``inspect``: thin shells over
+the package."""
 
 from __future__ import annotations
 
@@ -61,9 +62,16 @@ def _open(path: str, pattern: str | None, kinds: str | None):
 @click.option("--overwrite", is_flag=True,
               help="Replace OUTPUT even when it holds files this command did not write (the "
                    "whole directory is replaced). Without it such a directory is refused.")
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
+              show_default=True,
+              help="Routed experts in bf16, or quantized as by `numa-moe quantize`.")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="Scale group size (int8/int4).")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16",
+              show_default=True, help="Element type of the group scales (int8/int4).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
-                            quiet):
+                            fmt, group, scale_dtype, quiet):
     """Generate a small safetensors checkpoint with a real model's expert shapes."""
     from numa_moe.checkpoint import Checkpoint
     from numa_moe.synthetic import make_checkpoint
@@ -71,7 +79,8 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
     try:
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
                               max_shard_bytes=shard_mb << 20, progress=not quiet,
-                              overwrite=overwrite)
+                              overwrite=overwrite, weight_format=None if fmt == "bf16" else fmt,
+                              group=int(group), scale_dtype=scale_dtype)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
     except OSError as err:
@@ -79,9 +88,10 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
     ck = Checkpoint.open(out)
     size = sum(f.stat().st_size for f in ck.files)
     d = ck.dims
+    fmt = ck.dtype if ck.quant is None else ck.quant.describe()
     click.echo(f"wrote {out}: {len(ck.files)} file(s), {size / 2**20:.1f} MiB; {like}: "
                f"{len(ck.layers)} MoE layer(s) x {d.n_experts} experts, H={d.hidden_size}, "
-               f"I={d.intermediate_size}, top-k={d.top_k}, {ck.dtype}, naming {', '.join(ck.naming)}")
+               f"I={d.intermediate_size}, top-k={d.top_k}, {fmt}, naming {', '.join(ck.naming)}")
 
 
 @click.command("tables", short_help="Every expert tensor of a checkpoint: its segment tables.")
@@ -89,12 +99,15 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 @click.option("--nodes", default="2", show_default=True,
               help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
 @page_option()
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
-              show_default=True, help="Weight format of the loaded experts.")
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default=None,
+              help="Weight format of the loaded experts [default: the checkpoint's when it is "
+                   "quantized, else bf16].")
 @click.option("--group", type=click.IntRange(min=1), default=None,
-              help="Scale group size (elements along k) for int8/int4 [default: 128].")
-@click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32",
-              show_default=True, help="Element format of the group scales (int8/int4 only).")
+              help="Scale group size (elements along k) for int8/int4 [default: the checkpoint's "
+                   "when quantized, else 128].")
+@click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Element format of the group scales (int8/int4 only) [default: the "
+                   "checkpoint's when quantized, else fp32].")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
               help="JSON file to write the tables to (missing folders are created, and said so).")
@@ -112,6 +125,15 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         raise click.UsageError("--group applies to --format int8/int4 only")
     check_output(output, "-o", create_parents=True)
     ck = _open(checkpoint, pattern, kinds)
+    quant = ck.quant
+    if fmt is None:
+        fmt = quant.fmt if quant is not None else "bf16"
+        if group is not None and fmt == "bf16":
+            raise click.UsageError("--group applies to --format int8/int4 only")
+    if quant is not None and fmt == quant.fmt:
+        group = group or quant.group
+        scale_format = scale_format or quant.scale_dtype
+    scale_format = scale_format or "fp32"
     try:
         node_ids = parse_nodes(nodes)
     except ValueError as err:
@@ -201,3 +223,50 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
         except RuntimeError as err:
             raise click.ClickException(f"cannot write the plot {plot}: {err}") from None
         click.echo(f"wrote {plot} ({drawn} of {len(report.tensors)} tensors)", err=as_json)
+
+
+@click.command("quantize")
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--format", "fmt", type=click.Choice(["int8", "int4"]), required=True,
+              help="Weight format of the quantized routed experts.")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="Scale group size (weights along a row sharing one scale).")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16",
+              show_default=True, help="Element type of the group scales.")
+@click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=False),
+              help="Output directory (new or empty).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUTPUT even when it exists and is not empty (the whole directory is "
+                   "replaced, atomically).")
+@_pattern_options
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pattern, kinds, quiet):
+    """Quantize a BF16/F16/F32 checkpoint's routed experts to INT8 or INT4.
+
+    Only routed-expert weights change (values I8/U8 plus a .weight_scale tensor each; see
+    docs/quantization.md, "Checkpoints"); everything else is copied. OUTPUT is built in a
+    temporary sibling directory and swapped in whole.
+    """
+    from numa_moe.checkpoint import CheckpointError
+    from numa_moe.quantize import quantize_checkpoint
+
+    ck = _open(checkpoint, pattern, kinds)
+    try:
+        result = quantize_checkpoint(ck, output, fmt, int(group), scale_dtype, overwrite=overwrite,
+                                     progress=not quiet)
+    except (ValueError, CheckpointError) as err:
+        raise click.ClickException(str(err)) from None
+    except OSError as err:
+        raise click.ClickException(f"cannot write {output}: {err.strerror or err}") from None
+
+    def mib(n):
+        return f"{n / 2**20:.2f} MiB"
+
+    click.echo(f"wrote {result.output}: {fmt}, group {result.group}, {scale_dtype} scales; "
+               f"{result.tensors_quantized} expert tensor(s) quantized")
+    click.echo(f"bytes before {result.bytes_before} ({mib(result.bytes_before)}), after "
+               f"{result.bytes_after} ({mib(result.bytes_after)}); routed experts "
+               f"{mib(result.expert_bytes_before)} -> {mib(result.expert_bytes_after)} "
+               f"(values + scales, {result.expert_bytes_after / result.expert_bytes_before:.3f}x)")
+    if result.not_copied:
+        click.echo(f"not copied: {', '.join(result.not_copied)}")

@@ -24,6 +24,7 @@ _COMMANDS = {
     "make-checkpoint": ("checkpoint_commands", "make_checkpoint_command"),
     "tables": ("checkpoint_commands", "tables_command"),
     "inspect": ("checkpoint_commands", "inspect_command"),
+    "quantize": ("checkpoint_commands", "quantize_command"),
     "bench": ("bench", "bench"),
     "run": ("run", "run_command"),
 }

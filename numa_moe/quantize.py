@@ -1,0 +1,271 @@
+"""Quantize a BF16/F16/F32 checkpoint's routed experts to INT8 or INT4 (``numa-moe quantize``).
+
+Writes the checkpoint layout of docs/quantization.md ("Checkpoints"): every routed-expert
+weight keeps its name and becomes ``I8 [rows, cols]`` (int8) or ``U8 [rows, cols / 2]``
+(int4, two weights per byte, the even column in the low nibble), followed in the same file
+by its group scales ``<name without .weight>.weight_scale`` ``[rows, cols / group]`` in the
+scale dtype; every file's ``__metadata__`` gains ``numa_moe.quant``, ``numa_moe.group``
+and ``numa_moe.scale_dtype``. Every other tensor is copied byte for byte, shards keep
+their names and tensors, the index is rewritten, and the other files of the directory
+(config.json, tokenizer, ...) are copied.
+
+Quantization is ``numa_moe.quant.quantize``, expert matrix by expert matrix (one matrix
+in float32 at a time, also for fused 3-D tensors). The output is built in a temporary
+sibling directory and swapped in whole (``synthetic.building_directory``, the helper
+``make-checkpoint`` uses): an error or an interrupt leaves OUT as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from numa_moe import quant as q
+from numa_moe.checkpoint import (Checkpoint, CheckpointError, ExpertMatrix, NamingPattern,
+                                 QUANT_DTYPES, SCALE_DTYPE_CODES, TensorInfo, open_checkpoint_file,
+                                 read_matrix_into, read_safetensors_header, scale_tensor_name)
+from numa_moe.synthetic import NUMPY_DTYPES, TensorPlan, building_directory, write_safetensors
+
+__all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+_COPY_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    output: Path
+    fmt: str
+    group: int
+    scale_dtype: str
+    bytes_before: int  # all safetensors files
+    bytes_after: int
+    expert_bytes_before: int  # the routed-expert weights alone
+    expert_bytes_after: int  # their values plus scales
+    tensors_quantized: int
+    not_copied: tuple[str, ...] = ()  # entries of the source directory left out, and why
+
+
+def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int,
+                    scale_dtype: str) -> q.QuantizedMatrix:
+    """Read one float expert matrix from its file and quantize it (numa_moe.quant);
+    NaN/Inf weights are a CheckpointError naming the tensor."""
+    src = np.empty((matrix.rows, matrix.cols), dtype=NUMPY_DTYPES[matrix.dtype])
+    read_matrix_into(matrix, src, fd)
+    try:
+        return q.quantize(src, fmt, group, scale_dtype)
+    except ValueError as err:
+        raise CheckpointError(f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer "
+                              f"{matrix.layer} expert {matrix.expert} {matrix.kind}): {err}; "
+                              "cannot quantize it") from None
+
+
+def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> None:
+    if fmt not in QUANT_DTYPES:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(QUANT_DTYPES)}")
+    if group not in q.GROUPS:
+        raise ValueError(f"group {group} is not one of {', '.join(map(str, q.GROUPS))}")
+    if scale_dtype not in SCALE_DTYPE_CODES:
+        raise ValueError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPE_CODES)}")
+    if ck.quant is not None:
+        raise CheckpointError(f"{ck.root}: already quantized ({ck.quant.describe()}); quantize "
+                              "reads a BF16, F16 or F32 checkpoint")
+    if ck.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{ck.root}: routed experts are {ck.dtype}; quantize reads "
+                              f"{', '.join(FLOAT_DTYPES)} checkpoints")
+    d = ck.dims
+    for kind, cols in (("gate/up", d.hidden_size), ("down", d.intermediate_size)):
+        if fmt == "int4" and cols % 2:
+            raise ValueError(f"{ck.root}: {kind} matrices have {cols} columns, an odd count: "
+                             "int4 packs two columns per byte and needs an even count")
+        if cols % group:
+            raise ValueError(f"{ck.root}: group {group} does not divide the {cols} columns of the "
+                             f"{kind} matrices; choose a group from {', '.join(map(str, q.GROUPS))} "
+                             f"that divides {cols}")
+
+
+def _check_output(src: Path, out: Path, overwrite: bool) -> None:
+    real = Path(os.path.realpath(out))
+    if real.exists() and not real.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory; the output must be a directory")
+    source_dir = Path(os.path.realpath(src if src.is_dir() else src.parent))
+    if real == source_dir or (src.is_dir() and source_dir in real.parents):
+        raise ValueError(f"{out}: is (inside) the directory of the source checkpoint {src}; "
+                         "choose another directory")
+    if real.exists() and any(real.iterdir()) and not overwrite:
+        raise ValueError(f"{out}: exists and is not empty; refusing to replace it. Choose a new "
+                         "or empty directory, or pass --overwrite to replace the directory and "
+                         "everything in it")
+
+
+def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str | os.PathLike,
+                        fmt: str = "int8", group: int = q.DEFAULT_GROUP, scale_dtype: str = "fp16",
+                        overwrite: bool = False, progress: bool = True,
+                        pattern: NamingPattern | None = None) -> QuantizeResult:
+    """Write the quantized copy of ``checkpoint`` into the directory ``output``.
+
+    Refuses (ValueError / CheckpointError, one line): an already quantized or non-float
+    checkpoint, a group that does not divide the experts' columns, odd columns for int4,
+    NaN/Inf weights, and an ``output`` that exists and is not empty unless ``overwrite``.
+    """
+    from tqdm.auto import tqdm
+
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, pattern=pattern)
+    _check_request(ck, fmt, group, scale_dtype)
+    out = Path(output)
+    _check_output(ck.root, out, overwrite)
+    src_dir = ck.root if ck.root.is_dir() else ck.root.parent
+
+    # tensor name -> its expert matrices (1, or E / 2E of a fused tensor), in file order
+    by_tensor: dict[str, list[ExpertMatrix]] = {}
+    for m in ck.expert_matrices():
+        by_tensor.setdefault(m.tensor.name, []).append(m)
+    for mats in by_tensor.values():
+        mats.sort(key=lambda m: m.file_offset)
+    value_dtype = np.dtype(np.int8) if fmt == "int8" else np.dtype(np.uint8)
+    scale_np = q.SCALE_DTYPES[scale_dtype]
+    meta_quant = {"numa_moe.quant": fmt, "numa_moe.group": str(group),
+                  "numa_moe.scale_dtype": scale_dtype}
+
+    bytes_before = sum(p.stat().st_size for p in ck.files)
+    expert_before = sum(m.nbytes for mats in by_tensor.values() for m in mats)
+    total_in = sum(info.nbytes for info in ck.tensors.values())
+    expert_after = 0
+    fds: dict[Path, int] = {}
+    pending_scales: dict[str, list[bytes]] = {}
+
+    def fd_of(path: Path) -> int:
+        if path not in fds:
+            fds[path] = open_checkpoint_file(path)
+        return fds[path]
+
+    try:
+        with building_directory(out) as build, \
+                tqdm(total=total_in, unit="B", unit_scale=True, disable=not progress,
+                     desc=f"quantize {fmt}") as bar:
+            names_in_file: dict[Path, list[TensorInfo]] = {}
+            for info in ck.tensors.values():
+                names_in_file.setdefault(info.path, []).append(info)
+            weight_map: dict[str, str] = {}
+            for path in ck.files:
+                infos = sorted(names_in_file.get(path, []), key=lambda t: t.file_offset)
+                _, metadata = read_safetensors_header(path)
+                plans, sources = [], {}
+                for info in infos:
+                    if info.name in by_tensor:
+                        cols = info.shape[-1]
+                        shape = (*info.shape[:-1], cols // 2 if fmt == "int4" else cols)
+                        plan = TensorPlan(info.name, shape, value_dtype, 1)
+                        scale_name = scale_tensor_name(info.name)
+                        if scale_name in ck.tensors:
+                            raise CheckpointError(f"{path}: tensor {scale_name!r} already exists; "
+                                                  "it would collide with the scales of "
+                                                  f"{info.name!r}")
+                        scale_plan = TensorPlan(scale_name, (*info.shape[:-1], cols // group),
+                                                scale_np, 1)
+                        plans += [plan, scale_plan]
+                        sources[plan.name] = ("values", info)
+                        sources[scale_plan.name] = ("scales", info)
+                        expert_after += plan.nbytes + scale_plan.nbytes
+                    else:
+                        if info.dtype not in NUMPY_DTYPES:
+                            raise CheckpointError(f"{path}: tensor {info.name!r} has dtype "
+                                                  f"{info.dtype}, which cannot be copied")
+                        plan = TensorPlan(info.name, info.shape, NUMPY_DTYPES[info.dtype], 1)
+                        plans.append(plan)
+                        sources[plan.name] = ("copy", info)
+                for plan in plans:
+                    weight_map[plan.name] = path.name
+
+                def chunks(plan: TensorPlan, sources=sources) -> Iterable[bytes]:
+                    role, info = sources[plan.name]
+                    if role == "copy":
+                        yield from _copy_bytes(info, fd_of(info.path), bar)
+                    elif role == "values":
+                        scales = pending_scales[info.name] = []
+                        for m in by_tensor[info.name]:
+                            qm = quantize_expert(m, fd_of(m.tensor.path), fmt, group, scale_dtype)
+                            scales.append(qm.scales.tobytes())
+                            bar.update(m.nbytes)
+                            yield qm.q.tobytes()
+                    else:
+                        yield from pending_scales.pop(info.name)
+
+                if not isinstance(metadata, dict) or not metadata:
+                    metadata = {"format": "pt"}
+                metadata = {str(k): str(v) for k, v in metadata.items()}
+                metadata.update(meta_quant)
+                write_safetensors(build / path.name, plans, chunks, metadata=metadata)
+            not_copied = _copy_other_files(ck, src_dir, build, weight_map)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    bytes_after = sum((out / p.name).stat().st_size for p in ck.files)
+    return QuantizeResult(out, fmt, group, scale_dtype, bytes_before, bytes_after, expert_before,
+                          expert_after, len(by_tensor), tuple(not_copied))
+
+
+def _copy_bytes(info: TensorInfo, fd: int, bar) -> Iterable[bytes]:
+    done = 0
+    while done < info.nbytes:
+        want = min(_COPY_CHUNK, info.nbytes - done)
+        chunk = os.pread(fd, want, info.file_offset + done)
+        if not chunk:
+            raise CheckpointError(f"{info.path}: file ended while reading tensor {info.name!r}; it "
+                                  "changed since its header was read")
+        done += len(chunk)
+        bar.update(len(chunk))
+        yield chunk
+
+
+def _copy_other_files(ck: Checkpoint, src_dir: Path, build: Path,
+                      weight_map: dict[str, str]) -> list[str]:
+    """The index (rewritten with the scale tensors) and every other regular file of the
+    checkpoint directory (config.json, tokenizer, ...), copied as they are; returns what
+    was left out (sub-directories, special files, symlinks out of the directory: a
+    checkpoint directory holds its own files, as for its shards). A checkpoint named by
+    one file brings only that file and its directory's config.json."""
+    shards = {p.name for p in ck.files}
+    index_names = {"model.safetensors.index.json"} | {
+        p.name for p in src_dir.glob("*.safetensors.index.json")}
+    not_copied = []
+    if ck.root.is_dir():
+        others = []
+        for p in sorted(src_dir.iterdir()):
+            if p.name in shards or p.name.startswith("."):
+                continue
+            if p.is_symlink() and Path(os.path.realpath(p)).parent != Path(os.path.realpath(src_dir)):
+                not_copied.append(f"{p.name} (a symlink out of the directory)")
+            elif p.is_dir():
+                not_copied.append(f"{p.name}/ (a directory)")
+            elif not p.is_file():
+                not_copied.append(f"{p.name} (not a regular file)")
+            else:
+                others.append(p)
+    else:
+        others = [p for p in (src_dir / "config.json",) if p.is_file()]
+        if ck.root.name.endswith(".json"):
+            others.append(ck.root)
+    for path in others:
+        if path.name in index_names:
+            with os.fdopen(open_checkpoint_file(path), "rb") as f:
+                document = json.loads(f.read().decode("utf-8"))
+            document["weight_map"] = dict(weight_map)
+            meta = document.get("metadata") if isinstance(document.get("metadata"), dict) else {}
+            meta["total_size"] = sum(_tensor_bytes(build / name) for name in set(weight_map.values()))
+            document["metadata"] = meta
+            (build / path.name).write_text(json.dumps(document, indent=2) + "\n")
+        else:
+            shutil.copy2(path, build / path.name)
+    return not_copied
+
+
+def _tensor_bytes(path: Path) -> int:
+    tensors, _ = read_safetensors_header(path)
+    return sum(t.nbytes for t in tensors.values())
