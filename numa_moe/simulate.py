@@ -644,10 +644,12 @@ def plot_report(report: dict, path: str) -> None:
         xs = np.arange(len(policies)) + node * width
         loc = [next(r for r in results if r.policy == p and r.tokens == last).local_bytes[node] / 1e9 for p in policies]
         rem = [next(r for r in results if r.policy == p and r.tokens == last).remote_bytes[node] / 1e9 for p in policies]
-        ax2.bar(xs, loc, width, color="tab:blue", label="local" if node == 0 else None)
-        ax2.bar(xs, rem, width, bottom=loc, color="tab:red", label="remote" if node == 0 else None)
+        ax2.bar(xs, loc, width * 0.85, color="tab:blue", edgecolor="white", label="local" if node == 0 else None)
+        ax2.bar(xs, rem, width * 0.85, bottom=loc, color="tab:red", edgecolor="white",
+                label="remote" if node == 0 else None)
     ax2.set_xticks(np.arange(len(policies)) + 0.4 - width / 2, [f"({p})" for p in policies])
-    ax2.set_ylabel(f"GB read per step per node (bars: nodes 0..{n - 1}), {last} token(s)")
+    ax2.set_ylabel("GB read per step, per node")
+    ax2.set_title(f"{last} token(s); one bar per node (0..{n - 1}) per policy", fontsize=10)
     ax2.legend(fontsize=8)
     w = report["workload"]
     fig.suptitle(f"{report['machine']['name']}: {w['name']} {w['fmt']} {w['page']} pages, routing {report['routing']}")

@@ -26,6 +26,7 @@ _COMMANDS = {
     "inspect": ("checkpoint_commands", "inspect_command"),
     "bench": ("bench", "bench"),
     "run": ("run", "run_command"),
+    "simulate": ("simulate", "simulate_command"),
 }
 
 
