@@ -320,44 +320,47 @@ def route_counts(routing: Routing, rng: np.random.Generator, tokens: int, n_expe
 # --------------------------------------------------------------------------- byte counting
 
 
-def _seg_arrays(table: SegmentTable):
-    rows = [(s.row0, s.row_stride, s.nrows, s.k0, s.k1, i)
-            for i, node in enumerate(table.nodes) for s in table.segments[node]]
-    return np.array(rows, dtype=np.int64).reshape(-1, 6)
+def _class_prefix(table: SegmentTable, touched: bool = False) -> tuple[int, np.ndarray]:
+    """(p, prefix [p + 1, nodes]): row r of the matrix is row class r % p (p the table's
+    period, or all rows when the segments are explicit); prefix[c] sums, per node, the
+    bytes (or, with ``touched``, the rows the node holds any of) of classes below c."""
+    p = table.period_rows or table.rows
+    bits = table.weight_format.bits_per_element
+    per_class = np.zeros((p, len(table.nodes)), dtype=np.int64)
+    for i, node in enumerate(table.nodes):
+        segs = table.segments[node]
+        if not segs:
+            continue
+        arr = np.array([(s.row0, s.k1 - s.k0) for s in segs], dtype=np.int64)
+        if touched:
+            per_class[np.unique(arr[:, 0]), i] = 1
+        else:
+            np.add.at(per_class[:, i], arr[:, 0], arr[:, 1] * bits // 8)
+    prefix = np.zeros((p + 1, len(table.nodes)), dtype=np.int64)
+    np.cumsum(per_class, axis=0, out=prefix[1:])
+    return p, prefix
 
 
-def _rows_in(seg: np.ndarray, r0: np.ndarray, r1: np.ndarray) -> np.ndarray:
-    """[M, S]: rows of each strided segment inside each range [r0, r1)."""
-    row0, stride, nrows = seg[:, 0][None], seg[:, 1][None], seg[:, 2][None]
-    lo = np.maximum(0, -((row0 - r0[:, None]) // stride))          # ceil((r0 - row0) / stride)
-    hi = np.minimum(nrows, -((row0 - r1[:, None]) // stride))
-    return np.maximum(0, hi - lo)
+def _range_sums(p: int, prefix: np.ndarray, r0, r1) -> np.ndarray:
+    r0 = np.atleast_1d(np.asarray(r0, dtype=np.int64))
+    r1 = np.atleast_1d(np.asarray(r1, dtype=np.int64))
+
+    def below(r):  # sum over rows [0, r)
+        return (r // p)[:, None] * prefix[-1][None] + prefix[r % p]
+
+    return below(r1) - below(r0)
 
 
 def table_bytes_in_rows(table: SegmentTable, r0, r1) -> np.ndarray:
     """[M, nodes]: bytes of rows [r0[m], r1[m]) of the table's matrix on each node (in the
-    order of ``table.nodes``), counted from the table's segments."""
-    seg = _seg_arrays(table)
-    r0 = np.atleast_1d(np.asarray(r0, dtype=np.int64))
-    r1 = np.atleast_1d(np.asarray(r1, dtype=np.int64))
-    bits = table.weight_format.bits_per_element
-    seg_bytes = _rows_in(seg, r0, r1) * ((seg[:, 4] - seg[:, 3]) * bits // 8)[None]
-    onehot = np.zeros((len(seg), len(table.nodes)), dtype=np.int64)
-    onehot[np.arange(len(seg)), seg[:, 5]] = 1
-    return seg_bytes @ onehot
+    order of ``table.nodes``), counted from the table's segments (canonical form: a
+    segment of class c covers rows c, c + p, ... to the end)."""
+    return _range_sums(*_class_prefix(table), r0, r1)
 
 
 def table_rows_touched(table: SegmentTable, r0, r1) -> np.ndarray:
     """[M, nodes]: rows of [r0, r1) of which each node holds at least one element."""
-    seg = _seg_arrays(table)
-    r0 = np.atleast_1d(np.asarray(r0, dtype=np.int64))
-    r1 = np.atleast_1d(np.asarray(r1, dtype=np.int64))
-    # in canonical form the segments of one node and row class share (row0, stride, nrows)
-    key = np.unique(seg[:, [0, 1, 2, 5]], axis=0)
-    counts = _rows_in(key, r0, r1)
-    onehot = np.zeros((len(key), len(table.nodes)), dtype=np.int64)
-    onehot[np.arange(len(key)), key[:, 3]] = 1
-    return counts @ onehot
+    return _range_sums(*_class_prefix(table, touched=True), r0, r1)
 
 
 def page_bytes_in_rows(page_nodes: np.ndarray, page_bytes: int, offset_bytes: int, row_bytes: int,
