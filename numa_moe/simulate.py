@@ -731,3 +731,112 @@ def measure_machine(read_mib: int = 256, tries: int = 5, cross_gbps: float | Non
                    float(kernel_efficiency), 0.5, 0.0,
                    f"measured by numa-moe simulate --measure ({topo.kind} topology, nodes {node_ids})",
                    "measured")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@dataclass
+class ValidationPoint:
+    nodes: int            # 1 real node, or N virtual nodes
+    tokens: int
+    measured_ms: float    # median `numa-moe run` step
+    predicted_ms: float
+    read_gbps: float      # median streaming read measured right before
+    kernel_efficiency: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_ms / self.measured_ms - 1.0
+
+
+def this_machine(read_gbps: float, nodes: int, threads: int, kernel_efficiency: float, isa: str,
+                 peak_gflops_per_core: float = 50.0, layer_overhead_us: float = 0.0) -> Machine:
+    """This single-socket machine seen as ``nodes`` (virtual) nodes: they share one memory,
+    so every (reader, memory) pair gets ``read_gbps / nodes``."""
+    share = read_gbps / nodes
+    p = peak_gflops_per_core
+    peaks = {isa: {"bf16": p, "int8": 2 * p, "int4": 2 * p}}
+    return Machine(f"this machine ({nodes} node(s))", nodes, max(1, threads // nodes),
+                   tuple(tuple(share for _ in range(nodes)) for _ in range(nodes)), peaks, isa,
+                   min(1.0, kernel_efficiency), VALIDATION_COMPUTE_EFFICIENCY, layer_overhead_us, "", "measured")
+
+
+def median_read_gbps(buffers, threads: int, tries: int = 7) -> float:
+    """Median rate of the native streaming read of ``buffers`` (caches evicted before each)."""
+    import statistics
+    import time
+
+    from numa_moe.benchmarking import native_loops
+    from numa_moe.benchmarking.yardsticks import settle
+
+    total = sum(int(b.nbytes) for b in buffers)
+    rates = []
+    for _ in range(tries):
+        settle()
+        start = time.perf_counter()
+        native_loops.stream_read(buffers, threads)
+        rates.append(total / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+# Fraction of the streaming read the layer step reaches on this VM at decode sizes, and
+# where it comes from: docs/simulate.md ("Calibration"). Overridable per call.
+DEFAULT_KERNEL_EFFICIENCY = 0.6
+# Fraction of the register-only peak the expert kernel reaches at 32-128 tokens here
+# (docs/benchmarks.md: 0.70-0.86 of the vdpbf16ps peak).
+VALIDATION_COMPUTE_EFFICIENCY = 0.7
+
+
+def validate_run(checkpoint, tokens=(1, 2, 4), node_counts=(1, 2), steps: int = 7,
+                 kernel_efficiency: float | None = None, echo=print) -> list[ValidationPoint]:
+    """Predicted vs measured ``numa-moe run`` median step time on this machine, for each
+    (nodes, tokens): 1 = the real node, N > 1 = N virtual nodes. Right before each run
+    the read bandwidth of the loaded experts is measured (median of streaming reads) and
+    the prediction uses it; ``kernel_efficiency`` defaults to DEFAULT_KERNEL_EFFICIENCY."""
+    import statistics
+
+    from numa_moe import moe_run
+    from numa_moe.benchmarking import native_loops
+    from numa_moe.checkpoint import Checkpoint
+    from numa_moe.kernels import default_isa
+    from numa_moe.store import ExpertStore
+
+    eff = DEFAULT_KERNEL_EFFICIENCY if kernel_efficiency is None else kernel_efficiency
+    threads = native_loops.affinity_cpu_count()
+    isa = default_isa()
+    ckpt = Checkpoint.open(checkpoint)
+    store = ExpertStore.load(ckpt, page="4k", progress=False)
+    buffers = [store.weights(layer, kind) for layer in store.layers for kind in ("gate", "up", "down")]
+    workload = workload_from_checkpoint(checkpoint)
+    accounting = {n: layer_accounting(workload, n) for n in node_counts}
+    peak = None
+    if isa in native_loops.PEAK_INSTRUCTIONS:
+        from numa_moe.benchmarking.kernels import measure_peak_gflop_s
+
+        peak = measure_peak_gflop_s(isa, threads, seconds=0.05, tries=3)
+    peak_per_core = peak.best / threads if peak else 50.0
+    echo(f"{isa} peak {peak_per_core * threads:.0f} GFLOP/s on {threads} threads (compute efficiency "
+         f"{VALIDATION_COMPUTE_EFFICIENCY})")
+    points = []
+    for n in node_counts:
+        for t in tokens:
+            report = moe_run.run_job(checkpoint, tokens=t, steps=steps, virtual_nodes=n if n > 1 else None,
+                                     echo=lambda s: None, progress=False)
+            measured = statistics.median(report.steps_ms)
+            # the run reads each step's experts right after the step (same pages, same
+            # threads): each step is predicted at the bandwidth of its own moment, and the
+            # prediction is that of the median step (memory bound: time ~ 1 / bandwidth)
+            bw = report.ceiling.median_gbps
+            ratios = []
+            for rate, ms in zip(report.ceiling.rates_gbps, report.steps_ms):
+                machine = this_machine(rate, n, threads, eff, isa, peak_per_core)
+                step = simulate(machine, workload, [t], policies=["c"], samples=32, seed=len(ratios),
+                                accounting=accounting[n])["results"][0].step_ms
+                ratios.append(step / ms)
+            pred = measured * statistics.median(ratios)
+            point = ValidationPoint(n, t, measured, pred, bw, eff)
+            points.append(point)
+            echo(f"{n} node(s) {t:3d} token(s): measured {measured:8.3f} ms  predicted {pred:8.3f} ms  "
+                 f"error {point.error:+6.1%}  (read {bw:.1f} GB/s)")
+    return points

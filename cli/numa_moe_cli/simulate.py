@@ -62,12 +62,18 @@ def _policies(ctx, param, value):
               help="Routing draws per token count.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--isa", default=None, help="ISA whose peak is used (default: the machine's).")
+@click.option("--validate", is_flag=True,
+              help="Instead of a projection: predicted vs measured `numa-moe run` step time on this machine "
+                   "(1 node and 2 virtual nodes, the --tokens given) on a generated Qwen3-30B-A3B-shaped "
+                   "checkpoint (1 layer, 16 experts) or CHECKPOINT.")
+@click.option("--steps", type=click.IntRange(2), default=9, show_default=True, help="With --validate: steps per run.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG: step time per policy over tokens, per-node bytes local/remote.")
 def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine, like, fmt, page, tokens,
-                     routing, zipf_s, trace_path, layers, policies, samples, seed, isa, json_path, plot_path):
+                     routing, zipf_s, trace_path, layers, policies, samples, seed, isa, validate, steps, json_path,
+                     plot_path):
     """Project the cost of one MoE step (all layers) on a multi-socket machine, for each
     placement policy side by side: bytes each node reads locally and across nodes (for
     the interleaved policies counted from the segment tables this project builds),
@@ -75,6 +81,8 @@ def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine
     """
     from numa_moe import simulate as sim
 
+    if validate:
+        return _validate(checkpoint, tokens, steps, json_path)
     if measure == (machine_name is not None):
         raise click.UsageError("give --machine NAME|FILE or --measure (one of them)")
     if (checkpoint is None) == (like is None):
@@ -111,3 +119,32 @@ def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine
         with output_file(plot_path, "--plot") as tmp:
             sim.plot_report(report, tmp)
         wrote(plot_path, "plot")
+
+
+def _validate(checkpoint, tokens, steps, json_path):
+    from dataclasses import asdict
+
+    from numa_moe import simulate as sim
+    if json_path:
+        check_output(json_path, "--json")
+    path = checkpoint
+    if path is None:
+        from numa_moe.moe_run import default_checkpoint_dir
+        from numa_moe.synthetic import make_checkpoint
+
+        path = default_checkpoint_dir("qwen3-30b-a3b", 1).with_name("qwen3-30b-a3b-1-e16")
+        if not (path / "config.json").exists():
+            click.echo(f"generating a Qwen3-30B-A3B-shaped checkpoint (1 layer, 16 experts) into {path}", err=True)
+            make_checkpoint(path, "qwen3-30b-a3b", 1, 16, 0, progress=False, overwrite=True)
+    click.echo(f"predicted (policy c, kernel efficiency {sim.DEFAULT_KERNEL_EFFICIENCY}) vs measured `numa-moe run` "
+               f"median step, {steps} steps per point; checkpoint {path}")
+    try:
+        points = sim.validate_run(path, tokens=tokens, node_counts=(1, 2), steps=steps, echo=click.echo)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    errors = sorted(abs(p.error) for p in points)
+    click.echo(f"|error|: median {errors[len(errors) // 2]:.1%}, max {errors[-1]:.1%} over {len(points)} points")
+    if json_path:
+        write_output(json_path, json.dumps([{**asdict(p), "error": p.error} for p in points], indent=2) + "\n",
+                     "--json")
+        wrote(json_path)
