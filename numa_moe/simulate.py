@@ -35,7 +35,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from numa_moe.pages import page_bytes_of, page_name
+from numa_moe.pages import page_name
 from numa_moe.segments import SegmentTable, weight_format
 
 __all__ = [

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from numa_moe import simulate as sim
 from numa_moe.segments import SegmentTable
-from numa_moe.store import buffer_shape, layer_tables
+from numa_moe.store import layer_tables
 from numa_moe_cli.main import cli
 
 

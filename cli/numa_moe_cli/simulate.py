@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
@@ -60,7 +59,7 @@ def _policies(ctx, param, value):
                    "d per-node shards, e full replicas.")
 @click.option("--samples", type=click.IntRange(1), default=32, show_default=True,
               help="Routing draws per token count.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the routing draws.")
 @click.option("--isa", default=None, help="ISA whose peak is used (default: the machine's).")
 @click.option("--validate", is_flag=True,
               help="Instead of a projection: predicted vs measured `numa-moe run` step time on this machine "
