@@ -58,6 +58,8 @@ class ReadCeiling:
     samples: int = 1
     spread: float = 0.0  # how far the slowest window's best fell below gbps (Yardstick.spread)
     busy: bool = False   # spread above yardsticks.BUSY_SPREAD: the machine was busy
+    median_gbps: float = 0.0  # the median sample (what numa_moe.simulate's validation predicts from)
+    rates_gbps: list = field(default_factory=list)  # every sample, in step order (one after each step)
 
 
 def _numpy_read(buffers) -> None:
@@ -107,7 +109,8 @@ class ReadSampler:
         from numa_moe.benchmarking.yardsticks import Yardstick
 
         yardstick = Yardstick.from_samples(self.rates_gbps)
-        return ReadCeiling(yardstick.best, self.source, yardstick.samples, yardstick.spread, yardstick.busy)
+        return ReadCeiling(yardstick.best, self.source, yardstick.samples, yardstick.spread, yardstick.busy,
+                           statistics.median(self.rates_gbps), list(self.rates_gbps))
 
 
 def random_routing(rng: np.random.Generator, n_tokens: int, n_experts: int, top_k: int):

@@ -97,3 +97,67 @@ def _patched_forward(self, hidden_states, top_k_index, top_k_weights):
     x = hidden_states.to(torch.bfloat16).contiguous()
     y = layer(x, top_k_index, top_k_weights)
     return y.to(hidden_states.dtype)
+
+
+class RoutingRecorder:
+    """The expert ids the router chose, per supported experts module (one per MoE layer),
+    per token, as the experts module received them (patched by ``patch_moe`` or not).
+    ``trace()`` is int64 [layers, tokens, k]; ``save(path)`` writes the JSON trace that
+    ``numa-moe simulate --trace`` reads."""
+
+    def __init__(self, model):
+        self.names = [name for name, _ in find_expert_modules(model)]
+        if not self.names:
+            raise ValueError("record_routing: no supported MoE experts module in this model "
+                             f"(supported: {', '.join(SUPPORTED_EXPERTS)})")
+        self.calls: list[list] = [[] for _ in self.names]
+        self._handles = []
+        for i, (_, experts) in enumerate(find_expert_modules(model)):
+            self._handles.append(experts.register_forward_pre_hook(self._hook(i), with_kwargs=True))
+
+    def _hook(self, index):
+        def hook(module, args, kwargs):
+            ids = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            if ids is None:
+                raise ValueError(f"record_routing: {self.names[index]} was called without top_k_index")
+            self.calls[index].append(ids.detach().to("cpu", torch.int64).reshape(-1, ids.shape[-1]).numpy().copy())
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def trace(self):
+        import numpy as np
+
+        per_layer = [np.concatenate(c) for c in self.calls if c]
+        if len(per_layer) != len(self.names):
+            raise ValueError("record_routing: some MoE layers saw no tokens; run the model first")
+        tokens = min(len(p) for p in per_layer)
+        return np.stack([p[:tokens] for p in per_layer])
+
+    def save(self, path) -> None:
+        import json
+        import os
+
+        ids = self.trace()
+        data = {"schema": "numa-moe/routing-trace", "version": 1, "layers": self.names,
+                "tokens": int(ids.shape[1]), "top_k": int(ids.shape[2]), "ids": ids.tolist()}
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w", encoding="utf-8") as out:
+            json.dump(data, out)
+        os.replace(tmp, path)
+
+
+def record_routing(model) -> RoutingRecorder:
+    """Start recording the routing of every supported MoE block of ``model`` (forward
+    pre-hooks on the experts modules, so it works on ``patch_moe``-patched blocks and on
+    the original ones); call ``.remove()`` when done, then ``.trace()`` / ``.save()``::
+
+        rec = record_routing(model)
+        model.generate(...)            # or any forward passes
+        rec.remove(); rec.save("trace.json")
+        # numa-moe simulate --machine xeon-6430 --like qwen3-30b-a3b --trace trace.json
+    """
+    return RoutingRecorder(model)
