@@ -166,13 +166,23 @@ class RunReport:
     node_busy_ms: list[float]
     tables: dict = field(default_factory=dict)
     isa: list[str] = field(default_factory=list)
+    weight_format: str = "bf16"
+
+
+# The check of step 1 against the float32 loop on the same (dequantized) weights: bf16
+# kernels round their activations to bf16, integer kernels quantize them per 32-column
+# block to int8 (docs/quantization.md), which costs about 1% more.
+TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2}
 
 
 def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, virtual_nodes: int | None = None,
-            isa: str | None = None, page: str = "4k", seed: int = 0, tolerance: float = 1e-2,
-            echo: Callable[[str], None] = print, progress: bool = True) -> RunReport:
+            isa: str | None = None, page: str = "4k", seed: int = 0, tolerance: float | None = None,
+            weight_format: str | None = None, echo: Callable[[str], None] = print,
+            progress: bool = True) -> RunReport:
     """Load experts interleaved, build and verify the tables, run decode-like steps with
-    random routing over every loaded MoE layer, check step 1 against the torch loop."""
+    random routing over every loaded MoE layer, check step 1 against the torch loop.
+    weight_format "int8" / "int4" quantizes a BF16 checkpoint's experts while loading
+    (None: the checkpoint's own format)."""
     from numa_moe import topology as topo_mod
     from numa_moe.checkpoint import Checkpoint
     from numa_moe.store import ExpertStore
@@ -195,10 +205,11 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     path = Path(checkpoint) if checkpoint is not None else ensure_default_checkpoint(echo=echo)
     echo(f"checkpoint: {path}")
     ckpt = Checkpoint.open(path)
-    if ckpt.dtype != "BF16":
+    if ckpt.dtype != "BF16" and ckpt.weight_format not in ("int8", "int4"):
         # checked before loading: the store would copy F16/F32 experts, the layer refuse them
-        raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16 experts")
-    store = ExpertStore.load(ckpt, nodes=store_nodes, page=page, progress=progress)
+        raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16, INT8 or INT4 experts")
+    store = ExpertStore.load(ckpt, nodes=store_nodes, page=page, progress=progress, weight_format=weight_format)
+    tolerance = TOLERANCE.get(store.weight_format, 1e-2) if tolerance is None else tolerance
     table_summary = verify_store_tables(store)
     echo(f"tables: {table_summary['matrices']} matrices checked (exact partitions); measured == theoretical "
          f"for {table_summary['matching']}/{table_summary['matrices']}"
@@ -207,7 +218,8 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     node_ids = list(layers[0].node_ids)
     kind = "virtual" if topology.is_virtual else "real"
     echo(f"topology: {len(node_ids)} {kind} node(s) {node_ids}, {layers[0].pool.n_threads} worker threads; "
-         f"{len(layers)} MoE layer(s), E={store.n_experts} H={store.hidden_size} I={store.intermediate_size}")
+         f"{len(layers)} MoE layer(s), E={store.n_experts} H={store.hidden_size} I={store.intermediate_size}, "
+         f"{store.weight_format} experts" + (f" (group {store.group})" if store.quantized else ""))
     top_k = int(store.top_k or 2)
     rng = np.random.default_rng(seed)
     import ml_dtypes
@@ -241,11 +253,12 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
         weight_bytes = max(weight_bytes, step_bytes)
         settle()
         reads.sample([matrix for layer_id, (ids, _) in zip(store.layers, routes)
-                      for expert in np.unique(ids) for matrix in store.expert(layer_id, int(expert))])
+                      for expert in np.unique(ids) for matrix in expert_buffers(store, layer_id, int(expert))])
         if step == 0:
             rel = check_against_torch(store, layers, xs, routes, outs)
             verdict = "ok" if rel <= tolerance else "FAILED"
-            echo(f"step 1 vs torch reference (float32 transformers loop): rel. error {rel:.2e} [{verdict}]")
+            echo(f"step 1 vs torch reference (float32 transformers loop on the same weights): rel. error "
+                 f"{rel:.2e} [{verdict}] (tolerance {tolerance:g})")
             if rel > tolerance:
                 raise RuntimeError(f"the MoE layer disagrees with the torch reference: rel. error {rel:.3g} "
                                    f"> {tolerance}")
@@ -256,7 +269,7 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     eff = mean_bytes / (med / 1e3) / 1e9
     report = RunReport(str(path), f"{len(node_ids)} {kind}", len(layers), tokens, top_k, steps_ms, rel,
                        int(mean_bytes), eff, ceiling, node_ids, [int(b / steps) for b in node_bytes],
-                       median_node_busy_ms(step_node_busy), table_summary, sorted(isas))
+                       median_node_busy_ms(step_node_busy), table_summary, sorted(isas), store.weight_format)
     echo(format_run_report(report))
     return report
 
@@ -286,15 +299,35 @@ def verify_store_tables(store) -> dict:
     return {"matrices": n, "matching": matching, "mismatches": len(store.mismatches)}
 
 
+def expert_buffers(store, layer: int, expert: int) -> list:
+    """The buffers a kernel reads for one expert: its matrices, and their scales."""
+    buffers = list(store.expert(layer, expert))
+    if store.quantized:
+        buffers += list(store.expert_scales(layer, expert))
+    return buffers
+
+
+def _float_weights(store, layer: int, kind: str):
+    """The weights of one kind as a torch tensor the reference can use: the bf16 buffer,
+    or the dequantized values of an int8 / int4 store (float32)."""
+    import torch
+
+    from numa_moe import memory, quant
+
+    if not store.quantized:
+        return memory.as_torch(store.weights(layer, kind))
+    qm = quant.QuantizedMatrix(store.weight_format, store.group, store.weights(layer, kind), store.scales(layer, kind))
+    return torch.from_numpy(quant.dequantize(qm))
+
+
 def check_against_torch(store, layers, xs, routes, outs) -> float:
     """Largest relative Frobenius error of the layers' step outputs against the float32
-    transformers loop on the same bf16 weights."""
+    transformers loop on the same weights (dequantized for an int8 / int4 store)."""
     import torch
-    from numa_moe import memory
 
     worst = 0.0
     for layer_id, layer, x, (ids, w), y in zip(store.layers, layers, xs, routes, outs):
-        gate, up, down = (memory.as_torch(store.weights(layer_id, k)) for k in MATRIX_KINDS)
+        gate, up, down = (_float_weights(store, layer_id, k) for k in MATRIX_KINDS)
         E, I, H = store.n_experts, store.intermediate_size, store.hidden_size
         gate_up = torch.cat([gate.view(E, I, H), up.view(E, I, H)], dim=1)
         ref = torch_moe_loop(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), torch.from_numpy(ids),
@@ -305,6 +338,17 @@ def check_against_torch(store, layers, xs, routes, outs) -> float:
             err = float("inf")
         worst = max(worst, float(err))
     return worst
+
+
+def format_side_by_side(reports: list[RunReport]) -> str:
+    """The median step of runs of one job in several weight formats, against the first."""
+    base = statistics.median(reports[0].steps_ms)
+    lines = ["", "weight formats side by side (median step, weights read per step):"]
+    for r in reports:
+        med = statistics.median(r.steps_ms)
+        lines.append(f"  {r.weight_format:>5}  {med:9.3f} ms  {r.weight_bytes_per_step / 1e6:8.1f} MB  "
+                     f"{base / med:5.2f}x the {reports[0].weight_format} step  (kernels {', '.join(r.isa)})")
+    return "\n".join(lines)
 
 
 def format_run_report(r: RunReport) -> str:

@@ -147,3 +147,22 @@ def _native_backend():
     from numa_moe import _native
 
     return _native.thread_backend()
+
+
+def test_run_in_two_formats_ends_side_by_side(tmp_path):
+    from click.testing import CliRunner
+
+    from numa_moe.synthetic import make_checkpoint
+    from numa_moe_cli.main import cli
+
+    path = make_checkpoint(tmp_path / "ckpt", like="qwen3-30b-a3b", layers=1, experts=4, hidden_size=128,
+                           intermediate_size=256, progress=False)
+    result = CliRunner().invoke(cli, ["run", str(path), "--steps", "2", "--format", "bf16", "--format", "int8",
+                                      "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("vs torch reference") == 2 and result.output.count("[ok]") == 2
+    assert "int8 experts (group 128)" in result.output
+    assert "weight formats side by side" in result.output and "the bf16 step" in result.output
+    reports = json.loads((tmp_path / "r.json").read_text())
+    assert [r["weight_format"] for r in reports] == ["bf16", "int8"]
+    assert reports[1]["weight_bytes_per_step"] < 0.6 * reports[0]["weight_bytes_per_step"]

@@ -22,9 +22,13 @@ from numa_moe_cli.options import check_output, isa_option, page_option, write_ou
 @isa_option("chosen per expert from its token count")
 @page_option()
 @click.option("--seed", default=0, show_default=True, type=int, help="seed of the inputs and the random routing")
+@click.option("--format", "weight_formats", type=click.Choice(["bf16", "int8", "int4"]), multiple=True,
+              help="Expert weight format: int8 / int4 quantize a BF16 checkpoint while loading "
+                   "(group 128, fp16 scales; docs/quantization.md). Default: the checkpoint's own. Given "
+                   "more than once, the job runs once per format and ends with their steps side by side.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the report as JSON to this file.")
-def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed, json_path):
+def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed, weight_formats, json_path):
     """Load a checkpoint's routed experts interleaved and run decode-like MoE steps.
 
     CHECKPOINT defaults to the generated embedded checkpoint (Qwen3-30B-A3B shapes),
@@ -38,9 +42,14 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
         raise click.UsageError("give --nodes or --virtual-nodes, not both")
     if json_path:
         check_output(json_path, "--json")  # before the job, not after it
+    from numa_moe.moe_run import format_side_by_side
+
+    reports = []
     try:
-        report = run_job(checkpoint, tokens=tokens, steps=steps, nodes=nodes, virtual_nodes=virtual_nodes, isa=isa,
-                         page=page, seed=seed, echo=click.echo, progress=sys.stderr.isatty())
+        for weight_format in weight_formats or (None,):
+            reports.append(run_job(checkpoint, tokens=tokens, steps=steps, nodes=nodes, virtual_nodes=virtual_nodes,
+                                   isa=isa, page=page, seed=seed, weight_format=weight_format, echo=click.echo,
+                                   progress=sys.stderr.isatty()))
     except BrokenPipeError:
         raise  # stdout closed (| head): the entry point ends quietly
     except (ValueError, OSError) as exc:
@@ -48,6 +57,9 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
     except RuntimeError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+    if len(reports) > 1:
+        click.echo(format_side_by_side(reports))
     if json_path:
-        write_output(json_path, json.dumps(asdict(report), indent=2), "--json")
+        data = asdict(reports[0]) if len(reports) == 1 else [asdict(r) for r in reports]
+        write_output(json_path, json.dumps(data, indent=2), "--json")
         wrote(json_path)
