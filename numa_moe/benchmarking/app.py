@@ -8,9 +8,10 @@ runs, per model and token count:
 - ``app``: before every call a torch router (``softmax(x @ router.T)``, ``topk``) and an
   attention-sized matmul (``x @ W[H, H]``), timed apart from the layer call; the layer
   gets the same kind of random routing as back to back, so only the neighbour differs;
-- ``torch alone``: that torch work with a cache-evicting sweep (single-threaded numpy)
-  where the layer call was, so that torch finds its caches as cold as beside the layer
-  and only numa-moe's threads differ: it shows whether numa-moe slows torch down;
+- ``torch alone``: that torch work where torch itself, not the layer, streams the same
+  expert bytes between calls (``tensor.sum()`` over the touched experts, on torch's own
+  threads): the same memory traffic and cache state without numa-moe, so the two differ
+  only in whose threads read the weights;
 
 then the HF-patched Qwen3-MoE block against the raw layer on the block's own routing,
 and the fixed cost of a call: a tiny layer (8 experts of 256 x 128, 1 token) and one
@@ -27,7 +28,6 @@ import numpy as np
 
 from numa_moe import _native, memory
 from numa_moe.benchmarking.layer import BENCH_MODELS, fill_bf16
-from numa_moe.benchmarking.yardsticks import evict_caches
 from numa_moe.moe import MoELayer
 from numa_moe.moe_run import random_routing
 
@@ -65,6 +65,7 @@ def app_rows(name: str, tokens, repeats: int, rng, isa=None) -> list[dict]:
 
     n_experts, top_k, hidden, inter = BENCH_MODELS[name]
     layer, gate_up, down = _layer(n_experts, hidden, inter, rng, isa)
+    gate_up_t, down_t = memory.as_torch(gate_up), memory.as_torch(down)
     router = torch.randn(n_experts, hidden, dtype=torch.bfloat16)
     attention = torch.randn(hidden, hidden, dtype=torch.bfloat16) * hidden ** -0.5
     rows = []
@@ -83,8 +84,10 @@ def app_rows(name: str, tokens, repeats: int, rng, isa=None) -> list[dict]:
             torch_in_app.append(_timed(torch_work))
             app.append(_timed(lambda: layer(x, *routing)))
         torch_alone = []
-        for _ in routings:
-            evict_caches()
+        for ids, _ in routings:
+            for e in torch.unique(ids).tolist():
+                gate_up_t[e].sum()
+                down_t[e].sum()
             torch_alone.append(_timed(torch_work))
         # the first two calls of each loop warm it up
         b2b, app, torch_in_app, torch_alone = (s[2:] for s in (b2b, app, torch_in_app, torch_alone))
@@ -92,7 +95,7 @@ def app_rows(name: str, tokens, repeats: int, rng, isa=None) -> list[dict]:
                      "back_to_back_ms": statistics.median(b2b) * 1e3, "app_ms": statistics.median(app) * 1e3,
                      "torch_in_app_ms": statistics.median(torch_in_app) * 1e3,
                      "torch_alone_ms": statistics.median(torch_alone) * 1e3})
-    del layer, gate_up, down
+    del layer, gate_up, down, gate_up_t, down_t
     return rows
 
 
