@@ -183,95 +183,123 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     random routing over every loaded MoE layer, check step 1 against the torch loop.
     weight_format "int8" / "int4" quantizes a BF16 checkpoint's experts while loading
     (None: the checkpoint's own format)."""
-    from numa_moe import topology as topo_mod
-    from numa_moe.checkpoint import Checkpoint
-    from numa_moe.store import ExpertStore
-
     if tokens < 1 or steps < 1:
         raise ValueError(f"tokens and steps must be >= 1, got {tokens} and {steps}")
-    if virtual_nodes is not None:
-        topology = topo_mod.Topology.virtual(int(virtual_nodes))
-        store_nodes = None  # memory goes wherever the real nodes are
-    else:
-        topology = topo_mod.current_topology()
-        store_nodes = None
-        if nodes is not None:
-            wanted = tuple(range(int(nodes))) if isinstance(nodes, int) else tuple(nodes)
-            missing = set(wanted) - set(topology.node_ids)
-            if missing:
-                raise ValueError(f"--nodes asks for node(s) {sorted(missing)}; this machine has "
-                                 f"{list(topology.node_ids)} (use --virtual-nodes to simulate)")
-            store_nodes = wanted
+    topology, store_nodes = _job_topology(nodes, virtual_nodes)
     path = Path(checkpoint) if checkpoint is not None else ensure_default_checkpoint(echo=echo)
-    echo(f"checkpoint: {path}")
-    ckpt = Checkpoint.open(path)
-    if ckpt.dtype != "BF16" and ckpt.weight_format not in ("int8", "int4"):
-        # checked before loading: the store would copy F16/F32 experts, the layer refuse them
-        raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16, INT8 or INT4 experts")
-    store = ExpertStore.load(ckpt, nodes=store_nodes, page=page, progress=progress, weight_format=weight_format)
+    store, table_summary = _load_store(path, store_nodes, page, weight_format, progress, echo)
     tolerance = TOLERANCE.get(store.weight_format, 1e-2) if tolerance is None else tolerance
-    table_summary = verify_store_tables(store)
-    echo(f"tables: {table_summary['matrices']} matrices checked (exact partitions); measured == theoretical "
-         f"for {table_summary['matching']}/{table_summary['matrices']}"
-         + (f"; mismatches: {table_summary['mismatches']}" if table_summary["mismatches"] else ""))
     layers = [MoELayer.from_store(store, layer, topology=topology, isa=isa) for layer in store.layers]
     node_ids = list(layers[0].node_ids)
     kind = "virtual" if topology.is_virtual else "real"
     echo(f"topology: {len(node_ids)} {kind} node(s) {node_ids}, {layers[0].pool.n_threads} worker threads; "
          f"{len(layers)} MoE layer(s), E={store.n_experts} H={store.hidden_size} I={store.intermediate_size}, "
          f"{store.weight_format} experts" + (f" (group {store.group})" if store.quantized else ""))
-    top_k = int(store.top_k or 2)
-    rng = np.random.default_rng(seed)
-    import ml_dtypes
-
-    from numa_moe.benchmarking.yardsticks import settle
-
-    steps_ms, node_bytes, step_node_busy = [], np.zeros(len(node_ids)), []
-    weight_bytes = 0
-    rel = float("nan")
-    isas: set[str] = set()
-    # The read ceiling is sampled after every step, on exactly the expert matrices the step
-    # read (the store's own buffers: same pages) with as many pinned threads as the layer
-    # has workers; step and read each start from evicted caches (yardsticks.settle).
-    reads = ReadSampler(layers[0].pool.n_threads)
+    run = _StepRun(store, layers, tokens, int(store.top_k or 2), np.random.default_rng(seed))
     for step in range(steps):
-        xs = [rng.standard_normal((tokens, store.hidden_size)).astype(ml_dtypes.bfloat16) for _ in layers]
-        routes = [random_routing(rng, tokens, store.n_experts, top_k) for _ in layers]
-        settle()
-        t0 = time.perf_counter()
-        outs = [layer.forward_numpy(x, ids, w) for layer, x, (ids, w) in zip(layers, xs, routes)]
-        steps_ms.append((time.perf_counter() - t0) * 1e3)
-        step_bytes = 0
-        busy_ms = np.zeros(len(node_ids))
-        for layer in layers:
-            stats = layer.last_stats()
-            node_bytes += np.asarray(stats["node_bytes"])
-            busy_ms += np.asarray(stats["node_busy_ns"]) / 1e6
-            step_bytes += int(sum(stats["node_bytes"]))
-            isas.update(stats["expert_isa"])
-        step_node_busy.append(busy_ms)
-        weight_bytes = max(weight_bytes, step_bytes)
-        settle()
-        reads.sample([matrix for layer_id, (ids, _) in zip(store.layers, routes)
-                      for expert in np.unique(ids) for matrix in expert_buffers(store, layer_id, int(expert))])
-        if step == 0:
-            rel = check_against_torch(store, layers, xs, routes, outs)
-            verdict = "ok" if rel <= tolerance else "FAILED"
-            echo(f"step 1 vs torch reference (float32 transformers loop on the same weights): rel. error "
-                 f"{rel:.2e} [{verdict}] (tolerance {tolerance:g})")
-            if rel > tolerance:
-                raise RuntimeError(f"the MoE layer disagrees with the torch reference: rel. error {rel:.3g} "
-                                   f"> {tolerance}")
-        echo(f"step {step + 1:3d}: {steps_ms[-1]:8.3f} ms  ({step_bytes / 1e6:.1f} MB of weights)")
-    ceiling = reads.ceiling()
-    med = statistics.median(steps_ms)
-    mean_bytes = float(node_bytes.sum()) / steps
-    eff = mean_bytes / (med / 1e3) / 1e9
-    report = RunReport(str(path), f"{len(node_ids)} {kind}", len(layers), tokens, top_k, steps_ms, rel,
-                       int(mean_bytes), eff, ceiling, node_ids, [int(b / steps) for b in node_bytes],
-                       median_node_busy_ms(step_node_busy), table_summary, sorted(isas), store.weight_format)
+        step_bytes = run.step(check=step == 0, tolerance=tolerance, echo=echo)
+        echo(f"step {step + 1:3d}: {run.steps_ms[-1]:8.3f} ms  ({step_bytes / 1e6:.1f} MB of weights)")
+    med = statistics.median(run.steps_ms)
+    mean_bytes = float(run.node_bytes.sum()) / steps
+    report = RunReport(str(path), f"{len(node_ids)} {kind}", len(layers), tokens, run.top_k, run.steps_ms, run.rel,
+                       int(mean_bytes), mean_bytes / (med / 1e3) / 1e9, run.reads.ceiling(), node_ids,
+                       [int(b / steps) for b in run.node_bytes], median_node_busy_ms(run.step_node_busy),
+                       table_summary, sorted(run.isas), store.weight_format)
     echo(format_run_report(report))
     return report
+
+
+def _job_topology(nodes, virtual_nodes):
+    """(topology, the real nodes the store interleaves over or None for all)."""
+    from numa_moe import topology as topo_mod
+
+    if virtual_nodes is not None:
+        return topo_mod.Topology.virtual(int(virtual_nodes)), None  # memory goes wherever the real nodes are
+    topology = topo_mod.current_topology()
+    if nodes is None:
+        return topology, None
+    wanted = tuple(range(int(nodes))) if isinstance(nodes, int) else tuple(nodes)
+    missing = set(wanted) - set(topology.node_ids)
+    if missing:
+        raise ValueError(f"--nodes asks for node(s) {sorted(missing)}; this machine has "
+                         f"{list(topology.node_ids)} (use --virtual-nodes to simulate)")
+    return topology, wanted
+
+
+def _load_store(path, store_nodes, page, weight_format, progress, echo):
+    """The checkpoint's experts in interleaved memory, and the summary of its tables."""
+    from numa_moe.checkpoint import Checkpoint
+    from numa_moe.store import ExpertStore
+
+    echo(f"checkpoint: {path}")
+    ckpt = Checkpoint.open(path)
+    if ckpt.dtype != "BF16" and ckpt.weight_format not in ("int8", "int4"):
+        # checked before loading: the store would copy F16/F32 experts, the layer refuse them
+        raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16, INT8 or INT4 experts")
+    store = ExpertStore.load(ckpt, nodes=store_nodes, page=page, progress=progress, weight_format=weight_format)
+    summary = verify_store_tables(store)
+    echo(f"tables: {summary['matrices']} matrices checked (exact partitions); measured == theoretical "
+         f"for {summary['matching']}/{summary['matrices']}"
+         + (f"; mismatches: {summary['mismatches']}" if summary["mismatches"] else ""))
+    return store, summary
+
+
+class _StepRun:
+    """The steps of a job and what they measured. The read ceiling is sampled after every
+    step, on exactly the expert matrices the step read (the store's own buffers: same
+    pages) with as many pinned threads as the layer has workers; step and read each start
+    from evicted caches (yardsticks.settle)."""
+
+    def __init__(self, store, layers, tokens, top_k, rng):
+        self.store, self.layers, self.tokens, self.top_k, self.rng = store, layers, tokens, top_k, rng
+        self.steps_ms: list[float] = []
+        self.node_bytes = np.zeros(len(layers[0].node_ids))
+        self.step_node_busy: list[np.ndarray] = []
+        self.isas: set[str] = set()
+        self.rel = float("nan")
+        self.reads = ReadSampler(layers[0].pool.n_threads)
+
+    def step(self, check: bool, tolerance: float, echo) -> int:
+        """Runs one step over every layer; returns the weight bytes it read."""
+        import ml_dtypes
+
+        from numa_moe.benchmarking.yardsticks import settle
+
+        store = self.store
+        xs = [self.rng.standard_normal((self.tokens, store.hidden_size)).astype(ml_dtypes.bfloat16)
+              for _ in self.layers]
+        routes = [random_routing(self.rng, self.tokens, store.n_experts, self.top_k) for _ in self.layers]
+        settle()
+        t0 = time.perf_counter()
+        outs = [layer.forward_numpy(x, ids, w) for layer, x, (ids, w) in zip(self.layers, xs, routes)]
+        self.steps_ms.append((time.perf_counter() - t0) * 1e3)
+        step_bytes = self._record_stats()
+        settle()
+        self.reads.sample([matrix for layer_id, (ids, _) in zip(store.layers, routes)
+                           for expert in np.unique(ids) for matrix in expert_buffers(store, layer_id, int(expert))])
+        if check:
+            self._check(xs, routes, outs, tolerance, echo)
+        return step_bytes
+
+    def _record_stats(self) -> int:
+        step_bytes = 0
+        busy_ms = np.zeros(len(self.node_bytes))
+        for layer in self.layers:
+            stats = layer.last_stats()
+            self.node_bytes += np.asarray(stats["node_bytes"])
+            busy_ms += np.asarray(stats["node_busy_ns"]) / 1e6
+            step_bytes += int(sum(stats["node_bytes"]))
+            self.isas.update(stats["expert_isa"])
+        self.step_node_busy.append(busy_ms)
+        return step_bytes
+
+    def _check(self, xs, routes, outs, tolerance, echo) -> None:
+        self.rel = rel = check_against_torch(self.store, self.layers, xs, routes, outs)
+        verdict = "ok" if rel <= tolerance else "FAILED"
+        echo(f"step 1 vs torch reference (float32 transformers loop on the same weights): rel. error "
+             f"{rel:.2e} [{verdict}] (tolerance {tolerance:g})")
+        if rel > tolerance:
+            raise RuntimeError(f"the MoE layer disagrees with the torch reference: rel. error {rel:.3g} > {tolerance}")
 
 
 def median_node_busy_ms(step_node_busy_ms) -> list[float]:
