@@ -149,3 +149,23 @@ def test_the_native_peak_loops_are_the_ones_named():
     # an ISA without a loop is refused by the harness, so measure_peak_gflop_s must not ask
     with pytest.raises(ValueError, match="no peak loop"):
         native_loops.peak_flops("avx2", 1000, 1)
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 128), ("int4", 32)])
+def test_integer_runs_count_the_scales_and_compare_with_torchs_low_bit_kernels(monkeypatch, fmt, group):
+    pytest.importorskip("torch")
+    monkeypatch.setitem(kernel_bench.SHAPES, "tiny", (256, 128))
+    monkeypatch.setattr(kernel_bench, "MAX_ROTATION_BYTES", 2 << 20)  # a few copies are enough here
+    result = kernel_bench.run(shapes=["tiny"], m_values=[1, 3], repeats=3, min_seconds=0.0, page="4k",
+                              weight_format=fmt, group=group, progress=lambda line: None)
+    elements = 3 * 256 * 128
+    assert result.rows[0].weight_bytes == elements * (1 if fmt == "int8" else 0.5) + elements // group * 2
+    for row in result.rows:
+        assert row.ours_ms > 0 and row.torch_ms > 0 and row.speedup_vs_torch > 0
+        assert row.target_metric == "read" and row.target == 0.85
+    header = kernel_bench.format_table(result).splitlines()[0]
+    assert f"weights={fmt} (group {group})" in header
+    # the copies carry their scales, which the kernel and the read both stream
+    copies = kernel_bench.expert_copies(np.random.default_rng(0), 256, 128, 2, "4k", fmt, group)
+    assert len(copies) == 2 and all(len(c) == 6 for c in copies)
+    assert sum(a.nbytes for a in copies[0]) == result.rows[0].weight_bytes

@@ -33,10 +33,17 @@ def _int_list(text: str) -> list[int]:
               help="Page size of the weight copies. The default is 2m (transparent huge pages), unlike the "
                    "placement commands' 4k: this measures the kernels as a serving host would run them, "
                    "and 4 KB pages alone moved the read ceiling by up to 1.6x here (docs/kernels.md).")
+@click.option("--format", "weight_format", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
+              show_default=True, help="Expert weight format: int8 / int4 run quantized experts (docs/quantization.md; "
+                                      "the bytes read count the scales) against PyTorch's own low-bit kernels "
+                                      "(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu).")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="Columns per scale of the integer formats.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Also write the results as JSON to this file.")
-def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, json_path):
-    """Expert FFN: our kernel vs torch F.linear vs a streaming read of the same weights."""
+def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, weight_format, group,
+                    json_path):
+    """Expert FFN: our kernel vs torch vs a streaming read of the same weights."""
     from numa_moe.benchmarking import kernels as kernel_bench
     from numa_moe.memory import PlacementError
 
@@ -46,7 +53,7 @@ def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_tor
         result = kernel_bench.run(shapes=shapes.split(",") if shapes else None, m_values=_int_list(m_values),
                                   repeats=repeats, threads=threads, isa=isa, with_torch=not no_torch,
                                   page=page, min_seconds=min_seconds, progress=lambda line: click.echo(line, err=True),
-                                  table=click.echo)
+                                  table=click.echo, weight_format=weight_format, group=int(group))
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     except PlacementError as error:

@@ -107,10 +107,12 @@ double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
     return seconds_since(start);
 }
 
-// The experts of a benchmark ((w_gate, w_up, w_down) tuples), checked once.
+// The experts of a benchmark, checked once: (w_gate, w_up, w_down) bf16 tuples, or
+// (w_gate, w_up, w_down, gate_scales, up_scales, down_scales) of int8 / int4 weights.
 struct BenchCalls {
+    kernels::Format format = kernels::Format::bf16;
     std::vector<engine::ExpertFfnArgs> calls;
-    std::vector<std::vector<Span>> spans;  // per expert: gate, up, down
+    std::vector<std::vector<Span>> spans;  // per expert: gate, up, down (and their scales)
     std::vector<float> out;
     std::vector<py::array> keep;  // the arrays behind the pointers
 };
@@ -120,25 +122,30 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
     if (experts.empty()) throw std::invalid_argument("experts: empty");
     BenchCalls result;
     for (size_t e = 0; e < experts.size(); ++e) {
-        const py::tuple triple = experts[e].cast<py::tuple>();
-        if (triple.size() != 3) throw std::invalid_argument("experts: expected (w_gate, w_up, w_down) tuples");
-        const py::array wg = triple[0].cast<py::array>(), wu = triple[1].cast<py::array>(),
-                        wd = triple[2].cast<py::array>();
+        const py::tuple tuple = experts[e].cast<py::tuple>();
+        if (tuple.size() != 3 && tuple.size() != 6)
+            throw std::invalid_argument("experts: expected (w_gate, w_up, w_down) tuples, or with their three scales");
+        std::vector<py::array> arrays;
+        for (const auto& item : tuple) arrays.push_back(item.cast<py::array>());
+        const auto scales = [&](size_t i) { return arrays.size() == 6 ? py::object(arrays[3 + i]) : py::object(py::none()); };
         engine::ExpertFfnArgs args;
         try {
-            args = bindings::expert_ffn_args(x, token_index, bindings::weight_operand(wg, py::none(), "w_gate"),
-                                             bindings::weight_operand(wu, py::none(), "w_up"),
-                                             bindings::weight_operand(wd, py::none(), "w_down"), threads);
+            args = bindings::expert_ffn_args(x, token_index, bindings::weight_operand(arrays[0], scales(0), "w_gate"),
+                                             bindings::weight_operand(arrays[1], scales(1), "w_up"),
+                                             bindings::weight_operand(arrays[2], scales(2), "w_down"), threads);
         } catch (const std::invalid_argument& error) {
             throw std::invalid_argument("experts[" + std::to_string(e) + "]: shapes do not match x [T, H] and each other (" +
                                         error.what() + ")");
         }
+        if (e > 0 && args.format != result.format)
+            throw std::invalid_argument("experts: all in one weight format");
+        result.format = args.format;
         args.out_bf16 = out_bf16;
         result.calls.push_back(args);
-        result.keep.insert(result.keep.end(), {wg, wu, wd});
-        result.spans.push_back({Span{static_cast<const char*>(wg.data()), static_cast<size_t>(wg.nbytes())},
-                                Span{static_cast<const char*>(wu.data()), static_cast<size_t>(wu.nbytes())},
-                                Span{static_cast<const char*>(wd.data()), static_cast<size_t>(wd.nbytes())}});
+        std::vector<Span> spans;
+        for (const py::array& a : arrays) spans.push_back(Span{static_cast<const char*>(a.data()), static_cast<size_t>(a.nbytes())});
+        result.spans.push_back(spans);
+        result.keep.insert(result.keep.end(), arrays.begin(), arrays.end());
     }
     result.out.resize(static_cast<size_t>(token_index.shape(0) * x.shape(1)) + 16);
     for (auto& c : result.calls) c.out = result.out.data();
@@ -147,8 +154,8 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
 
 std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index,
                                         const py::list& experts, int threads, int repeats, bool out_bf16) {
-    const kernels::KernelOps& ops = bindings::ops_for(isa);
     BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
+    const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format);
     std::vector<double> seconds;
     py::gil_scoped_release release;
     for (int r = 0; r < repeats; ++r) {
@@ -167,8 +174,8 @@ std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
     const std::string& isa, const py::array& x, const py::array& token_index, const py::list& experts, int threads,
     int repeats, bool out_bf16) {
     require_avx512("bench_expert_ffn_vs_read");
-    const kernels::KernelOps& ops = bindings::ops_for(isa);
     BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
+    const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format);
     std::vector<double> ours, read;
     py::gil_scoped_release release;
     const size_t n = bench.calls.size();

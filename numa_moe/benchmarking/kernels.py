@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from numa_moe import kernels, memory
+from numa_moe import kernels, memory, quant
 from numa_moe.benchmarking import native_loops
 from numa_moe.benchmarking.yardsticks import (
     MEASUREMENT_NOTE,
@@ -95,6 +95,8 @@ class Result:
     peak_instruction: str | None = None
     peak_end_gflop_s: float | None = None  # measured again after the last point
     warnings: list[str] = field(default_factory=list)
+    weight_format: str = "bf16"
+    group: int | None = None  # of the integer formats
 
 
 def random_bf16_bits(rng: np.random.Generator, shape) -> np.ndarray:
@@ -140,17 +142,85 @@ def random_weights(rng: np.random.Generator, shape, page: str) -> np.ndarray:
     return weights
 
 
-def _torch_ffn_times(experts_t, x_t, repeats: int, threads: int) -> list[float]:
+def _on_pages(array: np.ndarray, page: str) -> np.ndarray:
+    copy = memory.interleaved_empty(array.shape, array.dtype, page=page)
+    copy[...] = array
+    return copy
+
+
+def expert_bytes_read(hidden: int, inter: int, weight_format: str = "bf16", group: int = 128) -> int:
+    """Bytes one call of an expert streams: its three matrices and, for the integer
+    formats, their fp16 scales (expert_copies' layout)."""
+    elements = 3 * hidden * inter
+    if weight_format == "bf16":
+        return 2 * elements
+    per_weight = 1 if weight_format == "int8" else 0.5
+    return int(elements * per_weight) + elements // group * 2
+
+
+def expert_copies(rng: np.random.Generator, hidden: int, inter: int, copies: int, page: str,
+                  weight_format: str = "bf16", group: int = 128) -> list[tuple[np.ndarray, ...]]:
+    """`copies` experts for the native loops, each array on its own page-interleaved
+    mapping: (w_gate, w_up, w_down) as bf16 bits, or for int8 / int4 their values
+    (numa_moe.quant layout) followed by their three scale arrays. The integer copies
+    repeat one quantized random expert: the values do not change the speed."""
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    if weight_format == "bf16":
+        return [tuple(random_weights(rng, shape, page) for shape in shapes) for _ in range(copies)]
+    templates = [quant.quantize(rng.standard_normal(shape, dtype=np.float32), weight_format, group)
+                 for shape in shapes]
+    return [tuple(_on_pages(t.q, page) for t in templates) + tuple(_on_pages(t.scales, page) for t in templates)
+            for _ in range(copies)]
+
+
+def torch_experts(experts, weight_format: str, group: int) -> list[tuple]:
+    """The same experts for PyTorch's own CPU kernels, packed outside any timing: bf16
+    tensors for F.linear; for int8 the values with one scale per row for
+    aten._weight_int8pack_mm (it has no groups); for int4 the values repacked by
+    aten._convert_weight_to_int4pack_for_cpu with (scale, zero) per group for
+    aten._weight_int4pack_mm_for_cpu. The integer copies repeat one expert
+    (expert_copies), so it is packed once and cloned: each copy still has memory of its
+    own to stream."""
+    import torch
+
+    if weight_format == "bf16":
+        return [tuple(torch.from_numpy(w.view(np.int16)).view(torch.bfloat16) for w in expert) for expert in experts]
+    packed = []
+    for i in range(3):
+        values, scales = experts[0][i], torch.from_numpy(experts[0][3 + i].astype(np.float32)).to(torch.bfloat16)
+        if weight_format == "int8":
+            packed.append((torch.from_numpy(values), scales.mean(dim=1).contiguous()))
+            continue
+        unsigned = torch.from_numpy(quant.unpack_int4(values).astype(np.int32) + 8)
+        scale_zero = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).contiguous()
+        packed.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1), scale_zero))
+    return [tuple((w.clone(), s) for w, s in packed) for _ in experts]
+
+
+def _torch_linear(x_t, matrix, weight_format: str, group: int):
+    import torch
+    import torch.nn.functional as F
+
+    if weight_format == "bf16":
+        return F.linear(x_t, matrix)
+    if weight_format == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x_t, *matrix)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x_t, matrix[0], group, matrix[1])
+
+
+def _torch_ffn_times(experts_t, x_t, repeats: int, threads: int, weight_format: str = "bf16",
+                     group: int = 128) -> list[float]:
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
+    linear = lambda x, w: _torch_linear(x, w, weight_format, group)  # noqa: E731
     times = []
     with torch.inference_mode():
         for r in range(repeats):
             wg, wu, wd = experts_t[r % len(experts_t)]
             start = time.perf_counter()
-            F.linear(F.silu(F.linear(x_t, wg)) * F.linear(x_t, wu), wd)
+            linear(F.silu(linear(x_t, wg)) * linear(x_t, wu), wd)
             times.append(time.perf_counter() - start)
     return times
 
@@ -167,82 +237,38 @@ def repetitions(repeats: int, copies: int, pair_seconds: float, min_seconds: flo
 
 def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None = None, isa: str | None = None,
         with_torch: bool = True, seed: int = 0, page: str = "2m", min_seconds: float = 0.25,
-        progress=print, table=None) -> Result:
+        progress=print, table=None, weight_format: str = "bf16", group: int = 128) -> Result:
     """Runs the benchmark; returns a Result (see format_table / to_json). `page`: "2m" or
     "4k", the page size of the weight copies (random_weights). Each point times
     `repetitions(repeats, copies, ..., min_seconds)` kernel calls. `progress` gets status
     lines; `table`, when given, gets the lines of format_table as they become known
     (header, then each row, then the footer), so that a caller can print the table once
-    while it fills."""
-    shapes = list(SHAPES) if shapes is None else list(shapes)
-    for name in shapes:
-        if name not in SHAPES:
-            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    page = page_name(page)
-    if not min_seconds >= 0:
-        raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
-    # checked before anything is allocated
-    if isa is not None and isa not in kernels.ISAS:
-        raise ValueError(f"isa must be one of {', '.join(kernels.ISAS)}, got {isa!r}")
-    if isa is not None and isa not in kernels.available_isas():
-        raise ValueError(f"isa {isa!r} is not available on this CPU (available: {', '.join(kernels.available_isas())})")
+    while it fills. weight_format "int8" / "int4" runs quantized experts (group `group`,
+    fp16 scales; the bytes read count the scales) against PyTorch's own low-bit kernels."""
+    shapes, page, isa = _checked_arguments(shapes, page, min_seconds, isa, weight_format)
     table = table or (lambda line: None)
-    isa = isa or kernels.default_isa()
     threads = threads or native_loops.affinity_cpu_count()
-    rng = np.random.default_rng(seed)
-    cache = l3_bytes()
     torch_version = None
     if with_torch:
         import torch
 
         torch_version = torch.__version__
-    peak = measure_peak_gflop_s(isa, threads)
-    instruction = native_loops.PEAK_INSTRUCTIONS.get(isa)
-    peak_text = (f"{instruction} peak: {peak.best:.0f} GFLOP/s" if peak else f"no peak loop for isa {isa}")
-    progress(f"{peak_text} on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa}; {page} pages")
+    peak = measure_peak_gflop_s(isa, threads) if weight_format == "bf16" else None
+    instruction = native_loops.PEAK_INSTRUCTIONS.get(isa) if peak else None
+    peak_text = (f"{instruction} peak: {peak.best:.0f} GFLOP/s" if peak else f"no peak loop for isa {isa} "
+                 f"and {weight_format}")
+    cache = l3_bytes()
+    progress(f"{peak_text} on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa}; {page} pages; "
+             f"{weight_format} weights")
     result = Result(isa=isa, threads=threads, repeats=repeats, page=page, min_seconds=min_seconds,
-                    peak_gflop_s=peak.best if peak else None, l3_bytes=cache,
-                    torch_version=torch_version, peak_instruction=instruction)
+                    peak_gflop_s=peak.best if peak else None, l3_bytes=cache, torch_version=torch_version,
+                    peak_instruction=instruction, weight_format=weight_format,
+                    group=group if weight_format != "bf16" else None)
     for line in table_header(result):
         table(line)
+    rng = np.random.default_rng(seed)
     for name in shapes:
-        hidden, inter = SHAPES[name]
-        expert_bytes = 3 * hidden * inter * 2
-        copies = max(2, math.ceil(ROTATION_TARGET_FACTOR * cache / expert_bytes))
-        copies = max(2, min(copies, MAX_ROTATION_BYTES // expert_bytes))
-        progress(f"{name}: H={hidden} I={inter}, {expert_bytes / 2**20:.0f} MiB per expert, {copies} copies")
-        experts = [tuple(random_weights(rng, shape, page) for shape in ((inter, hidden), (inter, hidden), (hidden, inter)))
-                   for _ in range(copies)]
-        experts_t = None
-        if with_torch:
-            import torch
-
-            as_t = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
-            experts_t = [tuple(as_t(w) for w in triple) for triple in experts]
-        point_ceilings = []
-        for m in m_values:
-            x = random_bf16_bits(rng, (m, hidden))
-            index = np.arange(m, dtype=np.int64)
-            # Kernel and read interleaved call by call (see the module docstring); torch right after.
-            warm_ours, warm_read = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, copies)
-            reps = repetitions(repeats, copies, statistics.median(warm_ours) + statistics.median(warm_read),
-                               min_seconds)
-            ours, read_s = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, reps)
-            torch_s = None
-            if with_torch:
-                x_t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-                _torch_ffn_times(experts_t, x_t, copies, threads)
-                torch_s = _torch_ffn_times(experts_t, x_t, reps, threads)
-            row = make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s,
-                           peak.best if peak else None)
-            row.repetitions = reps
-            result.rows.append(row)
-            point_ceilings.append(Yardstick.from_samples([expert_bytes / t / 1e9 for t in read_s]))
-            table(format_row(row))
-        warning = busy_warning(f"read ceiling of {name}", Yardstick.from_windows(point_ceilings), "GB/s")
-        if warning:
-            result.warnings.append(warning)
-        del experts, experts_t
+        _run_shape(name, result, m_values, rng, with_torch, min_seconds, progress, table, peak)
     if with_torch:
         import torch
 
@@ -258,9 +284,73 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     return result
 
 
-def make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s, peak) -> Row:
+def _checked_arguments(shapes, page, min_seconds, isa, weight_format):
+    """(shapes, page, isa), all checked before anything is allocated."""
+    shapes = list(SHAPES) if shapes is None else list(shapes)
+    for name in shapes:
+        if name not in SHAPES:
+            raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    page = page_name(page)
+    if not min_seconds >= 0:
+        raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
+    if weight_format not in ("bf16",) + quant.QUANT_FORMATS:
+        raise ValueError(f"weight_format must be bf16, int8 or int4, got {weight_format!r}")
+    available = kernels.available_isas(weight_format)
+    if isa is not None and isa not in kernels.ISAS:
+        raise ValueError(f"isa must be one of {', '.join(kernels.ISAS)}, got {isa!r}")
+    if isa is not None and isa not in available:
+        raise ValueError(f"isa {isa!r} is not available on this CPU for {weight_format} weights "
+                         f"(available: {', '.join(available)})")
+    if isa is None:
+        isa = kernels.default_isa() if weight_format == "bf16" else available[-1]
+    return shapes, page, isa
+
+
+def _run_shape(name, result: Result, m_values, rng, with_torch, min_seconds, progress, table, peak) -> None:
+    """Every M of one shape: our kernel against the read of a same-size copy, interleaved
+    call by call (see the module docstring), then torch."""
+    hidden, inter = SHAPES[name]
+    fmt, group, threads = result.weight_format, result.group or 128, result.threads
+    expert_bytes = expert_bytes_read(hidden, inter, fmt, group)
+    copies = max(2, math.ceil(ROTATION_TARGET_FACTOR * result.l3_bytes / expert_bytes))
+    copies = max(2, min(copies, MAX_ROTATION_BYTES // expert_bytes))
+    progress(f"{name}: H={hidden} I={inter}, {expert_bytes / 2**20:.1f} MiB per expert ({fmt}), {copies} copies")
+    experts = expert_copies(rng, hidden, inter, copies, result.page, fmt, group)
+    experts_t = torch_experts(experts, fmt, group) if with_torch else None
+    point_ceilings = []
+    for m in m_values:
+        x = random_bf16_bits(rng, (m, hidden))
+        index = np.arange(m, dtype=np.int64)
+        warm_ours, warm_read = native_loops.expert_ffn_vs_read(result.isa, x, index, experts, threads, copies)
+        reps = repetitions(result.repeats, copies, statistics.median(warm_ours) + statistics.median(warm_read),
+                           min_seconds)
+        ours, read_s = native_loops.expert_ffn_vs_read(result.isa, x, index, experts, threads, reps)
+        torch_s = None
+        if with_torch:
+            import torch
+
+            # a torch-allocated copy: its low-bit kernels assume their own alignment (a
+            # numpy buffer made them fault)
+            x_t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).clone()
+            _torch_ffn_times(experts_t, x_t, copies, threads, fmt, group)
+            torch_s = _torch_ffn_times(experts_t, x_t, reps, threads, fmt, group)
+        row = make_row(name, hidden, inter, m, result.isa, threads, expert_bytes, ours, read_s, torch_s,
+                       peak.best if peak else None, fmt)
+        row.repetitions = reps
+        result.rows.append(row)
+        point_ceilings.append(Yardstick.from_samples([expert_bytes / t / 1e9 for t in read_s]))
+        table(format_row(row))
+    warning = busy_warning(f"read ceiling of {name}", Yardstick.from_windows(point_ceilings), "GB/s")
+    if warning:
+        result.warnings.append(warning)
+
+
+def make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s, peak,
+             weight_format: str = "bf16") -> Row:
     """One table row from the samples of one point: `ours` and `read_s` (seconds per
-    kernel call and per read), `torch_s` (or None), `peak` in GFLOP/s (or None)."""
+    kernel call and per read), `torch_s` (or None), `peak` in GFLOP/s (or None). The read
+    target at M <= 8 is 0.90 for bf16 and 0.85 for the integer formats (their kernels
+    also dequantize)."""
     flops = 2.0 * m * hidden * inter * 3
     ours_s, read_best = statistics.median(ours), min(read_s)
     row = Row(shape=name, hidden=hidden, intermediate=inter, m=m, isa=isa, threads=threads,
@@ -279,7 +369,8 @@ def make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, t
     compute_s = flops / (peak * 1e9) if peak else 0.0
     bound = max(read_best, compute_s) / ours_s
     if m <= 8:
-        row.target_metric, row.target_value, row.target = "read", row.fraction_of_read, 0.90
+        row.target_metric, row.target_value = "read", row.fraction_of_read
+        row.target = 0.90 if weight_format == "bf16" else 0.85
     elif m <= 16:
         row.target_metric, row.target_value, row.target = "max(mem,compute)", bound, 0.80
     elif m >= 128:
@@ -317,8 +408,9 @@ def format_row(row: Row) -> str:
 def table_header(result: Result) -> list[str]:
     peak = (f"peak={result.peak_gflop_s:.0f} GFLOP/s ({result.peak_instruction})" if result.peak_gflop_s
             else f"peak=- (no peak loop for isa {result.isa})")
+    weights = result.weight_format + (f" (group {result.group})" if result.group else "")
     return [f"isa={result.isa} threads={result.threads} repeats={result.repeats} pages={result.page} "
-            f"{peak} torch={result.torch_version}",
+            f"weights={weights} {peak} torch={result.torch_version}",
             "ours ms: median call; read ms: fastest read of a same-size copy, interleaved (the ceiling)",
             _HEADER]
 
