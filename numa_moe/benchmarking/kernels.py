@@ -295,12 +295,12 @@ def _checked_arguments(shapes, page, min_seconds, isa, weight_format):
         raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
     if weight_format not in ("bf16",) + quant.QUANT_FORMATS:
         raise ValueError(f"weight_format must be bf16, int8 or int4, got {weight_format!r}")
-    available = kernels.available_isas(weight_format)
+    available = kernels.available_isas() if weight_format == "bf16" else kernels.available_isas(weight_format)
     if isa is not None and isa not in kernels.ISAS:
         raise ValueError(f"isa must be one of {', '.join(kernels.ISAS)}, got {isa!r}")
     if isa is not None and isa not in available:
-        raise ValueError(f"isa {isa!r} is not available on this CPU for {weight_format} weights "
-                         f"(available: {', '.join(available)})")
+        for_format = "" if weight_format == "bf16" else f" for {weight_format} weights"
+        raise ValueError(f"isa {isa!r} is not available on this CPU{for_format} (available: {', '.join(available)})")
     if isa is None:
         isa = kernels.default_isa() if weight_format == "bf16" else available[-1]
     return shapes, page, isa
