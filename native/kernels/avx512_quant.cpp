@@ -148,22 +148,32 @@ inline __m512i load_unsigned(const uint8_t* p, bool full) {
 template <Format F>
 constexpr char kBias = F == Format::int8 ? static_cast<char>(0x80) : 8;
 
-// Scales of one row for the blocks b0 .. b0 + nb of a chunk (lane i: block b0 + i).
-inline __m512 row_scales(const Weights& w, const void* row_scales, int64_t b0, int64_t nb, __m512i group_index) {
-    const int64_t per_group = w.group / kBlock;
-    const int64_t g0 = b0 / per_group, n = (b0 + nb - 1) / per_group - g0 + 1;
-    const __mmask16 mask = tail_mask16(n);
+// Scales of one row for a chunk: n groups from group g0, spread to the chunk's blocks by
+// group_index (lane i: the group of block b0 + i, relative to g0).
+inline __m512 row_scales(ScaleType type, const void* row_scales, int64_t g0, __mmask16 groups, __m512i group_index) {
     __m512 v;
-    switch (w.scale_type) {
-        case ScaleType::fp32: v = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row_scales) + g0); break;
+    switch (type) {
+        case ScaleType::fp32: v = _mm512_maskz_loadu_ps(groups, static_cast<const float*>(row_scales) + g0); break;
         case ScaleType::fp16:
-            v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row_scales) + g0));
+            v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(groups, static_cast<const uint16_t*>(row_scales) + g0));
             break;
         default:
             v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row_scales) + g0)), 16));
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(groups, static_cast<const uint16_t*>(row_scales) + g0)), 16));
     }
     return _mm512_permutexvar_ps(group_index, v);
+}
+
+// Lane i: (b0 + i) / per_group - b0 / per_group, lanes past nb repeating the last block.
+// Exact in fp32 (block numbers are far below 2^24), and no integer division per lane,
+// which cost more than the whole chunk's arithmetic when done per row block.
+inline __m512i group_index(int64_t b0, int64_t nb, int64_t per_group) {
+    const __m512 lane = _mm512_cvtepi32_ps(_mm512_min_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(static_cast<int>(nb - 1))));
+    const __m512 group = _mm512_roundscale_ps(
+        _mm512_div_ps(_mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(b0))), _mm512_set1_ps(static_cast<float>(per_group))),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_sub_epi32(_mm512_cvtps_epi32(group), _mm512_set1_epi32(static_cast<int>(b0 / per_group)));
 }
 
 // The R rows of a register block. Rows past `rows` (a short last block) repeat row 0, so
@@ -183,16 +193,16 @@ struct RowBlock {
 template <int R, int T>
 void scale_tile(const RowBlock<R>& b, const Weights& w, const float* xs, int64_t x_blocks, int64_t b0, int64_t nb,
                 __m512 tile[kChunkBlocks]) {
-    alignas(64) int32_t index[16];
     const int64_t per_group = w.group / kBlock;
-    for (int i = 0; i < 16; ++i) index[i] = static_cast<int32_t>((b0 + (i < nb ? i : nb - 1)) / per_group - b0 / per_group);
-    const __m512i group_index = _mm512_load_si512(index);
+    const int64_t g0 = b0 / per_group;
+    const __mmask16 groups = tail_mask16((b0 + nb - 1) / per_group - g0 + 1);
+    const __m512i index = group_index(b0, nb, per_group);
     const __mmask16 mask = tail_mask16(nb);
     __m512 sx[T];
     for (int t = 0; t < T; ++t) sx[t] = _mm512_maskz_loadu_ps(mask, xs + t * x_blocks + b0);
     for (int p = 0; p < kPairs; ++p) tile[p] = _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-        const __m512 sw = row_scales(w, b.scales[r], b0, nb, group_index);
+        const __m512 sw = row_scales(w.scale_type, b.scales[r], g0, groups, index);
         for (int t = 0; t < T; ++t) tile[r * T + t] = _mm512_mul_ps(sw, sx[t]);
     }
     transpose16(tile);
