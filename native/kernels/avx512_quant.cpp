@@ -268,13 +268,98 @@ void micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float
         for (int t = 0; t < T; ++t) b.out[r][t] += sums[r * T + t];
 }
 
+// ---------------------------------------------------------------------------------------
+// Token lanes (many tokens): lane t of a vector is token t0 + t, 16 tokens a vector, so a
+// block's 8 vpdpbusd per row (a weight dword broadcast against the tokens' dwords) leave
+// exact block totals in the lanes: no reduction tree, which costs more shuffles than the
+// products are worth once a weight row serves 16 tokens. The tokens of a block are
+// transposed in registers once per row block (amortised over its R rows).
+
+constexpr int64_t kLaneMinTokens = 8;
+constexpr int kLaneRows = 16;
+
+// The 32 columns at c of tokens [0, nt) (row-major, k apart) as 8 vectors, vector j lane
+// t = token t's columns c + 4j .. c + 4j + 3; absent tokens are zero.
+inline void transpose_tokens(const int8_t* xq, int64_t k, int nt, int64_t c, __m512i x[8]) {
+    __m512 v[16];
+    for (int t = 0; t < 16; ++t)
+        v[t] = t < nt ? _mm512_castsi512_ps(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * k + c))))
+                      : _mm512_setzero_ps();
+    transpose16(v);  // lanes 8-15 of the inputs were undefined: only outputs 0-7 are used
+    for (int j = 0; j < 8; ++j) x[j] = _mm512_castps_si512(v[j]);
+}
+
+// 32 columns of a weight row as unsigned biased bytes, stored for dword broadcasts.
+template <Format F>
+inline void unsigned_block(const uint8_t* p, uint8_t* dst) {
+    __m256i u;
+    if constexpr (F == Format::int8) {
+        u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else {  // as load_unsigned: (word | word << 4) & 0x0f0f on the widened, biased bytes
+        const __m128i raw = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_set1_epi8(static_cast<char>(0x88)));
+        const __m256i wide = _mm256_cvtepu8_epi16(raw);
+        u = _mm256_ternarylogic_epi32(wide, _mm256_slli_epi16(wide, 4), _mm256_set1_epi16(0x0f0f), 0xa8);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst), u);
+}
+
+// out[r][t] += the block-ordered fp32 sum, for the R rows of b and nt <= 16 tokens.
+template <Format F, int R>
+void lane_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k, int nt, int64_t c0,
+                int64_t c1) {
+    const int64_t x_blocks = k / kBlock, per_group = w.group / kBlock;
+    const __mmask16 tmask = tail_mask16(nt);
+    const __m512i x_index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(static_cast<int>(x_blocks)));
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    alignas(64) float sw[R][kChunkBlocks];
+    alignas(32) uint8_t u[32];
+    for (int64_t cc = c0; cc < c1; cc += kChunkBlocks * kBlock) {
+        const int64_t b0 = cc / kBlock, nb = ((c1 - cc < kChunkBlocks * kBlock ? c1 - cc : kChunkBlocks * kBlock)) / kBlock;
+        const int64_t g0 = b0 / per_group;
+        const __mmask16 groups = tail_mask16((b0 + nb - 1) / per_group - g0 + 1);
+        const __m512i index = group_index(b0, nb, per_group);
+        for (int r = 0; r < R; ++r) _mm512_store_ps(sw[r], row_scales(w.scale_type, b.scales[r], g0, groups, index));
+        for (int64_t i = 0; i < nb; ++i) {
+            const int64_t c = cc + i * kBlock, offset = column_bytes<F>(c);
+            __m512i x[8];
+            transpose_tokens(xq, k, nt, c, x);
+            __m512i start = _mm512_setzero_si512();
+            for (int j = 0; j < 8; ++j) start = _mm512_dpbusd_epi32(start, _mm512_set1_epi8(kBias<F>), x[j]);
+            start = _mm512_sub_epi32(_mm512_setzero_si512(), start);
+            const __m512 sx = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), tmask, x_index, xs + b0 + i, 4);
+            for (int r = 0; r < R; ++r) {
+                _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
+                _mm_prefetch(reinterpret_cast<const char*>(b.pf - R * b.w_step + r * b.w_step + offset), _MM_HINT_T2);
+                unsigned_block<F>(b.w[r] + offset, u);
+                __m512i dot = start;
+                for (int j = 0; j < 8; ++j) {
+                    int32_t word;
+                    std::memcpy(&word, u + 4 * j, sizeof(word));
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi32(word), x[j]);
+                }
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sw[r][i]), sx);
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale));
+            }
+        }
+    }
+    for (int r = 0; r < b.rows; ++r)
+        _mm512_mask_storeu_ps(b.out[r], tmask, _mm512_add_ps(_mm512_maskz_loadu_ps(tmask, b.out[r]), acc[r]));
+}
+
+// ---------------------------------------------------------------------------------------
+// Row blocks and segments.
+
 // Rows per register block for T tokens: all 16 pairs used (15 at T = 3).
 constexpr int rows_for_tokens(int t) { return kPairs / t; }
 
+// Rows j .. of a segment (at most R, fewer at j_hi) against tokens t0 .. (T, or up to 16
+// in lanes when T == 0).
 template <Format F, int T>
 void row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, int64_t stride, const int8_t* q,
-               const float* xs, int64_t t0, int64_t k, float* out, int64_t ldo) {
-    constexpr int R = rows_for_tokens(T);
+               const float* xs, int64_t t0, int64_t nt, int64_t k, float* out, int64_t ldo) {
+    constexpr int R = T == 0 ? kLaneRows : rows_for_tokens(T);
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
     const int64_t row_bytes = column_bytes<F>(w.ld), scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
     RowBlock<R> b;
@@ -287,7 +372,10 @@ void row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, in
         b.scales[r] = static_cast<const uint8_t*>(w.scales) + row * w.scales_ld * scale_bytes;
         b.out[r] = out + row * ldo + t0;
     }
-    micro<F, R, T>(b, w, q + t0 * k, xs + t0 * (k / kBlock), k, seg.k0, seg.k1);
+    if constexpr (T == 0)
+        lane_micro<F, R>(b, w, q + t0 * k, xs + t0 * (k / kBlock), k, static_cast<int>(nt), seg.k0, seg.k1);
+    else
+        micro<F, R, T>(b, w, q + t0 * k, xs + t0 * (k / kBlock), k, seg.k0, seg.k1);
 }
 
 // j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
@@ -302,17 +390,19 @@ void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, i
     *j_hi = hi > lo ? hi : lo;
 }
 
-// Token blocks of 4 (4 rows x 4 tokens), the last one 1-3 tokens with more rows; each row
-// block passes over all token blocks before the next rows, so its weights stay in cache.
+// Few tokens: token blocks of 4 (4 rows x 4 tokens), the last one 1-3 tokens with more
+// rows; many: groups of 16 token lanes. Each row block passes over all token blocks before
+// the next rows, so its weights stay in cache.
 template <Format F>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end,
                      const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
     if (m <= 0) return;
     const int8_t* q = static_cast<const int8_t*>(packed);
     const float* xs = token_scales(packed, m, k);
+    const bool lanes = m >= kLaneMinTokens;
     const int64_t tail = m % 4, full_blocks = m / 4;
     // The row block follows the last token block's width: the widest (most rows) first.
-    const int rows = tail ? rows_for_tokens(static_cast<int>(tail)) : rows_for_tokens(4);
+    const int rows = lanes ? kLaneRows : tail ? rows_for_tokens(static_cast<int>(tail)) : rows_for_tokens(4);
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         int64_t j_lo, j_hi;
@@ -321,13 +411,18 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
         const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += rows) {
             const int64_t j1 = j0 + rows < j_hi ? j0 + rows : j_hi;
+            if (lanes) {
+                for (int64_t t0 = 0; t0 < m; t0 += 16)
+                    row_block<F, 0>(w, seg, j0, j1, stride, q, xs, t0, m - t0 < 16 ? m - t0 : 16, k, out, ldo);
+                continue;
+            }
             for (int64_t j = j0; j < j1; j += 4)
                 for (int64_t tb = 0; tb < full_blocks; ++tb)
-                    row_block<F, 4>(w, seg, j, j1, stride, q, xs, tb * 4, k, out, ldo);
+                    row_block<F, 4>(w, seg, j, j1, stride, q, xs, tb * 4, 4, k, out, ldo);
             switch (tail) {
-                case 1: row_block<F, 1>(w, seg, j0, j1, stride, q, xs, m - 1, k, out, ldo); break;
-                case 2: row_block<F, 2>(w, seg, j0, j1, stride, q, xs, m - 2, k, out, ldo); break;
-                case 3: row_block<F, 3>(w, seg, j0, j1, stride, q, xs, m - 3, k, out, ldo); break;
+                case 1: row_block<F, 1>(w, seg, j0, j1, stride, q, xs, m - 1, 1, k, out, ldo); break;
+                case 2: row_block<F, 2>(w, seg, j0, j1, stride, q, xs, m - 2, 2, k, out, ldo); break;
+                case 3: row_block<F, 3>(w, seg, j0, j1, stride, q, xs, m - 3, 3, k, out, ldo); break;
                 default: break;
             }
         }
