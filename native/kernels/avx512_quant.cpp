@@ -23,7 +23,7 @@
 // bias * sum(x), and the bias term of each token (one vpdpbusd with a constant, shared by
 // all rows) is the accumulator's start value, negated.
 //
-// Register block: R rows x T tokens = up to 16 (row, token) pairs. A 64-column step gives
+// Few tokens (< 8). Register block: R rows x T tokens = up to 16 (row, token) pairs. A 64-column step gives
 // one vector per pair, lanes 0-7 the partial sums of the first 32-column block, 8-15 the
 // second; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of block
 // totals per block, lane p = pair p, so the fp32 scale-and-add runs on 16 pairs at once
@@ -31,6 +31,9 @@
 // loaded serves T tokens; each step prefetches (L2) the same columns of the row block after
 // next. Unlike avx512_bf16.cpp no second prefetch of the block one on: with 16 row
 // streams it made the qwen3 expert ~15% slower (hot and cold, 2048 x 768, M = 1).
+//
+// Many tokens (>= 8): token lanes, 16 tokens a vector (lane_micro), so that the 8
+// vpdpbusd of a row's block leave exact block totals in the lanes with no reduction.
 #include <immintrin.h>
 
 #include <cstring>
@@ -275,6 +278,8 @@ void micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float
 // products are worth once a weight row serves 16 tokens. The tokens of a block are
 // transposed in registers once per row block (amortised over its R rows).
 
+// From 8 tokens (hot 256 x 2048 int8, 1 thread: 7 tokens in token blocks take as long
+// as 8 in lanes, and a lane pass costs about the same up to 16 tokens).
 constexpr int64_t kLaneMinTokens = 8;
 constexpr int kLaneRows = 16;
 
@@ -283,9 +288,9 @@ constexpr int kLaneRows = 16;
 inline void transpose_tokens(const int8_t* xq, int64_t k, int nt, int64_t c, __m512i x[8]) {
     __m512 v[16];
     for (int t = 0; t < 16; ++t)
-        v[t] = t < nt ? _mm512_castsi512_ps(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * k + c))))
+        v[t] = t < nt ? _mm512_castsi512_ps(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * k + c))))
                       : _mm512_setzero_ps();
-    transpose16(v);  // lanes 8-15 of the inputs were undefined: only outputs 0-7 are used
+    transpose16(v);  // outputs 8-15 (input lanes 8-15, zero) are not used
     for (int j = 0; j < 8; ++j) x[j] = _mm512_castps_si512(v[j]);
 }
 
