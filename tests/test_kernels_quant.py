@@ -14,6 +14,8 @@ from numa_moe.moe import MoELayer
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BLOCK = 32
 FORMATS = ("int8", "int4")
+# Every (format, ISA) pair this machine has kernels for.
+FORMAT_ISAS = [(fmt, isa) for fmt in FORMATS for isa in kernels.available_isas(fmt)]
 
 
 def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,9 +46,8 @@ def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
     return w, quant.quantize(w, fmt, group, scale_dtype)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("isa", kernels.available_isas("int8"))
-@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 64])
 def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
     rows, cols, group = 40, 256, 64
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
@@ -69,6 +70,43 @@ def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
     assert err < 1e-5, err
 
 
+@pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
+@pytest.mark.parametrize("scale_dtype", sorted(quant.SCALE_DTYPES))
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dtype, group):
+    """Odd row starts and strides, segments that start and end off the group grid (on the
+    32-column one), a thread's row range cutting segments, many token counts. The avx512
+    kernels add the same fp32 terms in the same order as ref: equal bit for bit."""
+    rows, cols = 77, 640
+    _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype)
+    segments = np.array([[3, 7, 10, 32, 352], [1, 3, 9, 0, 640], [5, 1, 19, 96, 160], [0, 5, 15, 608, 640],
+                         [2, 3, 25, 224, 608]], np.int64)
+    row_begin, row_end = 4, 71
+    covered = np.zeros(rows, bool)
+    for row0, stride, nrows, _, _ in segments:
+        covered[row0:row0 + stride * nrows:stride] = True
+    covered[:row_begin] = covered[row_end:] = False
+    for m in sorted({1, 2, 3, 4, 6, 9, int(rng.integers(10, 64)), 64}):
+        x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
+        out = np.full((rows, m), np.nan, np.float32)
+        out[covered] = rng.standard_normal((covered.sum(), m))
+        start = out.copy()
+        kernels.matmul_segments(qm, segments, x, out, isa=isa, row_begin=row_begin, row_end=row_end)
+        assert np.all(np.isnan(out[~covered])), "rows outside the segments or the row range were written"
+        x_q, x_s = quantize_tokens(x.astype(np.float32))
+        expected = start[covered].astype(np.float64)
+        for row0, stride, nrows, k0, k1 in segments:
+            rs = np.arange(row0, row0 + stride * nrows, stride)
+            rs = rs[(rs >= row_begin) & (rs < row_end)]
+            expected[np.searchsorted(np.flatnonzero(covered), rs)] += reference_matmul(qm, x_q, x_s, rs, k0, k1)
+        err = np.abs(out[covered] - expected).max() / np.abs(expected).max()
+        assert err < 1e-5, (m, err)
+        if isa == "avx512":
+            ref_out = start.copy()
+            kernels.matmul_segments(qm, segments, x, ref_out, isa="ref", row_begin=row_begin, row_end=row_end)
+            np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
+
+
 def ffn_reference(x, qms, index):
     """float64 FFN on the same quantized operands: tokens quantized for gate/up, silu(g) * u
     (fp32, as the kernels compute it) quantized again for down."""
@@ -82,16 +120,16 @@ def ffn_reference(x, qms, index):
     return reference_matmul(down, a_q, a_s, np.arange(down.shape[0]), 0, down.shape[1]).T
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("threads", [1, 2])
-def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt, threads):
+@pytest.mark.parametrize(("fmt", "isa"), [(fmt, None) for fmt in FORMATS] + FORMAT_ISAS)
+@pytest.mark.parametrize(("threads", "m"), [(1, 5), (2, 5), (2, 1), (2, 17)])
+def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt, isa, threads, m):
     hidden, inter, group = 256, 192, 32
     floats, qms = zip(*(random_qm(rng, r, c, fmt, group) for r, c in ((inter, hidden), (inter, hidden),
                                                                         (hidden, inter))))
     x = rng.standard_normal((9, hidden)).astype(BF16)
-    index = np.array([3, 0, 8, 8, 1])
+    index = np.array([3, 0, 8, 8, 1]) if m == 5 else rng.integers(0, len(x), m)
     out = np.full((len(index), hidden), np.nan, np.float32)
-    kernels.expert_ffn(x, *qms, token_index=index, out=out, threads=threads)
+    kernels.expert_ffn(x, *qms, token_index=index, out=out, threads=threads, isa=isa)
     expected = ffn_reference(x, qms, index)
     assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 1e-4
     # and against the unquantized float model: the scheme's own error, not a kernel's
@@ -119,7 +157,8 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes):
 
     tables = [{kind: table(qm) for kind, qm in zip(("gate", "up", "down"), e)} for e in experts]
     layer = MoELayer(experts, tables, topology=topo)
-    assert layer.weight_format == fmt and layer.isa_for_tokens(1) == "ref"
+    # the fastest ISA with kernels for the format (avx512 where the CPU has VNNI)
+    assert layer.weight_format == fmt and layer.isa_for_tokens(1) == kernels.available_isas(fmt)[-1]
     x = rng.standard_normal((4, hidden)).astype(BF16)
     ids = np.array([[0, 2], [1, 1], [2, 0], [1, 2]])
     w = rng.random((4, 2)).astype(np.float32)
@@ -150,9 +189,10 @@ def test_integer_weights_get_clear_errors(rng):
             call(qm.q, scales)
     with pytest.raises(ValueError, match="cuts a 32-column block"):
         call(qm.q, qm.scales, np.array([[0, 1, 32, 0, 48]], np.int64))
-    if "avx512" in kernels.available_isas():
-        with pytest.raises(ValueError, match="isa 'avx512' is not available for int8 weights: it has no int8 kernels"):
-            _native.matmul_segments("avx512", qm.q, seg, x, out, scales=qm.scales)
+    if "avx2" in kernels.available_isas():
+        with pytest.raises(ValueError, match="isa 'avx2' is not available for int8 weights: it has no int8 kernels"):
+            _native.matmul_segments("avx2", qm.q, seg, x, out, scales=qm.scales)
+
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -59,6 +59,8 @@ bool has_avx512_bf16_kernels() {
     return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
 }
 
+bool has_avx512_vnni_kernels() { return has_avx512_bf16_kernels() && cpu_features().avx512_vnni; }
+
 bool has_avx2_kernels() {
     const CpuFeatures& f = cpu_features();
     return f.os_avx && f.avx2 && f.fma;

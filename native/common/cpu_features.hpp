@@ -28,6 +28,8 @@ const CpuFeatures& cpu_features();
 
 // AVX-512 with the BF16 dot product and OS support: what the avx512 kernels need.
 bool has_avx512_bf16_kernels();
+// ... and VNNI (vpdpbusd): what the avx512 int8 / int4 kernels need.
+bool has_avx512_vnni_kernels();
 // AVX2 + FMA with OS support: the portable SIMD path.
 bool has_avx2_kernels();
 

@@ -52,10 +52,16 @@ bool parse_format(const char* name, Format* format) {
 
 namespace {
 
-// The integer formats have reference kernels only so far.
+// The integer formats: reference kernels and AVX-512-VNNI ones.
 const KernelOps* integer_ops(Isa isa, Format format) {
-    if (isa != Isa::ref) return nullptr;
-    return format == Format::int8 ? &ref_int8_ops() : &ref_int4_ops();
+    const bool int8 = format == Format::int8;
+    switch (isa) {
+        case Isa::ref: return int8 ? &ref_int8_ops() : &ref_int4_ops();
+        case Isa::avx512:
+            if (!has_avx512_vnni_kernels()) return nullptr;
+            return int8 ? &avx512_int8_ops() : &avx512_int4_ops();
+        default: return nullptr;
+    }
 }
 
 }  // namespace
@@ -75,8 +81,10 @@ const KernelOps* kernel_ops(Isa isa, Format format) {
 
 std::string unavailable_reason(Isa isa, Format format) {
     if (kernel_ops(isa, format)) return "";
-    if (format != Format::bf16 && kernel_ops(isa))
-        return std::string("it has no ") + format_name(format) + " kernels yet (ref has)";
+    if (format != Format::bf16 && kernel_ops(isa)) {
+        if (isa == Isa::avx512) return "this CPU (or OS) lacks AVX-512 VNNI";
+        return std::string("it has no ") + format_name(format) + " kernels yet (ref and avx512 have)";
+    }
     switch (isa) {
         case Isa::ref: return "";
         case Isa::avx2: return "this CPU (or OS) lacks AVX2 + FMA";

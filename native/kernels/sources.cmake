@@ -11,10 +11,13 @@ list(APPEND NUMA_MOE_SOURCES
 list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/avx2.cpp
   native/kernels/avx512_bf16.cpp
+  native/kernels/avx512_quant.cpp
   native/kernels/amx_bf16_model.cpp
   native/kernels/amx_bf16.cpp
 )
 numa_moe_isa_source(native/kernels/avx2.cpp avx2 -mavx2 -mfma)
 numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
+# The integer kernels also need VNNI; no contraction, so that they round as the reference.
+numa_moe_isa_source(native/kernels/avx512_quant.cpp avx512_vnni ${NUMA_MOE_AVX512_FLAGS} -mavx512vnni -ffp-contract=off)
 numa_moe_isa_source(native/kernels/amx_bf16_model.cpp amx_model ${NUMA_MOE_AVX512_FLAGS})
 numa_moe_isa_source(native/kernels/amx_bf16.cpp amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
