@@ -81,6 +81,8 @@ QUANT_DTYPES = {"int8": "I8", "int4": "U8"}
 # scale dtype name (numa_moe.quant.SCALE_DTYPES) -> safetensors dtype
 SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
 QUANT_GROUPS = (32, 64, 128)
+# safetensors dtype of float expert weights -> their weight format (numa_moe.segments)
+FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,34 @@ def open_checkpoint_file(path: str | os.PathLike, inside: str | os.PathLike | No
         raise CheckpointError(f"{path}: is {_what_is(mode)}, not a regular file")
     os.set_blocking(fd, True)
     return fd
+
+
+class OpenFiles:
+    """Read-only fds of checkpoint files, each opened once (``open_checkpoint_file``) on
+    first use and all closed when the ``with`` block ends: a loader that reads matrix
+    after matrix would otherwise reopen a shard per matrix."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = open_checkpoint_file(path)
+        return self._fds[path]
+
+    def __enter__(self) -> "OpenFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+
+def byte_progress(total: int, desc: str, enabled: bool):
+    """A progress bar counting bytes (tqdm; imported here, when a bar is wanted)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, disable=not enabled, desc=desc)
 
 
 def _read_json_file(path: Path, inside: Path | None, what: str, limit: int = 100_000_000):
@@ -422,6 +452,11 @@ class ExpertLayer:
     def matrix(self, kind: str, expert: int) -> ExpertMatrix:
         return self.matrices[kind][expert]
 
+    def expert_matrices(self):
+        """Every matrix of the layer, kind by kind, expert by expert."""
+        for kind in KINDS:
+            yield from self.matrices[kind]
+
 
 @dataclass(frozen=True)
 class ModelDims:
@@ -501,30 +536,23 @@ class Checkpoint:
         format of their dtype ("bf16", "fp16", "fp32"), else the safetensors dtype."""
         if self.quant is not None:
             return self.quant.fmt
-        return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(self.dtype, self.dtype)
+        return FLOAT_FORMATS.get(self.dtype, self.dtype)
 
     def expert_matrices(self):
         """Every routed-expert matrix, layer by layer, kind by kind, expert by expert."""
         for layer in self.layer_ids:
-            for kind in KINDS:
-                yield from self.layers[layer].matrices[kind]
+            yield from self.layers[layer].expert_matrices()
 
     def check_scales(self) -> None:
         """Read every group-scale tensor of a quantized checkpoint and refuse NaN,
         infinite or zero scales (CheckpointError naming the tensor); a no-op otherwise."""
         if self.quant is None:
             return
-        fds: dict[Path, int] = {}
-        try:
+        with OpenFiles() as files:
             for m in self.expert_matrices():
                 s = m.scales
-                fd = fds.get(s.tensor.path)
-                if fd is None:
-                    fd = fds[s.tensor.path] = open_checkpoint_file(s.tensor.path)
+                fd = files.fd(s.tensor.path)
                 read_scales_into(m, np.empty((s.rows, s.cols), dtype=_SCALE_NP[s.dtype]), fd)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
 
     # ------------------------------------------------------------ recognising
     def _find_experts(self, pattern: NamingPattern | None) -> None:
@@ -626,78 +654,33 @@ class Checkpoint:
 
     def _assemble_layers(self, found: dict[tuple[int, int, str], ExpertMatrix]) -> None:
         config = self.config or {}
-        by_layer: dict[int, dict[str, dict[int, ExpertMatrix]]] = defaultdict(lambda: defaultdict(dict))
-        for (layer, expert, kind), matrix in found.items():
-            by_layer[layer][kind][expert] = matrix
         e_key, e_config = _config_value(config, "num_local_experts", "num_experts", "n_routed_experts")
-        sources: dict[str, str] = {}
         routers = {int(_ROUTER_RE.fullmatch(t.name).group("layer")): t for t in self.router_tensors}
         shared_by_layer: dict[int, list[TensorInfo]] = defaultdict(list)
         for t in self.shared_tensors:
             shared_by_layer[int(_SHARED_RE.fullmatch(t.name).group("layer"))].append(t)
-
-        reference: ExpertMatrix | None = None
-        first_dims: tuple[int, int, int] | None = None
+        by_layer = _experts_by_layer(found)
         for layer in sorted(by_layer):
             kinds = by_layer[layer]
             all_experts = sorted(set().union(*(set(m) for m in kinds.values())))
             n_experts = int(e_config) if e_config is not None else all_experts[-1] + 1
-            # n_experts may be any count a config.json names: nothing is sized by it
-            # until every expert is found present (so it is bounded by the tensors).
-            problems = []
-            for kind in KINDS:
-                have = kinds.get(kind, {})
-                missing = _absent(have, n_experts)
-                extra = [e for e in have if e >= n_experts]
-                if missing:
-                    problems.append(f"{kind} missing for expert(s) {missing}")
-                if extra:
-                    problems.append(f"{kind} present for expert(s) {_ranges(extra)} beyond the "
-                                    f"{n_experts} experts of {e_key or 'the layer'}")
-            if problems:
-                example = next(iter(next(iter(kinds.values())).values())).tensor
-                raise CheckpointError(
-                    f"layer {layer}: incomplete routed experts ({'; '.join(problems)}); "
-                    f"expected gate, up and down for experts 0..{n_experts - 1}"
-                    + (f" ({e_key}={e_config} in config.json)" if e_key else " (count inferred from names)")
-                    + f"; example tensor {example.name!r} in {example.path}")
-            gate0 = kinds["gate"][0]
-            I, H = gate0.rows, gate0.cols
-            if reference is None:
-                reference = gate0
-            expected = {"gate": (I, H), "up": (I, H), "down": (H, I)}
-            for kind in KINDS:
-                for e in range(n_experts):
-                    m = kinds[kind][e]
-                    if (m.rows, m.cols) != expected[kind]:
-                        raise CheckpointError(
-                            f"{m.tensor.path}: tensor {m.tensor.name!r}: {kind} of layer {layer} expert {e} "
-                            f"has shape [{m.rows}, {m.cols}], expected {list(expected[kind])} "
-                            f"(I={I}, H={H} from {gate0.tensor.name!r})")
-                    if m.dtype != gate0.dtype:
-                        raise CheckpointError(
-                            f"{m.tensor.path}: tensor {m.tensor.name!r} is {m.dtype} but "
-                            f"{gate0.tensor.name!r} is {gate0.dtype}: one dtype per layer is required")
-            if (I, H, n_experts) != first_dims and first_dims is not None:
-                raise CheckpointError(
-                    f"layer {layer}: experts are {n_experts} x [{I}, {H}] but layer {reference.layer} "
-                    f"has {first_dims[2]} x [{first_dims[0]}, {first_dims[1]}]: all MoE layers must "
-                    f"share one expert shape ({gate0.tensor.name!r} in {gate0.tensor.path})")
-            first_dims = (I, H, n_experts)
-            if gate0.dtype != reference.dtype:
-                # The store allocates one buffer dtype for every layer; BF16 and F16 share a
-                # size, so a mixed checkpoint would otherwise load as silently wrong numbers.
-                raise CheckpointError(
-                    f"layer {layer}: experts are {gate0.dtype} ({gate0.tensor.name!r} in "
-                    f"{gate0.tensor.path}) but layer {reference.layer} is {reference.dtype}: "
-                    "all MoE layers must share one dtype")
+            _check_complete(layer, kinds, n_experts, e_key, e_config)
+            gate0 = _check_layer_matrices(layer, kinds, n_experts)
+            if self.layers:
+                _check_like_first_layer(layer, gate0, n_experts, self.layers[self.layer_ids[0]])
             self.layers[layer] = ExpertLayer(
-                layer, H, I, n_experts, gate0.dtype,
+                layer, gate0.cols, gate0.rows, n_experts, gate0.dtype,
                 {kind: tuple(kinds[kind][e] for e in range(n_experts)) for kind in KINDS},
                 routers.get(layer), tuple(shared_by_layer.get(layer, ())), self.quant)
+        self.dims = self._model_dims(config, e_key)
 
+    def _model_dims(self, config: dict, e_key: str | None) -> ModelDims:
+        """The expert dimensions (those of the first layer: all layers share them) checked
+        against config.json, with where each came from; notes what config.json lacks."""
         first = self.layers[self.layer_ids[0]]
+        reference = first.matrices["gate"][0]
         H, I, E = first.hidden_size, first.intermediate_size, first.n_experts
+        sources: dict[str, str] = {}
         sources["n_experts"] = f"config.json {e_key}" if e_key else "tensor names"
         h_key, h_config = _config_value(config, "hidden_size")
         if h_config is not None and int(h_config) != H:
@@ -716,7 +699,7 @@ class Checkpoint:
                               "inferred from tensor shapes and names; top-k unknown")
         elif k_key is None:
             self.notes.append("config.json has no num_experts_per_tok: top-k unknown")
-        self.dims = ModelDims(H, I, E, None if top_k is None else int(top_k), sources)
+        return ModelDims(H, I, E, None if top_k is None else int(top_k), sources)
 
     # ---------------------------------------------------------------- summary
     def summary(self) -> dict:
@@ -740,6 +723,80 @@ class Checkpoint:
             "router_tensors": len(self.router_tensors),
             "notes": list(self.notes),
         }
+
+
+def _experts_by_layer(found: dict[tuple[int, int, str], ExpertMatrix]
+                      ) -> dict[int, dict[str, dict[int, ExpertMatrix]]]:
+    """``found`` regrouped as layer -> kind -> expert -> matrix."""
+    by_layer: dict[int, dict[str, dict[int, ExpertMatrix]]] = defaultdict(lambda: defaultdict(dict))
+    for (layer, expert, kind), matrix in found.items():
+        by_layer[layer][kind][expert] = matrix
+    return by_layer
+
+
+def _check_complete(layer: int, kinds: dict[str, dict[int, ExpertMatrix]], n_experts: int,
+                    e_key: str | None, e_config) -> None:
+    """Refuse a layer that lacks a kind of some expert below ``n_experts``, or has one
+    beyond it."""
+    # n_experts may be any count a config.json names: nothing is sized by it
+    # until every expert is found present (so it is bounded by the tensors).
+    problems = []
+    for kind in KINDS:
+        have = kinds.get(kind, {})
+        missing = _absent(have, n_experts)
+        extra = [e for e in have if e >= n_experts]
+        if missing:
+            problems.append(f"{kind} missing for expert(s) {missing}")
+        if extra:
+            problems.append(f"{kind} present for expert(s) {_ranges(extra)} beyond the "
+                            f"{n_experts} experts of {e_key or 'the layer'}")
+    if problems:
+        example = next(iter(next(iter(kinds.values())).values())).tensor
+        raise CheckpointError(
+            f"layer {layer}: incomplete routed experts ({'; '.join(problems)}); "
+            f"expected gate, up and down for experts 0..{n_experts - 1}"
+            + (f" ({e_key}={e_config} in config.json)" if e_key else " (count inferred from names)")
+            + f"; example tensor {example.name!r} in {example.path}")
+
+
+def _check_layer_matrices(layer: int, kinds: dict[str, dict[int, ExpertMatrix]],
+                          n_experts: int) -> ExpertMatrix:
+    """Refuse a complete layer whose matrices differ in shape or dtype from its expert 0
+    gate (gate/up [I, H], down [H, I]); returns that gate."""
+    gate0 = kinds["gate"][0]
+    I, H = gate0.rows, gate0.cols
+    expected = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    for kind in KINDS:
+        for e in range(n_experts):
+            m = kinds[kind][e]
+            if (m.rows, m.cols) != expected[kind]:
+                raise CheckpointError(
+                    f"{m.tensor.path}: tensor {m.tensor.name!r}: {kind} of layer {layer} expert {e} "
+                    f"has shape [{m.rows}, {m.cols}], expected {list(expected[kind])} "
+                    f"(I={I}, H={H} from {gate0.tensor.name!r})")
+            if m.dtype != gate0.dtype:
+                raise CheckpointError(
+                    f"{m.tensor.path}: tensor {m.tensor.name!r} is {m.dtype} but "
+                    f"{gate0.tensor.name!r} is {gate0.dtype}: one dtype per layer is required")
+    return gate0
+
+
+def _check_like_first_layer(layer: int, gate0: ExpertMatrix, n_experts: int,
+                            first: ExpertLayer) -> None:
+    """Refuse a layer whose expert shape or dtype differs from the first MoE layer's."""
+    I, H = gate0.rows, gate0.cols
+    if (I, H, n_experts) != (first.intermediate_size, first.hidden_size, first.n_experts):
+        raise CheckpointError(
+            f"layer {layer}: experts are {n_experts} x [{I}, {H}] but layer {first.layer} "
+            f"has {first.n_experts} x [{first.intermediate_size}, {first.hidden_size}]: all MoE "
+            f"layers must share one expert shape ({gate0.tensor.name!r} in {gate0.tensor.path})")
+    if gate0.dtype != first.dtype:
+        # The store allocates one buffer dtype for every layer; BF16 and F16 share a
+        # size, so a mixed checkpoint would otherwise load as silently wrong numbers.
+        raise CheckpointError(
+            f"layer {layer}: experts are {gate0.dtype} ({gate0.tensor.name!r} in "
+            f"{gate0.tensor.path}) but layer {first.layer} is {first.dtype}: "
+            "all MoE layers must share one dtype")
 
 
 def _group_int(match: re.Match, group: str, pat: NamingPattern, info: TensorInfo) -> int:

@@ -30,11 +30,12 @@ import mmap
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import KINDS, Checkpoint, NamingPattern, open_checkpoint_file
+from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
+                                 open_checkpoint_file)
 from numa_moe.segments import SegmentTable, smallest_period, weight_format
 
 __all__ = [
@@ -54,8 +55,8 @@ __all__ = [
 
 BASE_PAGE_BYTES = 4096
 # safetensors dtype -> weight format of the same width (for rows/bytes arithmetic only)
-_FORMAT_OF_DTYPE = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "I8": "int8", "U8": "int8",
-                    "F8_E4M3": "int8", "F8_E5M2": "int8"}
+_FORMAT_OF_DTYPE = {**FLOAT_FORMATS, "I8": "int8", "U8": "int8", "F8_E4M3": "int8",
+                    "F8_E5M2": "int8"}
 
 
 @dataclass
@@ -395,6 +396,59 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
     """
     from numa_moe import memory
 
+    _check_inspect_request(touch, tensor)
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
+    workers = _worker_nodes(nodes)
+    quant = checkpoint.quant
+    # quantized: weight name -> its scale tensor's name; both are reported
+    scale_of = {} if quant is None else {
+        m.tensor.name: m.scales.tensor.name for m in checkpoint.expert_matrices()}
+    chosen = _tensors_to_inspect(checkpoint, tensor, include_all, scale_of)
+    if not chosen:
+        raise ValueError(f"{checkpoint.root}: no tensor matches {tensor!r}"
+                         + ("" if include_all else " among the routed experts"))
+    notes = [f"touch={touch}: " + _TOUCH_NOTES[touch]]
+    results = []
+    maps: dict[str, tuple] = {}  # name -> (table from the map, (page_nodes, page_bytes, offset))
+    by_file: dict = {}
+    for entry in chosen:
+        by_file.setdefault(entry.info.path, []).append(entry)
+    for path, entries in by_file.items():
+        for entry, placement, table, page_map in _measure_file(memory, path, entries, touch,
+                                                               workers, keep_pages):
+            results.append(placement)
+            if quant is not None:
+                maps[entry.name] = (table, page_map)
+    order = {name: i for i, name in enumerate(checkpoint.tensors)}
+    results.sort(key=lambda t: order[t.name])
+    per_node = None
+    if quant is not None:
+        per_node, note = _quant_per_node(quant, scale_of, maps, workers)
+        if note is not None:
+            notes.append(note)
+    return PlacementReport(str(checkpoint.root), workers, results, notes, per_node)
+
+
+def _quant_per_node(quant, scale_of: dict[str, str], maps: dict[str, tuple],
+                    workers: tuple[int, ...]) -> tuple[dict | None, str | None]:
+    """The per-node weight/scale summary of the weight tensors measured with their scales,
+    and the note that says so; (None, None) when no such pair was measured."""
+    pairs = [(*maps[w], *maps[sc]) for w, sc in scale_of.items() if w in maps and sc in maps]
+    if not pairs:
+        return None, None
+    return (quant_node_summary(pairs, quant.group, quant.scale_dtype, workers),
+            f"{quant.describe()}: per-node weight/scale bytes and remote reads below "
+            f"({len(pairs)} weight tensor(s) with their scales)")
+
+
+_TOUCH_NOTES = {
+    "resident": "page-cache pages mapped by reading one byte each (no disk I/O)",
+    "all": "every page read (disk I/O for pages not cached), as a loader would",
+    "none": "nothing touched: pages this process never mapped read as not present"}
+
+
+def _check_inspect_request(touch: str, tensor: str | None) -> None:
     if touch not in ("resident", "all", "none"):
         raise ValueError(f"touch must be 'resident', 'all' or 'none', got {touch!r}")
     if tensor is not None and not any(ch in tensor for ch in "*?["):
@@ -402,19 +456,26 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
             re.compile(tensor)
         except re.error as err:
             raise ValueError(f"tensor pattern {tensor!r} is not a valid regex: {err}") from None
-    if not isinstance(checkpoint, Checkpoint):
-        checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
-    workers = _worker_nodes(nodes)
-    # One entry per tensor: (name, tensor info, rows, cols); fused tensors count as one
-    # [E * rows, cols] matrix, as they lie in the file.
-    chosen = []
-    expert_tensors = {m.tensor.name for layer in checkpoint.layers.values()
-                      for kind in KINDS for m in layer.matrices[kind]}
-    quant = checkpoint.quant
-    # quantized: weight name -> its scale tensor's name; both are reported
-    scale_of = {} if quant is None else {
-        m.tensor.name: m.scales.tensor.name for m in checkpoint.expert_matrices()}
+
+
+class _Inspected(NamedTuple):
+    """A tensor to inspect, as one [rows, cols] matrix of ``fmt`` (a fused tensor is one
+    [E * rows, cols] matrix, as it lies in the file)."""
+
+    name: str
+    info: TensorInfo
+    rows: int
+    cols: int
+    fmt: str
+
+
+def _tensors_to_inspect(checkpoint: Checkpoint, tensor: str | None, include_all: bool,
+                        scale_of: dict[str, str]) -> list[_Inspected]:
+    """The tensors ``tensor`` names among the routed experts and their scales (or among
+    all tensors), in checkpoint order, leaving out empty ones and dtypes without a width."""
+    expert_tensors = {m.tensor.name for m in checkpoint.expert_matrices()}
     scale_names = set(scale_of.values())
+    chosen = []
     for name, info in checkpoint.tensors.items():
         if not include_all and name not in expert_tensors and name not in scale_names:
             continue
@@ -426,56 +487,42 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
         rows = info.nbytes // (cols * info.itemsize)
         fmt = _FORMAT_OF_DTYPE[info.dtype]
         if name in scale_of:
-            fmt = quant.fmt
+            fmt = checkpoint.quant.fmt
             cols = cols * 2 if fmt == "int4" else cols
-        chosen.append((name, info, rows, cols, fmt))
-    if not chosen:
-        raise ValueError(f"{checkpoint.root}: no tensor matches {tensor!r}"
-                         + ("" if include_all else " among the routed experts"))
-    notes = [f"touch={touch}: " + {
-        "resident": "page-cache pages mapped by reading one byte each (no disk I/O)",
-        "all": "every page read (disk I/O for pages not cached), as a loader would",
-        "none": "nothing touched: pages this process never mapped read as not present"}[touch]]
-    results = []
-    maps: dict[str, tuple] = {}  # name -> (table from the map, (page_nodes, page_bytes, offset))
-    by_file: dict = {}
-    for entry in chosen:
-        by_file.setdefault(entry[1].path, []).append(entry)
-    for path, entries in by_file.items():
-        with os.fdopen(open_checkpoint_file(path), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        try:
-            whole = np.frombuffer(mm, dtype=np.uint8)
-            if touch == "resident":
-                resident = memory.resident_pages(whole)
-                idx = np.flatnonzero(resident) * BASE_PAGE_BYTES
-                int(whole[idx].sum())  # reading maps the cached pages into this process
-            elif touch == "all":
-                int(whole[::BASE_PAGE_BYTES].sum())
-            for name, info, rows, cols, fmt in sorted(entries, key=lambda e: e[1].file_offset):
-                view = whole[info.file_offset:info.file_offset + info.nbytes]
-                pm = memory.page_map(view)
-                page_nodes = np.asarray(pm.nodes)
-                placement, table = analyse_map(name, rows, cols, fmt, page_nodes, pm.page_bytes,
-                                               pm.offset_bytes, workers, keep_pages=keep_pages)
-                results.append(placement)
-                if quant is not None:
-                    maps[name] = (table, (page_nodes, pm.page_bytes, pm.offset_bytes))
-                del view
-            del whole
-        finally:
-            mm.close()
-    order = {name: i for i, name in enumerate(checkpoint.tensors)}
-    results.sort(key=lambda t: order[t.name])
-    per_node = None
-    if quant is not None:
-        pairs = [(*maps[w], *maps[sc]) for w, sc in scale_of.items() if w in maps and sc in maps]
-        if pairs:
-            per_node = quant_node_summary(pairs, quant.group, quant.scale_dtype, workers)
-            notes.append(f"{quant.describe()}: per-node weight/scale bytes and remote reads below "
-                         f"({len(pairs)} weight tensor(s) with their scales)")
-    return PlacementReport(str(checkpoint.root), workers, results, notes, per_node)
+        chosen.append(_Inspected(name, info, rows, cols, fmt))
+    return chosen
+
+
+def _measure_file(memory, path, entries: list[_Inspected], touch: str,
+                  workers: tuple[int, ...], keep_pages: bool) -> list[tuple]:
+    """Map one file as safetensors does, touch its pages as ``touch`` says and measure
+    each entry's pages: per entry, in file order, (entry, placement, table from its map,
+    (page_nodes, page_bytes, offset_bytes))."""
+    measured = []
+    with os.fdopen(open_checkpoint_file(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        whole = np.frombuffer(mm, dtype=np.uint8)
+        if touch == "resident":
+            resident = memory.resident_pages(whole)
+            idx = np.flatnonzero(resident) * BASE_PAGE_BYTES
+            int(whole[idx].sum())  # reading maps the cached pages into this process
+        elif touch == "all":
+            int(whole[::BASE_PAGE_BYTES].sum())
+        for entry in sorted(entries, key=lambda e: e.info.file_offset):
+            view = whole[entry.info.file_offset:entry.info.file_offset + entry.info.nbytes]
+            pm = memory.page_map(view)
+            page_nodes = np.asarray(pm.nodes)
+            placement, table = analyse_map(entry.name, entry.rows, entry.cols, entry.fmt,
+                                           page_nodes, pm.page_bytes, pm.offset_bytes, workers,
+                                           keep_pages=keep_pages)
+            measured.append((entry, placement, table, (page_nodes, pm.page_bytes, pm.offset_bytes)))
+            del view
+        del whole
+    finally:
+        mm.close()
+    return measured
 
 
 def _worker_nodes(nodes) -> tuple[int, ...]:

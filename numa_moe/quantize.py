@@ -27,14 +27,15 @@ from typing import Iterable
 import numpy as np
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import (Checkpoint, CheckpointError, ExpertMatrix, NamingPattern,
-                                 QUANT_DTYPES, SCALE_DTYPE_CODES, TensorInfo, open_checkpoint_file,
+from numa_moe.checkpoint import (FLOAT_FORMATS, QUANT_DTYPES, QUANT_METADATA, SCALE_DTYPE_CODES,
+                                 Checkpoint, CheckpointError, ExpertMatrix, NamingPattern,
+                                 OpenFiles, TensorInfo, byte_progress, open_checkpoint_file,
                                  read_matrix_into, read_safetensors_header, scale_tensor_name)
 from numa_moe.synthetic import NUMPY_DTYPES, TensorPlan, building_directory, write_safetensors
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
 
-FLOAT_DTYPES = ("BF16", "F16", "F32")
+FLOAT_DTYPES = tuple(FLOAT_FORMATS)
 _COPY_CHUNK = 16 << 20
 
 
@@ -114,101 +115,133 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
     checkpoint, a group that does not divide the experts' columns, odd columns for int4,
     NaN/Inf weights, and an ``output`` that exists and is not empty unless ``overwrite``.
     """
-    from tqdm.auto import tqdm
-
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, pattern=pattern)
     _check_request(ck, fmt, group, scale_dtype)
     out = Path(output)
     _check_output(ck.root, out, overwrite)
     src_dir = ck.root if ck.root.is_dir() else ck.root.parent
+    by_tensor = _matrices_by_tensor(ck)
+    bytes_before = sum(p.stat().st_size for p in ck.files)
+    expert_before = sum(m.nbytes for mats in by_tensor.values() for m in mats)
+    total_in = sum(info.nbytes for info in ck.tensors.values())
+    with OpenFiles() as files, building_directory(out) as build, \
+            byte_progress(total_in, f"quantize {fmt}", progress) as bar:
+        writer = _ShardWriter(ck, by_tensor, fmt, group, scale_dtype, files, bar)
+        weight_map: dict[str, str] = {}
+        for path in ck.files:
+            for plan in writer.write(path, build):
+                weight_map[plan.name] = path.name
+        not_copied = _copy_other_files(ck, src_dir, build, weight_map)
+    bytes_after = sum((out / p.name).stat().st_size for p in ck.files)
+    return QuantizeResult(out, fmt, group, scale_dtype, bytes_before, bytes_after, expert_before,
+                          writer.expert_bytes_after, len(by_tensor), tuple(not_copied))
 
-    # tensor name -> its expert matrices (1, or E / 2E of a fused tensor), in file order
+
+def _matrices_by_tensor(ck: Checkpoint) -> dict[str, list[ExpertMatrix]]:
+    """Tensor name -> its expert matrices (1, or E / 2E of a fused tensor), in file order."""
     by_tensor: dict[str, list[ExpertMatrix]] = {}
     for m in ck.expert_matrices():
         by_tensor.setdefault(m.tensor.name, []).append(m)
     for mats in by_tensor.values():
         mats.sort(key=lambda m: m.file_offset)
+    return by_tensor
+
+
+def _tensors_by_file(ck: Checkpoint) -> dict[Path, list[TensorInfo]]:
+    """File -> its tensors, in file order."""
+    by_file: dict[Path, list[TensorInfo]] = {}
+    for info in ck.tensors.values():
+        by_file.setdefault(info.path, []).append(info)
+    return {path: sorted(infos, key=lambda t: t.file_offset) for path, infos in by_file.items()}
+
+
+# What a planned tensor's bytes are: "copy" (the source tensor as it is), "values" (the
+# quantized values of an expert tensor) or "scales" (their group scales).
+_Source = tuple[str, TensorInfo]
+
+
+def _shard_plans(path: Path, infos: list[TensorInfo], ck: Checkpoint,
+                 by_tensor: dict[str, list[ExpertMatrix]], fmt: str, group: int,
+                 scale_dtype: str) -> tuple[list[TensorPlan], dict[str, _Source]]:
+    """The tensors of the quantized copy of one file, in order, and where each one's
+    bytes come from: an expert tensor becomes its values followed by its scales, every
+    other tensor is copied."""
     value_dtype = np.dtype(np.int8) if fmt == "int8" else np.dtype(np.uint8)
-    scale_np = q.SCALE_DTYPES[scale_dtype]
-    meta_quant = {"numa_moe.quant": fmt, "numa_moe.group": str(group),
-                  "numa_moe.scale_dtype": scale_dtype}
+    plans, sources = [], {}
+    for info in infos:
+        if info.name in by_tensor:
+            cols = info.shape[-1]
+            shape = (*info.shape[:-1], cols // 2 if fmt == "int4" else cols)
+            plan = TensorPlan(info.name, shape, value_dtype, 1)
+            scale_name = scale_tensor_name(info.name)
+            if scale_name in ck.tensors:
+                raise CheckpointError(f"{path}: tensor {scale_name!r} already exists; "
+                                      "it would collide with the scales of "
+                                      f"{info.name!r}")
+            scale_plan = TensorPlan(scale_name, (*info.shape[:-1], cols // group),
+                                    q.SCALE_DTYPES[scale_dtype], 1)
+            plans += [plan, scale_plan]
+            sources[plan.name] = ("values", info)
+            sources[scale_plan.name] = ("scales", info)
+        else:
+            if info.dtype not in NUMPY_DTYPES:
+                raise CheckpointError(f"{path}: tensor {info.name!r} has dtype "
+                                      f"{info.dtype}, which cannot be copied")
+            plan = TensorPlan(info.name, info.shape, NUMPY_DTYPES[info.dtype], 1)
+            plans.append(plan)
+            sources[plan.name] = ("copy", info)
+    return plans, sources
 
-    bytes_before = sum(p.stat().st_size for p in ck.files)
-    expert_before = sum(m.nbytes for mats in by_tensor.values() for m in mats)
-    total_in = sum(info.nbytes for info in ck.tensors.values())
-    expert_after = 0
-    fds: dict[Path, int] = {}
-    pending_scales: dict[str, list[bytes]] = {}
 
-    def fd_of(path: Path) -> int:
-        if path not in fds:
-            fds[path] = open_checkpoint_file(path)
-        return fds[path]
+def _quantized_metadata(metadata, fmt: str, group: int, scale_dtype: str) -> dict[str, str]:
+    """A file's ``__metadata__`` (as strings) with the quantization keys added."""
+    if not isinstance(metadata, dict) or not metadata:
+        metadata = {"format": "pt"}
+    metadata = {str(k): str(v) for k, v in metadata.items()}
+    metadata.update(zip(QUANT_METADATA, (fmt, str(group), scale_dtype)))
+    return metadata
 
-    try:
-        with building_directory(out) as build, \
-                tqdm(total=total_in, unit="B", unit_scale=True, disable=not progress,
-                     desc=f"quantize {fmt}") as bar:
-            names_in_file: dict[Path, list[TensorInfo]] = {}
-            for info in ck.tensors.values():
-                names_in_file.setdefault(info.path, []).append(info)
-            weight_map: dict[str, str] = {}
-            for path in ck.files:
-                infos = sorted(names_in_file.get(path, []), key=lambda t: t.file_offset)
-                _, metadata = read_safetensors_header(path)
-                plans, sources = [], {}
-                for info in infos:
-                    if info.name in by_tensor:
-                        cols = info.shape[-1]
-                        shape = (*info.shape[:-1], cols // 2 if fmt == "int4" else cols)
-                        plan = TensorPlan(info.name, shape, value_dtype, 1)
-                        scale_name = scale_tensor_name(info.name)
-                        if scale_name in ck.tensors:
-                            raise CheckpointError(f"{path}: tensor {scale_name!r} already exists; "
-                                                  "it would collide with the scales of "
-                                                  f"{info.name!r}")
-                        scale_plan = TensorPlan(scale_name, (*info.shape[:-1], cols // group),
-                                                scale_np, 1)
-                        plans += [plan, scale_plan]
-                        sources[plan.name] = ("values", info)
-                        sources[scale_plan.name] = ("scales", info)
-                        expert_after += plan.nbytes + scale_plan.nbytes
-                    else:
-                        if info.dtype not in NUMPY_DTYPES:
-                            raise CheckpointError(f"{path}: tensor {info.name!r} has dtype "
-                                                  f"{info.dtype}, which cannot be copied")
-                        plan = TensorPlan(info.name, info.shape, NUMPY_DTYPES[info.dtype], 1)
-                        plans.append(plan)
-                        sources[plan.name] = ("copy", info)
-                for plan in plans:
-                    weight_map[plan.name] = path.name
 
-                def chunks(plan: TensorPlan, sources=sources) -> Iterable[bytes]:
-                    role, info = sources[plan.name]
-                    if role == "copy":
-                        yield from _copy_bytes(info, fd_of(info.path), bar)
-                    elif role == "values":
-                        scales = pending_scales[info.name] = []
-                        for m in by_tensor[info.name]:
-                            qm = quantize_expert(m, fd_of(m.tensor.path), fmt, group, scale_dtype)
-                            scales.append(qm.scales.tobytes())
-                            bar.update(m.nbytes)
-                            yield qm.q.tobytes()
-                    else:
-                        yield from pending_scales.pop(info.name)
+class _ShardWriter:
+    """Writes the quantized copy of the checkpoint's files, one file per ``write``.
 
-                if not isinstance(metadata, dict) or not metadata:
-                    metadata = {"format": "pt"}
-                metadata = {str(k): str(v) for k, v in metadata.items()}
-                metadata.update(meta_quant)
-                write_safetensors(build / path.name, plans, chunks, metadata=metadata)
-            not_copied = _copy_other_files(ck, src_dir, build, weight_map)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    bytes_after = sum((out / p.name).stat().st_size for p in ck.files)
-    return QuantizeResult(out, fmt, group, scale_dtype, bytes_before, bytes_after, expert_before,
-                          expert_after, len(by_tensor), tuple(not_copied))
+    A values tensor is streamed expert by expert; the scales each expert yields are kept
+    until the scales tensor that follows it is written."""
+
+    def __init__(self, ck: Checkpoint, by_tensor: dict[str, list[ExpertMatrix]], fmt: str,
+                 group: int, scale_dtype: str, files: OpenFiles, bar):
+        self.ck, self.by_tensor = ck, by_tensor
+        self.fmt, self.group, self.scale_dtype = fmt, group, scale_dtype
+        self.files, self.bar = files, bar
+        self.tensors_by_file = _tensors_by_file(ck)
+        self.pending_scales: dict[str, list[bytes]] = {}
+        self.expert_bytes_after = 0  # values plus scales of the expert tensors written
+
+    def write(self, path: Path, build: Path) -> list[TensorPlan]:
+        """Write the copy of ``path`` into ``build``; returns its tensors."""
+        _, metadata = read_safetensors_header(path)
+        plans, sources = _shard_plans(path, self.tensors_by_file.get(path, []), self.ck,
+                                      self.by_tensor, self.fmt, self.group, self.scale_dtype)
+        self.expert_bytes_after += sum(plan.nbytes for plan in plans
+                                       if sources[plan.name][0] != "copy")
+        write_safetensors(build / path.name, plans, lambda plan: self._chunks(*sources[plan.name]),
+                          metadata=_quantized_metadata(metadata, self.fmt, self.group,
+                                                       self.scale_dtype))
+        return plans
+
+    def _chunks(self, role: str, info: TensorInfo) -> Iterable[bytes]:
+        if role == "copy":
+            yield from _copy_bytes(info, self.files.fd(info.path), self.bar)
+        elif role == "values":
+            scales = self.pending_scales[info.name] = []
+            for m in self.by_tensor[info.name]:
+                qm = quantize_expert(m, self.files.fd(m.tensor.path), self.fmt, self.group,
+                                     self.scale_dtype)
+                scales.append(qm.scales.tobytes())
+                self.bar.update(m.nbytes)
+                yield qm.q.tobytes()
+        else:
+            yield from self.pending_scales.pop(info.name)
 
 
 def _copy_bytes(info: TensorInfo, fd: int, bar) -> Iterable[bytes]:

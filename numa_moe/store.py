@@ -29,14 +29,13 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from numa_moe.checkpoint import _short
-from numa_moe.checkpoint import (KINDS, Checkpoint, ModelDims, NamingPattern, open_checkpoint_file,
-                                 read_matrix_into, read_scales_into)
+from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
+                                 OpenFiles, byte_progress, read_matrix_into, read_scales_into)
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
 from numa_moe.pages import page_bytes_of
 from numa_moe.quant import DEFAULT_GROUP, GROUPS, SCALE_DTYPES
@@ -57,9 +56,9 @@ __all__ = [
     "ExpertStore",
 ]
 
-# safetensors dtype -> (numpy dtype name for the buffer, weight format of the table)
-_STORE_DTYPES = {"BF16": ("bfloat16", "bf16"), "F16": ("float16", "fp16"),
-                 "F32": ("float32", "fp32")}
+# safetensors dtype of float experts -> numpy dtype name of their buffer (the weight
+# format of its table: checkpoint.FLOAT_FORMATS)
+_BUFFER_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -222,7 +221,7 @@ class ExpertStore:
         self.page_bytes = page_bytes
         self.mismatches = mismatches
         #: "bf16", "fp16", "fp32" (as in the file), "int8" or "int4"
-        self.weight_format = weight_format or _STORE_DTYPES[checkpoint.dtype][1]
+        self.weight_format = weight_format or FLOAT_FORMATS[checkpoint.dtype]
         #: scale group size and scale dtype name ("fp16", "bf16", "fp32"); None unless int8/int4
         self.group = group
         self.scale_dtype = scale_dtype
@@ -244,83 +243,22 @@ class ExpertStore:
         group and scale dtype; asking for others is refused, as is converting it).
         """
         from numa_moe import memory
-        from numa_moe.quantize import quantize_expert
-        from tqdm.auto import tqdm
 
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
         page_bytes = page_bytes_of(page)
         node_list = parse_nodes(nodes)
         chosen = _choose_layers(checkpoint, layers)
-        dims = checkpoint.dims
         fmt, group, scale_dtype, quantize = _store_format(checkpoint, weight_format, group, scale_dtype)
-        np_dtype = _VALUE_DTYPES.get(fmt) or _STORE_DTYPES[checkpoint.dtype][0]
-        total = sum(m.nbytes for layer in chosen for kind in KINDS
-                    for m in checkpoint.layers[layer].matrices[kind])
+        total = sum(m.nbytes for layer in chosen for m in checkpoint.layers[layer].expert_matrices())
         loaded: dict[int, StoreLayer] = {}
-        mismatches: list[PlacementMismatch] = []
-        fds: dict[Path, int] = {}
-        used_nodes: tuple[int, ...] | None = None
-        try:
-            with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                      desc="load experts") as bar:
-                def fd_of(path: Path) -> int:
-                    if path not in fds:
-                        fds[path] = open_checkpoint_file(path)
-                    return fds[path]
-
-                def placed(buffer, layer, name, rows, cols, buffer_fmt):
-                    table, theory, was_measured, mismatch = _table_of(
-                        memory, buffer, layer, name, rows, cols, buffer_fmt, page_bytes)
-                    if mismatch is not None:
-                        mismatches.append(mismatch)
-                        warnings.warn(f"layer {layer} {name}: {mismatch.reason}; using the "
-                                      "measured table", PlacementMismatchWarning, stacklevel=3)
-                    return table, theory, was_measured
-
-                for layer in chosen:
-                    source = checkpoint.layers[layer]
-                    out = StoreLayer(layer, {}, {}, {}, {})
-                    for kind in KINDS:
-                        rows, cols = buffer_shape(dims, kind)
-                        value_cols = cols // 2 if fmt == "int4" else cols
-                        buffer = memory.interleaved_empty((rows, value_cols), np_dtype,
-                                                          nodes=node_list, page=page)
-                        scales = None
-                        if group is not None:
-                            scales = memory.interleaved_empty(scale_shape(rows, cols, group),
-                                                              SCALE_DTYPES[scale_dtype],
-                                                              nodes=node_list, page=page)
-                        for e, matrix in enumerate(source.matrices[kind]):
-                            where = slice(*expert_rows(dims, kind, e))
-                            fd = fd_of(matrix.tensor.path)
-                            if quantize:
-                                qm = quantize_expert(matrix, fd, fmt, group, scale_dtype)
-                                buffer[where] = qm.q
-                                scales[where] = qm.scales
-                            else:
-                                read_matrix_into(matrix, buffer[where], fd)
-                                if scales is not None:
-                                    read_scales_into(matrix, scales[where],
-                                                     fd_of(matrix.scales.tensor.path))
-                            bar.update(matrix.nbytes)
-                        table, theory, was_measured = placed(buffer, layer, kind, rows, cols, fmt)
-                        used_nodes = used_nodes or table.nodes
-                        out.weights[kind], out.tables[kind] = buffer, table
-                        out.theoretical[kind], out.measured[kind] = theory, was_measured
-                        if scales is not None:
-                            s_rows, s_cols = scales.shape
-                            table, theory, was_measured = placed(scales, layer, f"{kind} scales",
-                                                                 s_rows, s_cols, scale_dtype)
-                            out.scales[kind], out.scale_tables[kind] = scales, table
-                            out.scale_theoretical[kind] = theory
-                            out.scale_measured[kind] = was_measured
-                    loaded[layer] = out
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return cls(checkpoint, loaded, used_nodes or (), page_bytes, mismatches, fmt, group,
-                   scale_dtype)
+        with OpenFiles() as files, byte_progress(total, "load experts", progress) as bar:
+            loader = _LayerLoader(memory, checkpoint, fmt, group, scale_dtype, quantize,
+                                  node_list, page, page_bytes, files, bar)
+            for layer in chosen:
+                loaded[layer] = loader.load(layer)
+        return cls(checkpoint, loaded, loader.used_nodes or (), page_bytes, loader.mismatches,
+                   fmt, group, scale_dtype)
 
     # -------------------------------------------------------------- queries
     @property
@@ -424,6 +362,95 @@ class ExpertStore:
                 f"mismatches={len(self.mismatches)})")
 
 
+class _LayerLoader:
+    """The steps of ``ExpertStore.load`` for one layer: allocate each kind's interleaved
+    buffers, copy (or quantize) the experts into them, and measure where their pages
+    went. Collects the mismatches and the nodes the tables use."""
+
+    # warnings.warn stacklevels, counted from the warning call: a mismatch names the line
+    # that called ExpertStore.load (_placed, load, ExpertStore.load, its caller); a page
+    # map that cannot be measured, the line in ExpertStore.load (_table_of, _placed, load,
+    # ExpertStore.load).
+    _MISMATCH_STACKLEVEL = 4
+    _UNMEASURED_STACKLEVEL = 4
+
+    def __init__(self, memory, checkpoint: Checkpoint, fmt: str, group: int | None,
+                 scale_dtype: str | None, quantize: bool, nodes: tuple[int, ...] | None,
+                 page: str | int, page_bytes: int, files: OpenFiles, bar):
+        self.memory = memory
+        self.checkpoint = checkpoint
+        self.dims = checkpoint.dims
+        self.fmt, self.group, self.scale_dtype, self.quantize = fmt, group, scale_dtype, quantize
+        self.value_dtype = _VALUE_DTYPES.get(fmt) or _BUFFER_DTYPES[checkpoint.dtype]
+        self.nodes, self.page, self.page_bytes = nodes, page, page_bytes
+        self.files, self.bar = files, bar
+        self.mismatches: list[PlacementMismatch] = []
+        self.used_nodes: tuple[int, ...] | None = None
+
+    def load(self, layer: int) -> StoreLayer:
+        source = self.checkpoint.layers[layer]
+        out = StoreLayer(layer, {}, {}, {}, {})
+        for kind in KINDS:
+            rows, cols = buffer_shape(self.dims, kind)
+            buffer, scales = self._allocate(rows, cols)
+            self._fill(kind, source.matrices[kind], buffer, scales)
+            table, theory, was_measured = self._placed(buffer, layer, kind, rows, cols, self.fmt)
+            self.used_nodes = self.used_nodes or table.nodes
+            out.weights[kind], out.tables[kind] = buffer, table
+            out.theoretical[kind], out.measured[kind] = theory, was_measured
+            if scales is not None:
+                s_rows, s_cols = scales.shape
+                table, theory, was_measured = self._placed(scales, layer, f"{kind} scales",
+                                                           s_rows, s_cols, self.scale_dtype)
+                out.scales[kind], out.scale_tables[kind] = scales, table
+                out.scale_theoretical[kind] = theory
+                out.scale_measured[kind] = was_measured
+        return out
+
+    def _allocate(self, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The value buffer of a kind's stack and, when quantized, its scale buffer."""
+        value_cols = cols // 2 if self.fmt == "int4" else cols
+        buffer = self.memory.interleaved_empty((rows, value_cols), self.value_dtype,
+                                               nodes=self.nodes, page=self.page)
+        scales = None
+        if self.group is not None:
+            scales = self.memory.interleaved_empty(scale_shape(rows, cols, self.group),
+                                                   SCALE_DTYPES[self.scale_dtype],
+                                                   nodes=self.nodes, page=self.page)
+        return buffer, scales
+
+    def _fill(self, kind: str, matrices, buffer: np.ndarray, scales: np.ndarray | None) -> None:
+        """Each expert's matrix (and scales) into its rows of the stacked buffers."""
+        from numa_moe.quantize import quantize_expert
+
+        for e, matrix in enumerate(matrices):
+            where = slice(*expert_rows(self.dims, kind, e))
+            fd = self.files.fd(matrix.tensor.path)
+            if self.quantize:
+                qm = quantize_expert(matrix, fd, self.fmt, self.group, self.scale_dtype)
+                buffer[where] = qm.q
+                scales[where] = qm.scales
+            else:
+                read_matrix_into(matrix, buffer[where], fd)
+                if scales is not None:
+                    read_scales_into(matrix, scales[where], self.files.fd(matrix.scales.tensor.path))
+            self.bar.update(matrix.nbytes)
+
+    def _placed(self, buffer: np.ndarray, layer: int, name: str, rows: int, cols: int,
+                buffer_fmt: str) -> tuple[SegmentTable, SegmentTable | None, bool]:
+        """(table in use, theoretical table, measured?) of a filled buffer; a mismatch is
+        recorded and warned of."""
+        table, theory, was_measured, mismatch = _table_of(
+            self.memory, buffer, layer, name, rows, cols, buffer_fmt, self.page_bytes,
+            stacklevel=self._UNMEASURED_STACKLEVEL)
+        if mismatch is not None:
+            self.mismatches.append(mismatch)
+            warnings.warn(f"layer {layer} {name}: {mismatch.reason}; using the "
+                          "measured table", PlacementMismatchWarning,
+                          stacklevel=self._UNMEASURED_STACKLEVEL)
+        return table, theory, was_measured
+
+
 _VALUE_DTYPES = {"int8": "int8", "int4": "uint8"}
 
 
@@ -444,10 +471,10 @@ def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int 
                 raise ValueError(f"{root}: the checkpoint's scales have {name} {have!r}, not "
                                  f"{asked!r}; a quantized checkpoint loads as it is")
         return quant.fmt, quant.group, quant.scale_dtype, False
-    if checkpoint.dtype not in _STORE_DTYPES:
+    if checkpoint.dtype not in FLOAT_FORMATS:
         raise ValueError(f"{root}: routed experts are {checkpoint.dtype}; the store loads "
-                         f"{', '.join(_STORE_DTYPES)} checkpoints and numa-moe quantized ones")
-    own = _STORE_DTYPES[checkpoint.dtype][1]
+                         f"{', '.join(FLOAT_FORMATS)} checkpoints and numa-moe quantized ones")
+    own = FLOAT_FORMATS[checkpoint.dtype]
     if wanted in (None, own):
         if group is not None or scale_dtype is not None:
             raise ValueError(f"group and scale_dtype apply to weight_format 'int8'/'int4', not {own}")
@@ -480,7 +507,7 @@ def _check_kind(kind: str) -> str:
 
 
 def _table_of(memory, buffer: np.ndarray, layer: int, kind: str, rows: int, cols: int, fmt: str,
-              page_bytes: int):
+              page_bytes: int, stacklevel: int):
     """(table in use, theoretical table or None, measured?, mismatch or None) of a buffer."""
     info = memory.interleave_info(buffer)
     theory = None
@@ -493,7 +520,7 @@ def _table_of(memory, buffer: np.ndarray, layer: int, kind: str, rows: int, cols
         if theory is None:
             raise
         warnings.warn(f"layer {layer} {kind}: page map not measurable ({err}); using the "
-                      "theoretical table unchecked", PlacementMismatchWarning, stacklevel=3)
+                      "theoretical table unchecked", PlacementMismatchWarning, stacklevel=stacklevel)
         return theory, theory, False, None
     measured = SegmentTable.from_page_map(rows, cols, fmt, page_map.nodes, page_map.page_bytes,
                                           page_map.offset_bytes,
