@@ -19,6 +19,7 @@ from numa_moe.quantize import quantize_checkpoint
 from numa_moe.segments import SegmentTable
 from numa_moe.store import ExpertStore
 from numa_moe.synthetic import NUMPY_DTYPES, make_checkpoint
+from placement_reference import segment_bytes_on_wrong_node
 
 H, I, E = 320, 192, 6  # int8 rows of 320 / 192 bytes, int4 of 160 / 96: pages cut rows
 GROUP = 64
@@ -29,25 +30,6 @@ NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 def checkpoint_dir(tmp_path, rng):
     return make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 2, E, int(rng.integers(1 << 31)),
                            hidden_size=H, intermediate_size=I, progress=False)
-
-
-def _wrong_node_bytes(table, page_nodes, page_bytes, offset_bytes):
-    """Per node: bytes of its segments on a page of another node (independent reference:
-    each segment row's first and last byte and every 64th byte in between)."""
-    bits = table.weight_format.bits_per_element
-    row_bytes = table.row_bytes
-    wrong = {}
-    for node, segments in table.segments.items():
-        count = 0
-        for s in segments:
-            rows = s.row0 + s.row_stride * np.arange(s.nrows, dtype=np.int64)
-            starts = offset_bytes + rows * row_bytes + s.k0 * bits // 8
-            ends = offset_bytes + rows * row_bytes + s.k1 * bits // 8
-            for b in range(0, int((ends - starts)[0]), 64):
-                count += np.count_nonzero(page_nodes[(starts + b) // page_bytes] != node)
-            count += np.count_nonzero(page_nodes[(ends - 1) // page_bytes] != node)
-        wrong[node] = count
-    return wrong
 
 
 def _theoretical_map(buffer, nodes):
@@ -83,7 +65,7 @@ def test_quantized_weights_local_and_remote_scales_reported(checkpoint_dir, tmp_
             pm = memory.page_map(values)
             assert SegmentTable.from_page_map(table.rows, table.cols, fmt, pm.nodes, pm.page_bytes,
                                               pm.offset_bytes, nodes=nodes) == table
-            assert _wrong_node_bytes(table, np.asarray(pm.nodes), pm.page_bytes, pm.offset_bytes) == \
+            assert segment_bytes_on_wrong_node(table, np.asarray(pm.nodes), pm.page_bytes, pm.offset_bytes) == \
                 {n: 0 for n in table.nodes}
             per_node = table.bytes_per_node()
             assert min(per_node.values()) > 0 and max(per_node.values()) - min(per_node.values()) <= 4096

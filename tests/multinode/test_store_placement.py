@@ -19,6 +19,7 @@ from numa_moe.checkpoint import KINDS
 from numa_moe.placement_report import inspect_checkpoint, placement_report
 from numa_moe.store import ExpertStore
 from numa_moe.synthetic import make_checkpoint
+from placement_reference import segment_bytes_on_wrong_node
 
 BASE = 4096
 H, I, E = 320, 192, 6  # rows of 640 / 384 bytes: pages cut rows; 2.2 MB per buffer
@@ -31,20 +32,9 @@ def checkpoint_dir(tmp_path, rng):
 
 
 def _segment_bytes_on_wrong_node(table, page_nodes, offset_bytes):
-    """Per node: bytes of its segments lying on a page of another node (reference loop)."""
-    row_bytes = table.row_bytes
-    wrong = {}
-    for node, segments in table.segments.items():
-        count = 0
-        for s in segments:
-            rows = s.row0 + s.row_stride * np.arange(s.nrows, dtype=np.int64)
-            starts = offset_bytes + rows * row_bytes + s.k0 * 2
-            ends = offset_bytes + rows * row_bytes + s.k1 * 2
-            for b in range(0, int((ends - starts)[0]), 1024):  # check every KiB and the last byte
-                count += np.count_nonzero(page_nodes[(starts + b) // BASE] != node)
-            count += np.count_nonzero(page_nodes[(ends - 1) // BASE] != node)
-        wrong[node] = count
-    return wrong
+    """Per node: bytes of its segments lying on a page of another node (every KiB and the
+    last byte of each segment row)."""
+    return segment_bytes_on_wrong_node(table, page_nodes, BASE, offset_bytes, step_bytes=1024)
 
 
 @pytest.mark.parametrize("subset", ["all", "pair"])
