@@ -393,8 +393,12 @@ void WorkerPool::openmp_participant(void* raw) {
     std::optional<ScopedPin> caller_pin;
     if (t == 0) {
         // The calling thread plays the participant of the CPU it is on (chosen before the
-        // run), pinned there for the run only: it is the application's thread.
-        if (pool.pin_ && info.cpu >= 0) caller_pin.emplace(info.cpu);
+        // run), pinned there for the run only (it is the application's thread) where it
+        // matters: on several nodes its reads must stay on its node. On one node, already
+        // on its CPU, the scheduler keeps it there among busy participants, and the three
+        // affinity calls are a tenth of a small step.
+        const bool on_its_cpu = sched_getcpu() == info.cpu;
+        if (pool.pin_ && info.cpu >= 0 && (pool.n_nodes() > 1 || !on_its_cpu)) caller_pin.emplace(info.cpu);
         t_calling_pool = &pool;
     } else if (pool.pin_ && info.cpu >= 0 && t_pinned_cpu != info.cpu) {
         // Team threads stay pinned between runs: the next run (ours or torch's) finds
