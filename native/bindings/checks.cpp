@@ -53,18 +53,27 @@ void check_array(const py::array& a, const std::string& name, Kind kind, int ndi
     if (writable && !a.writeable()) fail(name + ": must be writable");
 }
 
-py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable,
-                        bool any_float) {
-    if (!py::isinstance<py::array>(obj)) fail(name + ": expected a numpy array, got " + py::str(py::type::of(obj)).cast<std::string>());
-    py::array a = py::reinterpret_borrow<py::array>(obj);
-    if (any_float) {
-        // the dtype is checked by the caller; the layout here
-        if (a.ndim() != ndim) fail(name + ": expected " + std::to_string(ndim) + "-D array, got shape " + shape_text(a));
-        if (!(a.flags() & py::array::c_style)) fail(name + ": must be C-contiguous (row-major)");
-        if (reinterpret_cast<uintptr_t>(a.data()) % a.itemsize()) fail(name + ": data is not aligned to its elements");
-        return a;
-    }
+namespace {
+
+py::array as_array(const py::object& obj, const std::string& name) {
+    if (!py::isinstance<py::array>(obj))
+        fail(name + ": expected a numpy array, got " + py::str(py::type::of(obj)).cast<std::string>());
+    return py::reinterpret_borrow<py::array>(obj);
+}
+
+}  // namespace
+
+py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable) {
+    py::array a = as_array(obj, name);
     check_array(a, name, kind, ndim, writable);
+    return a;
+}
+
+py::array checked_layout(const py::object& obj, const std::string& name, int ndim) {
+    py::array a = as_array(obj, name);
+    if (a.ndim() != ndim) fail(name + ": expected " + std::to_string(ndim) + "-D array, got shape " + shape_text(a));
+    if (!(a.flags() & py::array::c_style)) fail(name + ": must be C-contiguous (row-major)");
+    if (reinterpret_cast<uintptr_t>(a.data()) % a.itemsize()) fail(name + ": data is not aligned to its elements");
     return a;
 }
 
@@ -154,24 +163,31 @@ kernels::ScaleType scale_type_of(const py::array& scales, const std::string& nam
     fail(name + ": dtype " + dtype_text(scales) + ", expected float32, float16 or bfloat16");
 }
 
-float scale_at(const py::array& scales, kernels::ScaleType type, py::ssize_t index) {
-    const void* data = scales.data();
+// Whether a scale's bits are NaN, infinite or (signed) zero, per scale type: bit tests only,
+// so that the loop over every scale of a matrix vectorises (expert_ffn checks them each call).
+template <typename Bits, Bits kExponent, Bits kMagnitude>
+bool bad_scale_bits(Bits bits) {
+    return (bits & kExponent) == kExponent || (bits & kMagnitude) == 0;
+}
+
+template <typename Bits, Bits kExponent, Bits kMagnitude>
+int64_t first_bad_scale_of(const void* data, int64_t n) {
+    const Bits* bits = static_cast<const Bits*>(data);
+    bool any = false;
+    for (int64_t i = 0; i < n; ++i) any |= bad_scale_bits<Bits, kExponent, kMagnitude>(bits[i]);
+    if (!any) return -1;
+    for (int64_t i = 0;; ++i)
+        if (bad_scale_bits<Bits, kExponent, kMagnitude>(bits[i])) return i;
+}
+
+// Index of the first NaN, infinite or zero scale, or -1.
+int64_t first_bad_scale(const void* data, int64_t n, kernels::ScaleType type) {
     switch (type) {
-        case kernels::ScaleType::fp32: return static_cast<const float*>(data)[index];
-        case kernels::ScaleType::bf16: {
-            const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(data)[index]) << 16;
-            float value;
-            std::memcpy(&value, &bits, sizeof(value));
-            return value;
-        }
-        case kernels::ScaleType::fp16: {
-            // only finiteness and zero matter here: exponent all ones, or all bits but the sign zero
-            const uint16_t h = static_cast<const uint16_t*>(data)[index];
-            if ((h & 0x7c00u) == 0x7c00u) return INFINITY;
-            return (h & 0x7fffu) ? 1.0f : 0.0f;
-        }
+        case kernels::ScaleType::fp32: return first_bad_scale_of<uint32_t, 0x7f800000u, 0x7fffffffu>(data, n);
+        case kernels::ScaleType::fp16: return first_bad_scale_of<uint16_t, 0x7c00u, 0x7fffu>(data, n);
+        case kernels::ScaleType::bf16: return first_bad_scale_of<uint16_t, 0x7f80u, 0x7fffu>(data, n);
     }
-    return 0.0f;
+    return -1;
 }
 
 }  // namespace
@@ -201,7 +217,7 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     arg.weights.data = values.data();
     arg.weights.ld = row_bytes * per_byte;
     const std::string scales_name = name + "_scales";
-    const py::array scales = checked_array(scales_obj, scales_name, Kind::f32, 2, false, /*any_float=*/true);
+    const py::array scales = checked_layout(scales_obj, scales_name, 2);
     arg.weights.scale_type = scale_type_of(scales, scales_name);
     if (scales.shape(0) != arg.rows || scales.shape(1) < 1 || arg.cols % scales.shape(1))
         fail(scales_name + ": shape " + shape_text(scales) + " does not give a group for a " + std::to_string(arg.rows) +
@@ -212,11 +228,12 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
              std::to_string(kernels::kActivationBlock));
     arg.weights.scales = scales.data();
     arg.weights.scales_ld = scales.shape(1);
-    for (py::ssize_t i = 0; i < scales.size(); ++i) {
-        const float s = scale_at(scales, arg.weights.scale_type, i);
-        if (!std::isfinite(s) || s == 0.0f)
-            fail(scales_name + ": entry " + std::to_string(i) + " is " + (s == 0.0f ? "zero" : "not finite") +
-                 " (scales must be finite and non-zero)");
+    const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_type);
+    if (bad >= 0) {
+        const py::object value = scales.attr("reshape")(-1).attr("__getitem__")(bad).attr("item")();
+        const bool zero = value.cast<double>() == 0.0;
+        fail(scales_name + ": entry " + std::to_string(bad) + " is " + (zero ? "zero" : "not finite") +
+             " (scales must be finite and non-zero)");
     }
     return arg;
 }

@@ -31,9 +31,11 @@ std::string shape_text(const py::array& a);
 void check_array(const py::array& a, const std::string& name, Kind kind, int ndim, bool writable = false);
 
 // A checked C-contiguous array from any object (std::invalid_argument if it is none).
-// any_float: leave the dtype to the caller (it accepts several).
-py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable = false,
-                        bool any_float = false);
+py::array checked_array(const py::object& obj, const std::string& name, Kind kind, int ndim, bool writable = false);
+
+// The same without the dtype (for arguments of several accepted dtypes, which the caller
+// checks): an array, ndim, C-contiguous, aligned.
+py::array checked_layout(const py::object& obj, const std::string& name, int ndim);
 
 // The output array of a kernel: float32 or bf16, C-contiguous, writable, of this shape.
 // Returns whether it is bf16.
