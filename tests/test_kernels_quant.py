@@ -12,18 +12,17 @@ from numa_moe import _native, kernels, quant
 from numa_moe.moe import MoELayer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-BLOCK = 32
 FORMATS = ("int8", "int4")
 # Every (format, ISA) pair this machine has kernels for.
 FORMAT_ISAS = [(fmt, isa) for fmt in FORMATS for isa in kernels.available_isas(fmt)]
 
 
-def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The token rule, restated: per token and 32-column block, s = amax / 127 (fp32),
-    q = round-half-even(x / s) clipped to [-127, 127] (0 for an all-zero block)."""
+def quantize_tokens(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The token rule, restated: per token and block of the weights' group, s = amax / 127
+    (fp32), q = round-half-even(x / s) clipped to [-127, 127] (0 for an all-zero block)."""
     x = x.astype(np.float32)
     m, k = x.shape
-    blocks = x.reshape(m, k // BLOCK, BLOCK)
+    blocks = x.reshape(m, k // block, block)
     s = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
     safe = np.where(s > 0, s, np.float32(1))[:, :, None]
     q = np.where(s[:, :, None] > 0, np.clip(np.rint(blocks / safe), -127, 127), 0).astype(np.int64)
@@ -31,13 +30,14 @@ def quantize_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def reference_matmul(qm, x_q, x_s, rows, k0, k1) -> np.ndarray:
-    """float64 [len(rows), m]: sum over blocks of int dot * s_w * s_x."""
+    """float64 [len(rows), m]: sum over groups of int dot * s_w * s_x."""
     w_q = quant.values(qm).astype(np.int64)
     w_s = qm.scales.astype(np.float64)
+    g = qm.group
     out = np.zeros((len(rows), x_q.shape[0]))
-    for c0 in range(k0, k1, BLOCK):
-        dot = w_q[rows, c0:c0 + BLOCK] @ x_q[:, c0:c0 + BLOCK].T
-        out += dot * w_s[rows, c0 // qm.group][:, None] * x_s[:, c0 // BLOCK][None, :].astype(np.float64)
+    for c0 in range(k0, k1, g):
+        dot = w_q[rows, c0:c0 + g] @ x_q[:, c0:c0 + g].T
+        out += dot * w_s[rows, c0 // g][:, None] * x_s[:, c0 // g][None, :].astype(np.float64)
     return out
 
 
@@ -47,12 +47,12 @@ def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
 
 
 @pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 15, 16, 31, 33, 64])
 def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
     rows, cols, group = 40, 256, 64
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
     x = rng.standard_normal((m, cols)).astype(BF16)
-    x[0, :BLOCK] = 0  # an all-zero block
+    x[0, :group] = 0  # an all-zero block
     segments = np.array([[1, 3, 12, 64, 192], [0, 2, 20, 0, 64], [2, 5, 7, 192, 256]], np.int64)
     out = np.full((rows, m), np.nan, np.float32)
     covered = np.zeros(rows, bool)
@@ -60,7 +60,7 @@ def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
         covered[row0:row0 + stride * nrows:stride] = True
     out[covered] = 0
     kernels.matmul_segments(qm, segments, x, out, isa=isa)
-    x_q, x_s = quantize_tokens(x.astype(np.float32))
+    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
     expected = np.zeros((rows, m))
     for row0, stride, nrows, k0, k1 in segments:
         rs = np.arange(row0, row0 + stride * nrows, stride)
@@ -74,26 +74,28 @@ def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
 @pytest.mark.parametrize("scale_dtype", sorted(quant.SCALE_DTYPES))
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dtype, group):
-    """Odd row starts and strides, segments that start and end off the group grid (on the
-    32-column one), a thread's row range cutting segments, many token counts. The avx512
-    kernels add the same fp32 terms in the same order as ref: equal bit for bit."""
+    """Odd row starts and strides, segments that start and end inside rows (on the group
+    grid), a thread's row range cutting segments, many token counts (both sides of the
+    lane kernel's 8 and of its 15-token lane groups). The avx512 kernels add the same fp32
+    terms in the same order as ref: equal bit for bit."""
     rows, cols = 77, 640
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype)
-    segments = np.array([[3, 7, 10, 32, 352], [1, 3, 9, 0, 640], [5, 1, 19, 96, 160], [0, 5, 15, 608, 640],
-                         [2, 3, 25, 224, 608]], np.int64)
+    units = np.array([[3, 7, 10, 1, 4], [1, 3, 9, 0, 5], [5, 1, 19, 1, 2], [0, 5, 15, 4, 5], [2, 3, 25, 1, 4]])
+    segments = (units * np.array([1, 1, 1, 128, 128])).astype(np.int64)  # 5 x 128 columns
+    segments[3, 3] = cols - group  # a last segment of one group
     row_begin, row_end = 4, 71
     covered = np.zeros(rows, bool)
     for row0, stride, nrows, _, _ in segments:
         covered[row0:row0 + stride * nrows:stride] = True
     covered[:row_begin] = covered[row_end:] = False
-    for m in sorted({1, 2, 3, 4, 6, 9, int(rng.integers(10, 64)), 64}):
+    for m in sorted({1, 2, 3, 4, 6, 7, 8, 9, 15, 16, 30, 31, int(rng.integers(10, 64)), 64}):
         x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
         out = np.full((rows, m), np.nan, np.float32)
         out[covered] = rng.standard_normal((covered.sum(), m))
         start = out.copy()
         kernels.matmul_segments(qm, segments, x, out, isa=isa, row_begin=row_begin, row_end=row_end)
         assert np.all(np.isnan(out[~covered])), "rows outside the segments or the row range were written"
-        x_q, x_s = quantize_tokens(x.astype(np.float32))
+        x_q, x_s = quantize_tokens(x.astype(np.float32), group)
         expected = start[covered].astype(np.float64)
         for row0, stride, nrows, k0, k1 in segments:
             rs = np.arange(row0, row0 + stride * nrows, stride)
@@ -107,23 +109,31 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
             np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
 
 
+# The kernels' silu (fp32, exp to 2 ulp) and the reference's (float64, then fp32) can
+# round an activation to the neighbouring int8 value before the down projection: one such
+# step moves a small FFN's output by up to ~1e-3 of its norm.
+FFN_TOLERANCE = 3e-3
+
+
 def ffn_reference(x, qms, index):
     """float64 FFN on the same quantized operands: tokens quantized for gate/up, silu(g) * u
     (fp32, as the kernels compute it) quantized again for down."""
     gate, up, down = qms
-    x_q, x_s = quantize_tokens(x[index].astype(np.float32))
+    x_q, x_s = quantize_tokens(x[index].astype(np.float32), gate.group)
     rows_i = np.arange(gate.shape[0])
     g = reference_matmul(gate, x_q, x_s, rows_i, 0, gate.shape[1]).T
     u = reference_matmul(up, x_q, x_s, rows_i, 0, up.shape[1]).T
     act = (g / (1 + np.exp(-g)) * u).astype(np.float32)
-    a_q, a_s = quantize_tokens(act)
+    a_q, a_s = quantize_tokens(act, down.group)
     return reference_matmul(down, a_q, a_s, np.arange(down.shape[0]), 0, down.shape[1]).T
 
 
 @pytest.mark.parametrize(("fmt", "isa"), [(fmt, None) for fmt in FORMATS] + FORMAT_ISAS)
 @pytest.mark.parametrize(("threads", "m"), [(1, 5), (2, 5), (2, 1), (2, 17)])
-def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt, isa, threads, m):
-    hidden, inter, group = 256, 192, 32
+@pytest.mark.parametrize(("group", "inter"), [(32, 192), (128, 384)])
+def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt, isa, threads, m, group, inter):
+    """Group 128 with 2 threads: the silu rows split on whole groups (384 = 256 + 128)."""
+    hidden = 256
     floats, qms = zip(*(random_qm(rng, r, c, fmt, group) for r, c in ((inter, hidden), (inter, hidden),
                                                                         (hidden, inter))))
     x = rng.standard_normal((9, hidden)).astype(BF16)
@@ -131,12 +141,13 @@ def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt
     out = np.full((len(index), hidden), np.nan, np.float32)
     kernels.expert_ffn(x, *qms, token_index=index, out=out, threads=threads, isa=isa)
     expected = ffn_reference(x, qms, index)
-    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 1e-4
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < FFN_TOLERANCE
     # and against the unquantized float model: the scheme's own error, not a kernel's
     xf = x[index].astype(np.float64)
     g, u = xf @ floats[0].T, xf @ floats[1].T
     float_out = (g / (1 + np.exp(-g)) * u) @ floats[2].T
-    bound = 0.03 if fmt == "int8" else 0.25
+    # over 150 seeds at m = 1 the largest was 0.025 (int8) and 0.274 (int4, group 128)
+    bound = 0.04 if fmt == "int8" else 0.35
     assert np.linalg.norm(out - float_out) / np.linalg.norm(float_out) < bound
 
 
@@ -146,7 +157,7 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes):
     from numa_moe.segments import SegmentTable
     from numa_moe.topology import Topology
 
-    hidden, inter, group, n_experts = 128, 96, 32, 3
+    hidden, inter, group, n_experts = 128, 192, 64, 3
     experts = [tuple(random_qm(rng, r, c, fmt, group)[1] for r, c in ((inter, hidden), (inter, hidden),
                                                                       (hidden, inter))) for _ in range(n_experts)]
     topo = Topology.virtual(n_nodes)
@@ -167,7 +178,7 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes):
     for t in range(4):
         for j in range(2):  # a repeated expert counts with its summed weight: the same sum
             expected[t] += w[t, j] * ffn_reference(x, experts[ids[t, j]], [t])[0]
-    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-4
+    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < FFN_TOLERANCE
 
 
 def test_integer_weights_get_clear_errors(rng):
@@ -180,7 +191,7 @@ def test_integer_weights_get_clear_errors(rng):
         call(qm.q.astype(np.int16), qm.scales)
     with pytest.raises(ValueError, match=r"weight_scales: shape \(32, 3\) does not give a group"):
         call(qm.q, qm.scales[:, :3].copy())
-    with pytest.raises(ValueError, match="group 16 is not a multiple of 32"):
+    with pytest.raises(ValueError, match="group 16 .* is not one of 32, 64, 128"):
         call(qm.q, np.ones((32, 8), np.float16))
     for bad, word in ((0.0, "zero"), (np.nan, "not finite"), (np.inf, "not finite")):
         scales = qm.scales.copy()
@@ -217,4 +228,4 @@ def test_layer_from_a_quantized_store(tmp_path, rng, fmt, n_nodes):
                for e in range(3)]
     expected = np.array([sum(w[t, j] * ffn_reference(x, experts[ids[t, j]], [t])[0] for j in range(2))
                          for t in range(3)])
-    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-4
+    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < FFN_TOLERANCE

@@ -111,6 +111,7 @@ double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
 // (w_gate, w_up, w_down, gate_scales, up_scales, down_scales) of int8 / int4 weights.
 struct BenchCalls {
     kernels::Format format = kernels::Format::bf16;
+    int64_t group = kernels::kDefaultGroup;  // integer formats
     std::vector<engine::ExpertFfnArgs> calls;
     std::vector<std::vector<Span>> spans;  // per expert: gate, up, down (and their scales)
     std::vector<float> out;
@@ -137,9 +138,10 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
             throw std::invalid_argument("experts[" + std::to_string(e) + "]: shapes do not match x [T, H] and each other (" +
                                         error.what() + ")");
         }
-        if (e > 0 && args.format != result.format)
-            throw std::invalid_argument("experts: all in one weight format");
+        if (e > 0 && (args.format != result.format || args.gate.group != result.group))
+            throw std::invalid_argument("experts: all in one weight format and group");
         result.format = args.format;
+        result.group = args.gate.group;
         args.out_bf16 = out_bf16;
         result.calls.push_back(args);
         std::vector<Span> spans;
@@ -155,7 +157,7 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
 std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index,
                                         const py::list& experts, int threads, int repeats, bool out_bf16) {
     BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
-    const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format);
+    const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format, bench.group);
     std::vector<double> seconds;
     py::gil_scoped_release release;
     for (int r = 0; r < repeats; ++r) {
@@ -175,7 +177,7 @@ std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
     int repeats, bool out_bf16) {
     require_avx512("bench_expert_ffn_vs_read");
     BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
-    const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format);
+    const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format, bench.group);
     std::vector<double> ours, read;
     py::gil_scoped_release release;
     const size_t n = bench.calls.size();

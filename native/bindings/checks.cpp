@@ -85,11 +85,11 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
     return bf16;
 }
 
-const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format) {
+const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format, int64_t group) {
     kernels::Isa parsed;
     if (!kernels::parse_isa(isa.c_str(), &parsed))
         fail("unknown ISA '" + isa + "': not one of ref, avx2, avx512, amx_model, amx");
-    const kernels::KernelOps* ops = kernels::kernel_ops(parsed, format);
+    const kernels::KernelOps* ops = kernels::kernel_ops(parsed, format, group);
     if (!ops)
         fail("isa '" + isa + "' is not available" +
              (format == kernels::Format::bf16 ? "" : std::string(" for ") + kernels::format_name(format) + " weights") +
@@ -223,9 +223,8 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
         fail(scales_name + ": shape " + shape_text(scales) + " does not give a group for a " + std::to_string(arg.rows) +
              " x " + std::to_string(arg.cols) + " matrix ([rows, cols / group])");
     arg.weights.group = arg.cols / scales.shape(1);
-    if (arg.weights.group % kernels::kActivationBlock)
-        fail(scales_name + ": group " + std::to_string(arg.weights.group) + " is not a multiple of " +
-             std::to_string(kernels::kActivationBlock));
+    if (!kernels::is_integer_group(arg.weights.group))
+        fail(scales_name + ": group " + std::to_string(arg.weights.group) + " (cols / scale columns) is not one of 32, 64, 128");
     arg.weights.scales = scales.data();
     arg.weights.scales_ld = scales.shape(1);
     const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_type);
@@ -255,6 +254,9 @@ engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token
         fail(std::string("w_gate, w_up, w_down: one weight format for all three, got ") +
              kernels::format_name(gate.format) + ", " + kernels::format_name(up.format) + ", " +
              kernels::format_name(down.format));
+    if (up.weights.group != gate.weights.group || down.weights.group != gate.weights.group)
+        fail("w_gate, w_up, w_down: one group for all three, got " + std::to_string(gate.weights.group) + ", " +
+             std::to_string(up.weights.group) + " and " + std::to_string(down.weights.group));
     check_index(token_index, "token_index", x.shape(0));
     if (threads < 0) fail("threads: must be >= 1 (or 0 for the CPUs of this process)");
     engine::ExpertFfnArgs args;

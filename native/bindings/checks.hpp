@@ -43,7 +43,8 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
 
 // The KernelOps of an ISA name for a weight format; unknown or unavailable names are
 // refused.
-const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16);
+const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16,
+                                  int64_t group = kernels::kDefaultGroup);
 
 // An int64 [n, 5] segment array (None: empty list) whose segments lie in rows x cols.
 std::vector<Segment> read_segments(const py::object& obj, const std::string& name, int64_t rows, int64_t cols);
@@ -60,7 +61,7 @@ Bf16Rows bf16_rows(const py::array& a, const std::string& name);
 
 // A weight matrix argument: bf16 values (scales None), or int8 [rows, cols] / uint8
 // [rows, cols / 2] (int4, two per byte) values with their group scales [rows, cols /
-// group] (float32, float16 or bfloat16; finite, non-zero; group a multiple of 32). Rows
+// group] (float32, float16 or bfloat16; finite, non-zero; group 32, 64 or 128). Rows
 // must be contiguous (any row stride). `name` names the values, name + "_scales" the
 // scales in messages.
 struct WeightArg {

@@ -29,7 +29,7 @@ void py_matmul_segments(const std::string& isa, const py::array& weight, const p
                         const py::array& tokens, py::array& out, int64_t row_begin, int64_t row_end,
                         const py::object& scales) {
     const WeightArg w = weight_operand(weight, scales, "weight");
-    const KernelOps& ops = ops_for(isa, w.format);
+    const KernelOps& ops = ops_for(isa, w.format, w.weights.group);
     check_array(tokens, "tokens", Kind::bf16, 2);
     check_array(out, "out", Kind::f32, 2, true);
     const int64_t rows = w.rows, k = w.cols, m = tokens.shape(0);
@@ -41,7 +41,7 @@ void py_matmul_segments(const std::string& isa, const py::array& weight, const p
     if (segments.is_none()) throw std::invalid_argument("segments: required (int64 [n, 5])");
     const std::vector<Segment> segs = read_segments(segments, "segments", rows, k);
     if (w.format != kernels::Format::bf16)
-        check_block_edges(segs.data(), static_cast<int64_t>(segs.size()), k, kernels::kActivationBlock, "segments");
+        check_block_edges(segs.data(), static_cast<int64_t>(segs.size()), k, w.weights.group, "segments");
     if (row_end < 0) row_end = rows;
     check_range(row_begin, row_end, rows, 1, "[row_begin, row_end)");
     const auto* x = static_cast<const bf16*>(tokens.data());
@@ -130,7 +130,7 @@ void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& 
     args.down_segments = read_segments(down_segments, "down_segments", args.hidden, args.intermediate);
     args.out_bf16 = check_output(out, "out", args.m, args.hidden);
     args.out = out.mutable_data();
-    const KernelOps& ops = ops_for(isa, args.format);
+    const KernelOps& ops = ops_for(isa, args.format, args.gate.group);
     bool completed;
     {
         py::gil_scoped_release release;

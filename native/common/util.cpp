@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <ctime>
 #include <new>
+#include <stdexcept>
 
 namespace numa_moe {
 
@@ -23,6 +24,17 @@ void grow(AlignedBuffer& buffer, size_t& capacity, size_t bytes) {
     buffer.reset();  // release first: the old contents are not needed
     buffer = aligned_buffer(bytes);
     capacity = std::max<size_t>(round_up(bytes, 64), 64);
+}
+
+void* thread_scratch(int slot, size_t bytes) {
+    struct Scratch {
+        AlignedBuffer buffer;
+        size_t capacity = 0;
+    };
+    thread_local Scratch scratch[kScratchSlots];
+    if (slot < 0 || slot >= kScratchSlots) throw std::logic_error("thread_scratch: no such slot");
+    grow(scratch[slot].buffer, scratch[slot].capacity, bytes);
+    return scratch[slot].buffer.get();
 }
 
 namespace {

@@ -27,6 +27,13 @@ AlignedBuffer aligned_buffer(size_t bytes);
 // Grows `buffer` to hold `bytes` (contents not kept); `capacity` tracks its size.
 void grow(AlignedBuffer& buffer, size_t& capacity, size_t bytes);
 
+// Per-thread scratch memory for kernels (ISA translation units must not instantiate
+// containers of their own: their weak symbols could be merged with baseline code).
+// Returns slot `slot`'s 64-byte aligned buffer of at least `bytes`, valid until this thread
+// asks for the same slot again; contents are not kept. slot < kScratchSlots.
+constexpr int kScratchSlots = 4;
+void* thread_scratch(int slot, size_t bytes);
+
 struct Range {
     int64_t begin = 0;
     int64_t end = 0;

@@ -28,6 +28,10 @@ bool expert_ffn(const kernels::KernelOps& ops, const ExpertFfnArgs& a, const std
     if (ops.format != a.format)
         throw std::invalid_argument(std::string("expert_ffn: ") + kernels::format_name(a.format) +
                                     " weights handed to " + kernels::format_name(ops.format) + " kernels");
+    for (const kernels::Weights* w : {&a.gate, &a.up, &a.down})
+        if (a.format != kernels::Format::bf16 && w->group != ops.group)
+            throw std::invalid_argument("expert_ffn: weights of group " + std::to_string(w->group) +
+                                        " handed to kernels of group " + std::to_string(ops.group));
     ExpertParts parts{whole_or_segments(a.gate, a.format, a.intermediate, a.hidden, a.gate_segments),
                       whole_or_segments(a.up, a.format, a.intermediate, a.hidden, a.up_segments),
                       whole_or_segments(a.down, a.format, a.hidden, a.intermediate, a.down_segments)};

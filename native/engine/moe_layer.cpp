@@ -21,10 +21,9 @@ void check_shape(const MatrixPart& m, int64_t rows, int64_t cols, const std::str
                                     "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
     if (!m.weights.data || m.weights.ld < m.cols)
         throw std::invalid_argument(what + ": null weights or row stride below the row length");
-    if (m.format != kernels::Format::bf16 && (!m.weights.scales || m.weights.group % kernels::kActivationBlock))
+    if (m.format != kernels::Format::bf16 && (!m.weights.scales || !kernels::is_integer_group(m.weights.group)))
         throw std::invalid_argument(what + ": " + kernels::format_name(m.format) +
-                                    " weights need scales and a group that is a multiple of " +
-                                    std::to_string(kernels::kActivationBlock));
+                                    " weights need scales and a group of 32, 64 or 128 columns");
 }
 
 }  // namespace
@@ -39,6 +38,12 @@ void MoELayerCore::add_expert(ExpertParts parts, bool verify_partition) {
                                     kernels::format_name(parts.gate.format) + ", " +
                                     kernels::format_name(parts.up.format) + " and " +
                                     kernels::format_name(parts.down.format));
+    if (parts.gate.format != kernels::Format::bf16 &&
+        (parts.up.weights.group != parts.gate.weights.group || parts.down.weights.group != parts.gate.weights.group))
+        throw std::invalid_argument(name + ": gate, up and down must share one group, got " +
+                                    std::to_string(parts.gate.weights.group) + ", " +
+                                    std::to_string(parts.up.weights.group) + " and " +
+                                    std::to_string(parts.down.weights.group));
     prepare_matrix(parts.gate, team_.node_participants(), name + " gate", verify_partition);
     prepare_matrix(parts.up, team_.node_participants(), name + " up", verify_partition);
     prepare_matrix(parts.down, team_.node_participants(), name + " down", verify_partition);
@@ -52,17 +57,18 @@ void MoELayerCore::set_isa(bool forced, Isa isa) {
     forced_isa_ = isa;
 }
 
-const KernelOps* MoELayerCore::isa_for_tokens(int64_t m, kernels::Format format) const {
+const KernelOps* MoELayerCore::isa_for_tokens(int64_t m, kernels::Format format, int64_t group) const {
     if (m >= amx_min_tokens_)
-        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx, format)) return ops;
+        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx, format, group)) return ops;
     for (Isa isa : {Isa::avx512, Isa::avx2, Isa::ref})
-        if (const KernelOps* ops = kernels::kernel_ops(isa, format)) return ops;
+        if (const KernelOps* ops = kernels::kernel_ops(isa, format, group)) return ops;
     throw std::logic_error("no kernels for weight format " + std::string(kernels::format_name(format)));
 }
 
-const KernelOps* MoELayerCore::ops_for(int64_t m, kernels::Format format) const {
-    if (!isa_forced_) return isa_for_tokens(m, format);
-    if (const KernelOps* ops = kernels::kernel_ops(forced_isa_, format)) return ops;
+const KernelOps* MoELayerCore::ops_for(int64_t m, const MatrixPart& matrix) const {
+    const kernels::Format format = matrix.format;
+    if (!isa_forced_) return isa_for_tokens(m, format, matrix.weights.group);
+    if (const KernelOps* ops = kernels::kernel_ops(forced_isa_, format, matrix.weights.group)) return ops;
     throw std::invalid_argument(std::string("ISA ") + kernels::isa_name(forced_isa_) + " cannot run " +
                                 kernels::format_name(format) + " experts: " +
                                 kernels::unavailable_reason(forced_isa_, format));
@@ -76,7 +82,7 @@ void MoELayerCore::plan_tasks() {
         if (m == 0) continue;
         const int64_t slot0 = routing_.expert_offset[e];
         const int64_t* tokens = routing_.slot_token.data() + slot0;
-        tasks_.push_back(ExpertTask{&experts_[e], ops_for(m, experts_[e].gate.format), m, tokens, tokens,
+        tasks_.push_back(ExpertTask{&experts_[e], ops_for(m, experts_[e].gate), m, tokens, tokens,
                                     routing_.slot_weight.data() + slot0});
     }
 }

@@ -61,7 +61,8 @@ public:
     // The kernels an expert with m tokens of a weight format runs with (not forced): AMX
     // (real, when this CPU and OS allow it) from amx_min_tokens tokens, else AVX-512,
     // else AVX2, else ref, the first that has kernels for the format.
-    const KernelOps* isa_for_tokens(int64_t m, kernels::Format format = kernels::Format::bf16) const;
+    const KernelOps* isa_for_tokens(int64_t m, kernels::Format format = kernels::Format::bf16,
+                                    int64_t group = kernels::kDefaultGroup) const;
 
     // Returns false when keep_going() asked to abort (out is then unspecified).
     bool forward(const bf16* x, int64_t ldx, int64_t n_tokens, const int64_t* ids, const float* weights, int64_t top_k,
@@ -73,7 +74,7 @@ private:
     void plan_tasks();
     // isa_for_tokens, or the forced ISA's table (std::invalid_argument when it has no
     // kernels for the format).
-    const KernelOps* ops_for(int64_t m, kernels::Format format) const;
+    const KernelOps* ops_for(int64_t m, const MatrixPart& matrix) const;
     void record_stats();
 
     std::shared_ptr<WorkerPool> pool_;

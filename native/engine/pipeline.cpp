@@ -24,23 +24,36 @@ bool is_whole_matrix(const std::vector<Segment>& segments, int64_t rows, int64_t
            segments[0].nrows == rows && segments[0].k0 == 0 && segments[0].k1 == cols;
 }
 
-// Splits the rows of one node's segments over its participants by weight elements;
-// `elements` receives the node's total.
+constexpr int64_t kRowAlign = 32;
+
+// Splits the rows of one node's segments over its participants by weight elements, in
+// multiples of `align` rows; `elements` receives the node's total.
 std::vector<Range> split_node_rows(const std::vector<Segment>& segments, int64_t rows, int64_t cols,
-                                   int participants, int64_t* elements) {
+                                   int participants, int64_t align, int64_t* elements) {
     if (is_whole_matrix(segments, rows, cols)) {
         *elements = rows * cols;
-        return split_even(rows, participants, kRowAlign);
+        return split_even(rows, participants, align);
     }
     std::vector<int64_t> cost(rows, 0);
     for (const Segment& s : segments)
         for (int64_t j = 0; j < s.nrows; ++j) cost[s.row0 + j * s.row_stride] += s.k1 - s.k0;
     *elements = 0;
     for (int64_t c : cost) *elements += c;
-    return split_by_cost(cost, participants, kRowAlign);
+    return split_by_cost(cost, participants, align);
+}
+
+// The silu rows of a step: whole groups of the widest integer group among its experts.
+int64_t step_row_align(const std::vector<ExpertTask>& tasks) {
+    int64_t align = kRowAlign;
+    for (const ExpertTask& t : tasks) align = std::max(align, kernels::row_align(*t.ops));
+    return align;
 }
 
 }  // namespace
+
+int64_t row_align(const MatrixPart& part) {
+    return part.format == kernels::Format::bf16 ? kRowAlign : std::max(kRowAlign, part.weights.group);
+}
 
 int64_t weight_bytes(const MatrixPart& part, int64_t elements) {
     switch (part.format) {
@@ -67,17 +80,19 @@ void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants,
                        part.cols, name);
         if (part.format != kernels::Format::bf16)
             check_block_edges(part.node_segments[n].data(), static_cast<int64_t>(part.node_segments[n].size()),
-                              part.cols, kernels::kActivationBlock, name);
+                              part.cols, part.weights.group, name);
     }
     if (verify_partition) check_partition(part.node_segments, part.rows, part.cols, what);
     part.thread_rows.assign(n_nodes, {});
     part.node_bytes.assign(n_nodes, 0);
     for (size_t n = 0; n < n_nodes; ++n) {
         int64_t elements = 0;
-        part.thread_rows[n] = split_node_rows(part.node_segments[n], part.rows, part.cols, node_participants[n], &elements);
+        part.thread_rows[n] = split_node_rows(part.node_segments[n], part.rows, part.cols, node_participants[n],
+                                              row_align(part), &elements);
         part.node_bytes[n] = weight_bytes(part, elements);
     }
-    part.even_split = n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], kRowAlign);
+    part.even_split =
+        n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], row_align(part));
 }
 
 Team::Team(WorkerPool* pool) : pool_(pool) {
@@ -111,7 +126,7 @@ public:
             StepArena& arena, StepTimes* times)
         : team_(team), tasks_(tasks), shape_(shape), output_(output), arena_(arena), times_(times),
           n_nodes_(team.n_nodes()),
-          silu_ranges_(split_even(shape.intermediate, team.participants(), kRowAlign)),
+          silu_ranges_(split_even(shape.intermediate, team.participants(), step_row_align(tasks))),
           h_ranges_(split_even(shape.hidden, team.participants(), kRowAlign)) {}
 
     bool run(const std::function<bool()>& keep_going);
@@ -179,9 +194,16 @@ void StepRun::plan() {
         max_part_floats = std::max(max_part_floats, part_floats);
     }
     groups_.push_back(Group{group_begin, tasks_.size(), false, false, false});
+    // Fused phases run each thread's own rows: every expert of the group must split its
+    // rows alike (the same even split; formats with other alignments differ).
     for (Group& g : groups_) {
         g.fused = n_nodes_ == 1;
-        for (size_t a = g.begin; a < g.end; ++a) g.fused = g.fused && even_split(*tasks_[a].parts);
+        const ExpertParts& first = *tasks_[g.begin].parts;
+        for (size_t a = g.begin; a < g.end; ++a) {
+            const ExpertParts& p = *tasks_[a].parts;
+            g.fused = g.fused && even_split(p) && p.gate.thread_rows == first.gate.thread_rows &&
+                      p.down.thread_rows == first.down.thread_rows;
+        }
     }
     groups_.front().first = true;
     groups_.back().last = true;

@@ -46,7 +46,7 @@ struct MatrixPart {
     // Filled by prepare_matrix:
     std::vector<std::vector<Range>> thread_rows;  // [node][local participant]
     std::vector<int64_t> node_bytes;              // weight (and scale) bytes per node
-    bool even_split = false;  // one node, rows split as split_even(rows, participants, kRowAlign)
+    bool even_split = false;  // one node, rows split as split_even(rows, participants, row_align(*this))
 };
 
 struct ExpertParts {
@@ -56,8 +56,10 @@ struct ExpertParts {
 // Bytes of `elements` weights of a matrix in its format, scales included.
 int64_t weight_bytes(const MatrixPart& part, int64_t elements);
 
-// Row ranges handed to threads are multiples of this (silu_mul_pack's contract).
-constexpr int64_t kRowAlign = 32;
+// Row ranges handed to threads are multiples of this: 32 (the epilogues' register tiles),
+// and for integer formats whole groups, which silu_mul_pack quantizes together
+// (kernels::row_align of the matrix's tables).
+int64_t row_align(const MatrixPart& part);
 
 // Checks the matrix's segments (each inside the matrix, integer formats on whole
 // activation blocks; with verify_partition, all nodes' segments together cover it exactly

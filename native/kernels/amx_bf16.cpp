@@ -217,14 +217,14 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 
 #ifdef NUMA_MOE_AMX_MODEL
 const KernelOps& amx_model_ops() {
-    static const KernelOps ops{Isa::amx_model,          "amx_model", Format::bf16, pairs_layout, AMX_NAMESPACE::packed_bytes,
+    static const KernelOps ops{Isa::amx_model,          "amx_model", Format::bf16, 0, pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
                                combine_down_avx512,     store_down_avx512};
     return ops;
 }
 #else
 const KernelOps& amx_ops() {
-    static const KernelOps ops{Isa::amx,                "amx", Format::bf16, pairs_layout, AMX_NAMESPACE::packed_bytes,
+    static const KernelOps ops{Isa::amx,                "amx", Format::bf16, 0, pairs_layout, AMX_NAMESPACE::packed_bytes,
                                AMX_NAMESPACE::gather,   AMX_NAMESPACE::matmul_segments, AMX_NAMESPACE::silu_mul_pack,
                                combine_down_avx512,     store_down_avx512};
     return ops;

@@ -103,7 +103,7 @@ const KernelOps& avx2_ops() {
     // The token layout is the plain one of the reference (its gather is a row copy), and
     // the epilogues touch rows x tokens floats, nothing next to the weights: the
     // reference versions serve.
-    static const KernelOps ops{Isa::avx2, "avx2", Format::bf16, plain_layout, ref_ops().packed_bytes, ref_ops().gather, matmul_segments,
+    static const KernelOps ops{Isa::avx2, "avx2", Format::bf16, 0, plain_layout, ref_ops().packed_bytes, ref_ops().gather, matmul_segments,
                                ref_ops().silu_mul_pack, ref_ops().combine_down, ref_ops().store_down};
     return ops;
 }

@@ -562,7 +562,7 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 }  // namespace
 
 const KernelOps& avx512_ops() {
-    static const KernelOps ops{Isa::avx512,   "avx512",  Format::bf16, token_layout,    packed_bytes, gather, matmul_segments,
+    static const KernelOps ops{Isa::avx512,   "avx512",  Format::bf16, 0, token_layout,    packed_bytes, gather, matmul_segments,
                                silu_mul_pack, combine_down_avx512, store_down_avx512};
     return ops;
 }

@@ -1,42 +1,51 @@
 // AVX-512-VNNI kernels of the integer weight formats (docs/quantization.md): int8 and int4
 // weights against int8 tokens, vpdpbusd (u8 x s8, four products per 32-bit lane). Compiled
 // with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mavx512vnni -ffp-contract=off;
-// dispatch only hands these tables out when cpuid + XCR0 allow it.
+// dispatch only hands these tables out when cpuid + XCR0 allow it. One table per format
+// and group G (32, 64, 128); G is also the tokens' quantization block.
 //
-// Operand layouts (kernel_api.hpp), exactly ref_quant.cpp's, so that every ISA's token
-// operand holds the same bytes:
+// Operand layouts (kernel_api.hpp):
 //   weights  int8 w[r * ld + c]; int4: byte (r * ld + c) / 2, the even column in its low
 //            nibble, 4-bit two's complement; never repacked. Scales (fp32, fp16 or bf16)
-//            s[r * scales_ld + c / group]
-//   tokens   plain: q[t * k + c] int8 (m * k bytes, padded to 64), then fp32
-//            scale[t * (k / 32) + b], symmetric per token and 32-column block
+//            s[r * scales_ld + c / G]
+//   tokens   the same int8 values and fp32 scales as ref_quant.cpp (per token and block of
+//            G columns), laid out by token count:
+//            plain (m < 9)  q[t * k + c], then scale[t * (k / G) + b]
+//            lanes (m >= 9) lane group j = tokens 16j .. 16j + 15; for each 4 columns
+//                           d = c / 4 a 64-byte vector at (j * k / 4 + d) * 64 whose
+//                           lane l holds token 16j + l's 4 values as u8 x + 128; absent
+//                           tokens hold 128 (x = 0). Then fp32
+//                           scale[(j * (k / G) + b) * 16 + l] (0 for absent tokens).
+//                           Values are padded to 64 bytes before the scales.
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
-// The result is the reference's bit for bit: per 32-column block an exact int32 dot
-// product, float(dot) * (s_w * s_x) added in fp32 in increasing column order, starting
-// from 0 per segment and added to out at the end (hence -ffp-contract=off: no fused
-// multiply-add may change a rounding).
+// The result is the reference's bit for bit: per group an exact int32 dot product,
+// float(dot) * (s_w * s_x) added in fp32 in increasing column order, starting from 0 per
+// segment and added to out at the end (hence -ffp-contract=off: no fused multiply-add may
+// change a rounding).
 //
-// vpdpbusd wants one unsigned operand. The weights are made unsigned by an offset, which
-// is exact for every value and costs one xor per weight vector (shared by all tokens):
-// int8 u = w + 128 (w ^ 0x80), int4 u = q + 8 (nibble ^ 8); then dot(u, x) = dot(w, x) +
-// bias * sum(x), and the bias term of each token (one vpdpbusd with a constant, shared by
-// all rows) is the accumulator's start value, negated.
-//
-// Few tokens (< 8). Register block: R rows x T tokens = up to 16 (row, token) pairs. A 64-column step gives
-// one vector per pair, lanes 0-7 the partial sums of the first 32-column block, 8-15 the
-// second; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of block
-// totals per block, lane p = pair p, so the fp32 scale-and-add runs on 16 pairs at once
-// and in block order. The weights are streamed once, R rows at a time; each weight vector
-// loaded serves T tokens; each step prefetches (L2) the same columns of the row block after
-// next. Unlike avx512_bf16.cpp no second prefetch of the block one on: with 16 row
-// streams it made the qwen3 expert ~15% slower (hot and cold, 2048 x 768, M = 1).
-//
-// Many tokens (>= 8): token lanes, 16 tokens a vector (lane_micro), so that the 8
-// vpdpbusd of a row's block leave exact block totals in the lanes with no reduction.
+// vpdpbusd wants one unsigned operand.
+// Few tokens (plain): the weights are made unsigned by an offset, one xor per weight
+// vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8 (nibble ^ 8);
+// dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token (vpdpbusd with a
+// constant, shared by all rows) is the accumulator's start value, negated. Register
+// block: R rows x T tokens = up to 16 (row, token) pairs, one vector each; a reduction tree
+// (reduce_pairs) turns the 16 vectors into one vector of group totals, lane p = pair p, so
+// the fp32 scale-and-add runs on 16 pairs at once. Each weight vector loaded serves T
+// tokens; each step prefetches (L2) the same columns of the row block after next. (Unlike
+// avx512_bf16.cpp no second prefetch of the block one on: with 16 row streams it made the
+// qwen3 expert ~15% slower, hot and cold, 2048 x 768, M = 1.)
+// Many tokens (lanes): the tokens are the unsigned operand, biased once by gather or
+// silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
+// one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
+// the sums of each row's groups are taken once per row block (amortised over every lane
+// group) and subtracted per group. int4 rows are first unpacked to signed bytes in a
+// per-thread buffer, also once per row block.
 #include <immintrin.h>
 
 #include <cstring>
+
+#include "common/util.hpp"
 
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
@@ -45,40 +54,96 @@
 namespace numa_moe::kernels {
 namespace {
 
-constexpr int64_t kBlock = kActivationBlock;
-constexpr int kPairs = 16;          // lanes of a pair vector
-constexpr int64_t kChunkBlocks = 16;  // blocks whose scale products one tile holds
+constexpr int kPairs = 16;             // lanes of a pair vector
+constexpr int64_t kChunkGroups = 16;   // groups whose scale products one tile holds
+constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of int8 weights)
+
+// From 9 tokens the lane kernel beats the pair kernel (at 8 the pairs' two full token
+// blocks take about as long as one half-empty lane group; docs/kernels.md).
+constexpr int64_t kLaneMinTokens = 9;
+constexpr int kLaneTokens = 16;
+constexpr int kUnpackedRowsSlot = 0, kRowScalesSlot = 1, kRowSumsSlot = 2;  // thread_scratch slots
 
 // ---------------------------------------------------------------------------------------
-// Token operand: ref_quant.cpp's layout and rule.
+// Token operand.
 
+inline bool uses_lanes(int64_t m) { return m >= kLaneMinTokens; }
+inline int64_t lane_groups(int64_t m) { return (m + kLaneTokens - 1) / kLaneTokens; }
+
+size_t value_bytes(int64_t m, int64_t k) {
+    const int64_t n = uses_lanes(m) ? lane_groups(m) * (k / 4) * 64 : m * k;
+    return (static_cast<size_t>(n) + 63) / 64 * 64;
+}
+
+template <int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
-    const size_t values = (static_cast<size_t>(m * k) + 63) / 64 * 64;
-    return values + static_cast<size_t>(m * (k / kBlock)) * sizeof(float);
+    const int64_t scales = uses_lanes(m) ? lane_groups(m) * (k / G) * 16 : m * (k / G);
+    return value_bytes(m, k) + static_cast<size_t>(scales) * sizeof(float);
 }
 
-const float* token_scales(const void* packed, int64_t m, int64_t k) {
-    return reinterpret_cast<const float*>(static_cast<const uint8_t*>(packed) +
-                                          (static_cast<size_t>(m * k) + 63) / 64 * 64);
-}
+// Where gather and silu_mul_pack put token t's block b (G values and a scale).
+template <int64_t G>
+struct TokenWriter {
+    TokenWriter(void* packed, int64_t m_, int64_t k_)
+        : values(static_cast<uint8_t*>(packed)),
+          scales(reinterpret_cast<float*>(values + value_bytes(m_, k_))),
+          m(m_), k(k_), lanes(uses_lanes(m_)) {}
 
-// 32 values -> symmetric int8 with scale amax / 127, as quantize_block of ref_quant.cpp:
-// the same division (not a reciprocal) and round-half-even, so the same bytes.
-inline void quantize_block(__m512 lo, __m512 hi, int8_t* q, float* scale) {
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float s = amax / 127.0f;
+    void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
+        if (!lanes) {
+            std::memcpy(values + t * k + b * G, q, G);
+            scales[t * (k / G) + b] = scale;
+            return;
+        }
+        const int64_t j = t / kLaneTokens, lane = t % kLaneTokens;
+        uint8_t* first = values + (j * (k / 4) + b * G / 4) * 64 + lane * 4;
+        for (int64_t d = 0; d < G / 4; ++d) {
+            uint32_t word;
+            std::memcpy(&word, q + 4 * d, 4);
+            word ^= 0x80808080u;
+            std::memcpy(first + d * 64, &word, 4);
+        }
+        scales[(j * (k / G) + b) * 16 + lane] = scale;
+    }
+
+    // Lanes: the lanes of absent tokens of columns [c_begin, c_end) hold x = 0 with scale
+    // 0 (each writer fills its own columns: no shared bytes).
+    void fill_padding(int64_t c_begin, int64_t c_end) const {
+        if (!lanes) return;
+        for (int64_t j = m / kLaneTokens; j < lane_groups(m); ++j) {  // the last group, if short
+            const int64_t present = m - j * kLaneTokens;
+            const __mmask16 pad = static_cast<__mmask16>(~tail_mask16(present));
+            for (int64_t d = c_begin / 4; d < c_end / 4; ++d)
+                _mm512_mask_storeu_epi32(values + (j * (k / 4) + d) * 64, pad, _mm512_set1_epi8(static_cast<char>(0x80)));
+            for (int64_t b = c_begin / G; b < c_end / G; ++b)
+                _mm512_mask_storeu_ps(scales + (j * (k / G) + b) * 16, pad, _mm512_setzero_ps());
+        }
+    }
+
+    uint8_t* values;
+    float* scales;
+    int64_t m, k;
+    bool lanes;
+};
+
+// G values (G / 16 vectors) -> symmetric int8 with scale amax / 127, as quantize_block of
+// ref_quant.cpp: the same division (not a reciprocal) and round-half-even, so the same bytes.
+template <int64_t G>
+inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
+    __m512 amax = _mm512_abs_ps(v[0]);
+    for (int64_t i = 1; i < G / 16; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    const float s = _mm512_reduce_max_ps(amax) / 127.0f;
     *scale = s;
     if (!(s > 0.0f)) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
+        std::memset(q, 0, G);
         return;
     }
     const __m512 sv = _mm512_set1_ps(s), limit = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
-    const auto to_int8 = [&](__m512 v) {
-        v = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, limit), low)));
-    };
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), to_int8(lo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), to_int8(hi));
+    for (int64_t i = 0; i < G / 16; ++i) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, limit), low))));
+    }
 }
 
 inline __m512 bf16x16_to_ps(const bf16* p) {
@@ -86,40 +151,51 @@ inline __m512 bf16x16_to_ps(const bf16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+template <int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    int8_t* q = static_cast<int8_t*>(packed);
-    float* scales = const_cast<float*>(token_scales(packed, m, k));
+    const TokenWriter<G> out(packed, m, k);
+    out.fill_padding(0, k);
+    alignas(64) int8_t q[G];
     for (int64_t t = 0; t < m; ++t) {
         const bf16* row = x + token_index[t] * ldx;
-        for (int64_t b = 0; b < k / kBlock; ++b)
-            quantize_block(bf16x16_to_ps(row + b * kBlock), bf16x16_to_ps(row + b * kBlock + 16), q + t * k + b * kBlock,
-                           scales + t * (k / kBlock) + b);
+        for (int64_t b = 0; b < k / G; ++b) {
+            __m512 v[G / 16];
+            for (int64_t i = 0; i < G / 16; ++i) v[i] = bf16x16_to_ps(row + b * G + 16 * i);
+            float scale;
+            quantize_block<G>(v, q, &scale);
+            out.put(t, b, q, scale);
+        }
     }
 }
 
 // The gate/up epilogue: the partials are [row][token], the operand [token][column], so
-// 16 rows x 16 tokens tiles are transposed in registers, two per 32-column block.
+// 16 rows x 16 tokens tiles are transposed in registers, G / 16 per group of columns.
+template <int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    int8_t* q = static_cast<int8_t*>(packed);
-    float* scales = const_cast<float*>(token_scales(packed, m, i_total));
-    for (int64_t i0 = i_begin; i0 < i_end; i0 += kBlock) {
+    const TokenWriter<G> out(packed, m, i_total);
+    out.fill_padding(i_begin, i_end);
+    alignas(64) int8_t q[G];
+    for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
         for (int64_t t0 = 0; t0 < m; t0 += 16) {
             const int64_t nt = m - t0 < 16 ? m - t0 : 16;
             const __mmask16 tmask = tail_mask16(nt);
-            __m512 lo[16], hi[16];
-            for (int ii = 0; ii < 16; ++ii) {
-                const int64_t off_lo = (i0 + ii) * ld + t0, off_hi = (i0 + 16 + ii) * ld + t0;
-                lo[ii] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, off_lo, tmask)),
-                                       sum_parts(up_parts, n_parts, off_lo, tmask));
-                hi[ii] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, off_hi, tmask)),
-                                       sum_parts(up_parts, n_parts, off_hi, tmask));
+            __m512 act[16][G / 16];  // [token][16 columns]
+            for (int64_t sub = 0; sub < G / 16; ++sub) {
+                __m512 v[16];
+                for (int ii = 0; ii < 16; ++ii) {
+                    const int64_t offset = (i0 + sub * 16 + ii) * ld + t0;
+                    v[ii] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, offset, tmask)),
+                                          sum_parts(up_parts, n_parts, offset, tmask));
+                }
+                transpose16(v);
+                for (int tt = 0; tt < 16; ++tt) act[tt][sub] = v[tt];
             }
-            transpose16(lo);
-            transpose16(hi);
-            for (int64_t tt = 0; tt < nt; ++tt)
-                quantize_block(lo[tt], hi[tt], q + (t0 + tt) * i_total + i0,
-                               scales + (t0 + tt) * (i_total / kBlock) + i0 / kBlock);
+            for (int64_t tt = 0; tt < nt; ++tt) {
+                float scale;
+                quantize_block<G>(act[tt], q, &scale);
+                out.put(t0 + tt, i0 / G, q, scale);
+            }
         }
     }
 }
@@ -152,32 +228,17 @@ inline __m512i load_unsigned(const uint8_t* p, bool full) {
 template <Format F>
 constexpr char kBias = F == Format::int8 ? static_cast<char>(0x80) : 8;
 
-// Scales of one row for a chunk: n groups from group g0, spread to the chunk's blocks by
-// group_index (lane i: the group of block b0 + i, relative to g0).
-inline __m512 row_scales(ScaleType type, const void* row_scales, int64_t g0, __mmask16 groups, __m512i group_index) {
-    __m512 v;
+// n (<= 16) consecutive scales of one row from group g0, as fp32 (lanes past n: 0).
+inline __m512 row_scales(ScaleType type, const void* row_scales, int64_t g0, int64_t n) {
+    const __mmask16 mask = tail_mask16(n);
     switch (type) {
-        case ScaleType::fp32: v = _mm512_maskz_loadu_ps(groups, static_cast<const float*>(row_scales) + g0); break;
+        case ScaleType::fp32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row_scales) + g0);
         case ScaleType::fp16:
-            v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(groups, static_cast<const uint16_t*>(row_scales) + g0));
-            break;
+            return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row_scales) + g0));
         default:
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(groups, static_cast<const uint16_t*>(row_scales) + g0)), 16));
+            return _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row_scales) + g0)), 16));
     }
-    return _mm512_permutexvar_ps(group_index, v);
-}
-
-// Lane i: (b0 + i) / per_group - b0 / per_group, lanes past nb repeating the last block.
-// Exact in fp32 (block numbers are far below 2^24), and no integer division per lane,
-// which cost more than the whole chunk's arithmetic when done per row block.
-inline __m512i group_index(int64_t b0, int64_t nb, int64_t per_group) {
-    const __m512 lane = _mm512_cvtepi32_ps(_mm512_min_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(static_cast<int>(nb - 1))));
-    const __m512 group = _mm512_roundscale_ps(
-        _mm512_div_ps(_mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(b0))), _mm512_set1_ps(static_cast<float>(per_group))),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    return _mm512_sub_epi32(_mm512_cvtps_epi32(group), _mm512_set1_epi32(static_cast<int>(b0 / per_group)));
 }
 
 // The R rows of a register block. Rows past `rows` (a short last block) repeat row 0, so
@@ -192,28 +253,54 @@ struct RowBlock {
     int rows;
 };
 
-// tile[i][p] = s_w(row r, block b0 + i) * s_x(token t, block b0 + i), pair p = r * T + t:
-// the factor of block i's totals, a vector over the pairs (a transpose of per-row vectors).
+template <int R>
+RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, int64_t t0,
+                         float* out, int64_t ldo) {
+    const uint8_t* data = static_cast<const uint8_t*>(w.data);
+    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    const int64_t row_bytes = format == Format::int8 ? w.ld : w.ld / 2;
+    const int64_t scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
+    RowBlock<R> b;
+    b.rows = static_cast<int>(j_hi - j < R ? j_hi - j : R);
+    b.w_step = stride * row_bytes;
+    b.pf = data + (seg.row0 + (j + 2 * R) * stride) * row_bytes;
+    for (int r = 0; r < R; ++r) {
+        const int64_t row = seg.row0 + (j + (r < b.rows ? r : 0)) * stride;
+        b.w[r] = data + row * row_bytes;
+        b.scales[r] = static_cast<const uint8_t*>(w.scales) + row * w.scales_ld * scale_bytes;
+        b.out[r] = out + row * ldo + t0;
+    }
+    return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Few tokens: pairs.
+
+// acc += vpdpbusd(u, s). GCC 12 keeps each accumulator of the intrinsic in two registers
+// with a copy either side of every instruction (it does not coalesce the tied operand in
+// a loop); the asm operand "+v" makes the accumulator one register.
+inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+}
+
+
+// tile[i][p] = s_w(row r, group g0 + i) * s_x(token t, group g0 + i), pair p = r * T + t:
+// the factor of group i's totals, a vector over the pairs (a transpose of per-row vectors).
 template <int R, int T>
-void scale_tile(const RowBlock<R>& b, const Weights& w, const float* xs, int64_t x_blocks, int64_t b0, int64_t nb,
-                __m512 tile[kChunkBlocks]) {
-    const int64_t per_group = w.group / kBlock;
-    const int64_t g0 = b0 / per_group;
-    const __mmask16 groups = tail_mask16((b0 + nb - 1) / per_group - g0 + 1);
-    const __m512i index = group_index(b0, nb, per_group);
-    const __mmask16 mask = tail_mask16(nb);
+void scale_tile(const RowBlock<R>& b, const Weights& w, const float* xs, int64_t x_groups, int64_t g0, int64_t n,
+                __m512 tile[kChunkGroups]) {
     __m512 sx[T];
-    for (int t = 0; t < T; ++t) sx[t] = _mm512_maskz_loadu_ps(mask, xs + t * x_blocks + b0);
+    for (int t = 0; t < T; ++t) sx[t] = _mm512_maskz_loadu_ps(tail_mask16(n), xs + t * x_groups + g0);
     for (int p = 0; p < kPairs; ++p) tile[p] = _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-        const __m512 sw = row_scales(w.scale_type, b.scales[r], g0, groups, index);
+        const __m512 sw = row_scales(w.scale_type, b.scales[r], g0, n);
         for (int t = 0; t < T; ++t) tile[r * T + t] = _mm512_mul_ps(sw, sx[t]);
     }
     transpose16(tile);
 }
 
-// v[p] lanes 0-7: partial sums of pair p's first block, lanes 8-15 its second. Returns the
-// block totals, lane p = pair p: pairwise unpack-and-add within 128-bit lanes, then across.
+// v[p] lanes 0-7: partial sums of pair p's first half, lanes 8-15 its second. Returns the
+// half totals, lane p = pair p: pairwise unpack-and-add within 128-bit lanes, then across.
 inline void reduce_pairs(const __m512i v[kPairs], __m512i* first, __m512i* second) {
     __m512i s1[8], s2[4];
     for (int i = 0; i < 8; ++i)
@@ -227,42 +314,62 @@ inline void reduce_pairs(const __m512i v[kPairs], __m512i* first, __m512i* secon
     *second = _mm512_shuffle_i32x4(a, c, 0xdd);
 }
 
-// One 64-column step (32 when !full) at column c: the per-pair partial sums of its blocks.
-template <Format F, int R, int T>
-inline void step_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, bool full, __m512i v[kPairs]) {
+// The pair vectors of `steps` 64-column steps (the last one 32 columns when !full) from
+// column c: v[p] = sum over the steps of vpdpbusd(u_row, x_token), started from the bias
+// correction of the same token columns.
+template <Format F, int R, int T, int S>
+inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, bool full, __m512i v[kPairs]) {
     const __m512i bias = _mm512_set1_epi8(kBias<F>);
-    __m512i x[T], start[T];
+    __m512i x[T][S];
     for (int t = 0; t < T; ++t) {
-        x[t] = full ? _mm512_loadu_si512(xq + t * k + c) : _mm512_maskz_loadu_epi8(0xffffffffull, xq + t * k + c);
-        start[t] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, x[t]));
+        __m512i correction = _mm512_setzero_si512();
+        for (int s = 0; s < S; ++s) {
+            const int8_t* p = xq + t * k + c + s * kStepColumns;
+            x[t][s] = full || s + 1 < S ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xffffffffull, p);
+            correction = _mm512_dpbusd_epi32(correction, bias, x[t][s]);
+        }
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), correction);
+        for (int r = 0; r < R; ++r) v[r * T + t] = start;
     }
     for (int p = R * T; p < kPairs; ++p) v[p] = _mm512_setzero_si512();
-    const int64_t offset = column_bytes<F>(c);
-    for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
-        const __m512i u = load_unsigned<F>(b.w[r] + offset, full);
-        for (int t = 0; t < T; ++t) v[r * T + t] = _mm512_dpbusd_epi32(start[t], u, x[t]);
+    for (int s = 0; s < S; ++s) {
+        const int64_t offset = column_bytes<F>(c + s * kStepColumns);
+        const bool whole = full || s + 1 < S;
+        for (int r = 0; r < R; ++r) {
+            _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
+            const __m512i u = load_unsigned<F>(b.w[r] + offset, whole);
+            for (int t = 0; t < T; ++t) dpbusd(v[r * T + t], u, x[t][s]);
+        }
     }
 }
 
-// out[r][t] += sum over the blocks of [c0, c1) of float(dot) * (s_w * s_x), in block order,
-// for the R rows of b and T tokens from xq / xs.
-template <Format F, int R, int T>
-void micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k, int64_t c0, int64_t c1) {
+// out[r][t] += sum over the groups of [c0, c1) of float(dot) * (s_w * s_x), in group
+// order, for the R rows of b and T tokens from xq / xs. G = 32: a step holds two groups
+// (the two halves of the reduction); G >= 64: a group is G / 64 steps, summed in int32.
+template <Format F, int64_t G, int R, int T>
+void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k, int64_t c0,
+                int64_t c1) {
     static_assert(R * T <= kPairs, "one vector of pairs");
+    constexpr int kSteps = G >= kStepColumns ? static_cast<int>(G / kStepColumns) : 1;
     __m512 acc = _mm512_setzero_ps();
-    __m512 tile[kChunkBlocks];
-    for (int64_t cc = c0; cc < c1; cc += kChunkBlocks * kBlock) {
-        const int64_t ce = cc + kChunkBlocks * kBlock < c1 ? cc + kChunkBlocks * kBlock : c1;
-        scale_tile<R, T>(b, w, xs, k / kBlock, cc / kBlock, (ce - cc) / kBlock, tile);
-        for (int64_t c = cc; c < ce; c += 2 * kBlock) {
-            const bool full = ce - c >= 2 * kBlock;
+    __m512 tile[kChunkGroups];
+    for (int64_t cc = c0; cc < c1; cc += kChunkGroups * G) {
+        const int64_t ce = cc + kChunkGroups * G < c1 ? cc + kChunkGroups * G : c1;
+        scale_tile<R, T>(b, w, xs, k / G, cc / G, (ce - cc) / G, tile);
+        for (int64_t c = cc; c < ce; c += kSteps * kStepColumns) {
+            const int64_t i = (c - cc) / G;
             __m512i v[kPairs], first, second;
-            step_dots<F, R, T>(b, xq, k, c, full, v);
-            reduce_pairs(v, &first, &second);
-            const int64_t i = (c - cc) / kBlock;
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(first), tile[i]));
-            if (full) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(second), tile[i + 1]));
+            if constexpr (G == 32) {
+                const bool full = ce - c >= kStepColumns;
+                pair_dots<F, R, T, 1>(b, xq, k, c, full, v);
+                reduce_pairs(v, &first, &second);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(first), tile[i]));
+                if (full) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(second), tile[i + 1]));
+            } else {
+                pair_dots<F, R, T, kSteps>(b, xq, k, c, true, v);
+                reduce_pairs(v, &first, &second);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), tile[i]));
+            }
         }
     }
     alignas(64) float sums[kPairs];
@@ -271,116 +378,184 @@ void micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float
         for (int t = 0; t < T; ++t) b.out[r][t] += sums[r * T + t];
 }
 
-// ---------------------------------------------------------------------------------------
-// Token lanes (many tokens): lane t of a vector is token t0 + t, 16 tokens a vector, so a
-// block's 8 vpdpbusd per row (a weight dword broadcast against the tokens' dwords) leave
-// exact block totals in the lanes: no reduction tree, which costs more shuffles than the
-// products are worth once a weight row serves 16 tokens. The tokens of a block are
-// transposed in registers once per row block (amortised over its R rows).
-
-// From 8 tokens (hot 256 x 2048 int8, 1 thread: 7 tokens in token blocks take as long
-// as 8 in lanes, and a lane pass costs about the same up to 16 tokens).
-constexpr int64_t kLaneMinTokens = 8;
-constexpr int kLaneRows = 16;
-
-// The 32 columns at c of tokens [0, nt) (row-major, k apart) as 8 vectors, vector j lane
-// t = token t's columns c + 4j .. c + 4j + 3; absent tokens are zero.
-inline void transpose_tokens(const int8_t* xq, int64_t k, int nt, int64_t c, __m512i x[8]) {
-    __m512 v[16];
-    for (int t = 0; t < 16; ++t)
-        v[t] = t < nt ? _mm512_castsi512_ps(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * k + c))))
-                      : _mm512_setzero_ps();
-    transpose16(v);  // outputs 8-15 (input lanes 8-15, zero) are not used
-    for (int j = 0; j < 8; ++j) x[j] = _mm512_castps_si512(v[j]);
-}
-
-// 32 columns of an int4 weight row as unsigned biased bytes (as load_unsigned). Broadcasts
-// are permutes from this register: a store and 8 dword loads of it stalled on the store
-// forwarding (~15% at 16 tokens); int8 broadcasts straight from the weights instead.
-inline __m256i unsigned_block(const uint8_t* p) {
-    const __m128i raw = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_set1_epi8(static_cast<char>(0x88)));
-    const __m256i wide = _mm256_cvtepu8_epi16(raw);
-    return _mm256_ternarylogic_epi32(wide, _mm256_slli_epi16(wide, 4), _mm256_set1_epi16(0x0f0f), 0xa8);
-}
-
-// out[r][t] += the block-ordered fp32 sum, for the R rows of b and nt <= 16 tokens.
-template <Format F, int R>
-void lane_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k, int nt, int64_t c0,
-                int64_t c1) {
-    const int64_t x_blocks = k / kBlock, per_group = w.group / kBlock;
-    const __mmask16 tmask = tail_mask16(nt);
-    const __m512i x_index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(static_cast<int>(x_blocks)));
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    alignas(64) float sw[R][kChunkBlocks];
-    for (int64_t cc = c0; cc < c1; cc += kChunkBlocks * kBlock) {
-        const int64_t b0 = cc / kBlock, nb = ((c1 - cc < kChunkBlocks * kBlock ? c1 - cc : kChunkBlocks * kBlock)) / kBlock;
-        const int64_t g0 = b0 / per_group;
-        const __mmask16 groups = tail_mask16((b0 + nb - 1) / per_group - g0 + 1);
-        const __m512i index = group_index(b0, nb, per_group);
-        for (int r = 0; r < R; ++r) _mm512_store_ps(sw[r], row_scales(w.scale_type, b.scales[r], g0, groups, index));
-        for (int64_t i = 0; i < nb; ++i) {
-            const int64_t c = cc + i * kBlock, offset = column_bytes<F>(c);
-            __m512i x[8];
-            transpose_tokens(xq, k, nt, c, x);
-            __m512i start = _mm512_setzero_si512();
-            for (int j = 0; j < 8; ++j) start = _mm512_dpbusd_epi32(start, _mm512_set1_epi8(kBias<F>), x[j]);
-            start = _mm512_sub_epi32(_mm512_setzero_si512(), start);
-            const __m512 sx = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), tmask, x_index, xs + b0 + i, 4);
-            for (int r = 0; r < R; ++r) {
-                _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
-                __m512i dot = start;
-                if constexpr (F == Format::int8) {  // a dword broadcast from memory, then biased
-                    for (int j = 0; j < 8; ++j) {
-                        int32_t word;
-                        std::memcpy(&word, b.w[r] + offset + 4 * j, sizeof(word));
-                        const __m512i u = _mm512_xor_si512(_mm512_set1_epi32(word), _mm512_set1_epi8(static_cast<char>(0x80)));
-                        dot = _mm512_dpbusd_epi32(dot, u, x[j]);
-                    }
-                } else {  // unpacked in a register, each dword broadcast by a permute
-                    const __m512i u = _mm512_castsi256_si512(unsigned_block(b.w[r] + offset));
-                    for (int j = 0; j < 8; ++j)
-                        dot = _mm512_dpbusd_epi32(dot, _mm512_permutexvar_epi32(_mm512_set1_epi32(j), u), x[j]);
-                }
-                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sw[r][i]), sx);
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale));
-            }
-        }
-    }
-    for (int r = 0; r < b.rows; ++r)
-        _mm512_mask_storeu_ps(b.out[r], tmask, _mm512_add_ps(_mm512_maskz_loadu_ps(tmask, b.out[r]), acc[r]));
-}
-
-// ---------------------------------------------------------------------------------------
-// Row blocks and segments.
-
 // Rows per register block for T tokens: all 16 pairs used (15 at T = 3).
 constexpr int rows_for_tokens(int t) { return kPairs / t; }
 
-// Rows j .. of a segment (at most R, fewer at j_hi) against tokens t0 .. (T, or up to 16
-// in lanes when T == 0).
-template <Format F, int T>
-void row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, int64_t stride, const int8_t* q,
-               const float* xs, int64_t t0, int64_t nt, int64_t k, float* out, int64_t ldo) {
-    constexpr int R = T == 0 ? kLaneRows : rows_for_tokens(T);
-    const uint8_t* data = static_cast<const uint8_t*>(w.data);
-    const int64_t row_bytes = column_bytes<F>(w.ld), scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
-    RowBlock<R> b;
-    b.rows = static_cast<int>(j_hi - j < R ? j_hi - j : R);
-    b.w_step = stride * row_bytes;
-    b.pf = data + (seg.row0 + (j + 2 * R) * stride) * row_bytes;
-    for (int r = 0; r < R; ++r) {
-        const int64_t row = seg.row0 + (j + (r < b.rows ? r : 0)) * stride;
-        b.w[r] = data + row * row_bytes;
-        b.scales[r] = static_cast<const uint8_t*>(w.scales) + row * w.scales_ld * scale_bytes;
-        b.out[r] = out + row * ldo + t0;
-    }
-    if constexpr (T == 0)
-        lane_micro<F, R>(b, w, q + t0 * k, xs + t0 * (k / kBlock), k, static_cast<int>(nt), seg.k0, seg.k1);
-    else
-        micro<F, R, T>(b, w, q + t0 * k, xs + t0 * (k / kBlock), k, seg.k0, seg.k1);
+template <Format F, int64_t G, int T>
+void pair_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, const int8_t* q, const float* xs,
+                    int64_t t0, int64_t k, float* out, int64_t ldo) {
+    constexpr int R = rows_for_tokens(T);
+    const RowBlock<R> b = row_block_of<R>(F, w, seg, j, j_hi, t0, out, ldo);
+    pair_micro<F, G, R, T>(b, w, q + t0 * k, xs + t0 * (k / G), k, seg.k0, seg.k1);
 }
+
+// ---------------------------------------------------------------------------------------
+// Many tokens: lanes.
+
+// The row block's columns [c0, c1) as signed bytes, column c at rows[r] + c - c0: int8
+// rows in place, int4 rows unpacked into this thread's buffer.
+template <Format F, int R>
+void signed_rows(const RowBlock<R>& b, int64_t c0, int64_t c1, const int8_t* rows[R]) {
+    if constexpr (F == Format::int8) {
+        for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const int8_t*>(b.w[r]) + c0;
+    } else {
+        const int64_t n = c1 - c0, padded = (n + 63) / 64 * 64;
+        int8_t* buffer = static_cast<int8_t*>(thread_scratch(kUnpackedRowsSlot, R * padded));
+        const __m512i eight = _mm512_set1_epi8(8);
+        for (int r = 0; r < R; ++r) {
+            int8_t* dst = buffer + r * padded;
+            for (int64_t c = 0; c < n; c += kStepColumns) {
+                const __m512i u = load_unsigned<F>(b.w[r] + (c0 + c) / 2, n - c >= kStepColumns);
+                _mm512_storeu_si512(dst + c, _mm512_sub_epi8(u, eight));
+            }
+            rows[r] = dst;
+        }
+    }
+}
+
+// The weight side of a lane row block: its rows as signed bytes from column c0, and their
+// fp32 scales sw[r * sw_ld + g] of groups g0 + g.
+template <int R>
+struct LaneRows {
+    const int8_t* rows[R];
+    const float* sw;        // sw[r * ld + g]: fp32 weight scale of group g0 + g
+    const int32_t* bias;    // bias[r * ld + g]: 128 * the sum of the row's weights in it
+    int64_t ld;
+    int64_t c0, g0, n_groups;
+};
+
+// sums[g] = 128 * sum of row[c] over group g's columns (row indexed from the first group,
+// n groups): per 16 groups, one vpdpbusd against ones per 64 columns, then the 16 vectors
+// reduced at once (reduce_pairs).
+template <int64_t G>
+void group_bias(const int8_t* row, int64_t n_groups, int32_t* sums) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t g0 = 0; g0 < n_groups; g0 += 16) {
+        __m512i v[kPairs];
+        for (int i = 0; i < kPairs; ++i) {
+            v[i] = _mm512_setzero_si512();
+            if (g0 + i >= n_groups) continue;
+            const int8_t* p = row + (g0 + i) * G;
+            if constexpr (G == 32) {
+                dpbusd(v[i], ones, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+            } else {
+                for (int64_t c = 0; c < G; c += 64) dpbusd(v[i], ones, _mm512_loadu_si512(p + c));
+            }
+        }
+        __m512i first, second;
+        reduce_pairs(v, &first, &second);
+        _mm512_storeu_si512(sums + g0, _mm512_slli_epi32(_mm512_add_epi32(first, second), 7));
+    }
+}
+
+// The int32 sums of one group (G columns from cg) for R rows and NG lane groups: per 4
+// columns, NG token vectors and R weight dwords (broadcast from memory) feed R x NG
+// independent vpdpbusd. A function of its own so that the sums stay in registers: inside
+// the group loop GCC spilled them.
+template <int64_t G, int R, int NG>
+__attribute__((noinline)) void group_dots(const int8_t* const rows[R], int64_t cg, const uint8_t* xv,
+                                          int64_t x_group_bytes, __m512i* dots) {
+    __m512i dot[R][NG];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int n = 0; n < NG; ++n) dot[r][n] = _mm512_setzero_si512();
+    for (int64_t c = cg; c < cg + G; c += 4, xv += 64) {
+        __m512i x[NG];
+#pragma GCC unroll 4
+        for (int n = 0; n < NG; ++n) x[n] = _mm512_load_si512(xv + n * x_group_bytes);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            int32_t word;
+            std::memcpy(&word, rows[r] + c, sizeof(word));
+            const __m512i wv = _mm512_set1_epi32(word);
+#pragma GCC unroll 4
+            for (int n = 0; n < NG; ++n) dpbusd(dot[r][n], x[n], wv);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int n = 0; n < NG; ++n) _mm512_store_si512(dots + r * NG + n, dot[r][n]);
+}
+
+// out[r][t] += the group-ordered fp32 sum, for R rows and NG lane groups from lane group
+// j0: per group the int32 sums (group_dots), less the rows' bias, then scaled.
+template <int64_t G, int R, int NG>
+void lane_micro(const RowBlock<R>& b, const LaneRows<R>& lr, const uint8_t* values, const float* xs, int64_t m,
+                int64_t k, int64_t j0) {
+    alignas(64) float acc[R][NG][16] = {};
+    alignas(64) __m512i dots[R * NG];
+    const int64_t x_group_bytes = (k / 4) * 64;
+    const int8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = lr.rows[r] - lr.c0;  // indexed by column
+    for (int64_t g = 0; g < lr.n_groups; ++g) {
+        const int64_t cg = (lr.g0 + g) * G;
+        group_dots<G, R, NG>(rows, cg, values + j0 * x_group_bytes + cg * 16, x_group_bytes, dots);
+        for (int n = 0; n < NG; ++n) {
+            const __m512 sx = _mm512_loadu_ps(xs + ((j0 + n) * (k / G) + lr.g0 + g) * 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512i dot = dots[r * NG + n];
+                const __m512i exact = _mm512_sub_epi32(dot, _mm512_set1_epi32(lr.bias[r * lr.ld + g]));
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(lr.sw[r * lr.ld + g]), sx);
+                _mm512_store_ps(acc[r][n], _mm512_add_ps(_mm512_load_ps(acc[r][n]),
+                                                         _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale)));
+            }
+        }
+    }
+    for (int n = 0; n < NG; ++n) {
+        const int64_t t0 = (j0 + n) * kLaneTokens;
+        const __mmask16 tmask = tail_mask16(m - t0 < kLaneTokens ? m - t0 : kLaneTokens);
+        for (int r = 0; r < b.rows; ++r)
+            _mm512_mask_storeu_ps(b.out[r] + t0, tmask,
+                                  _mm512_add_ps(_mm512_maskz_loadu_ps(tmask, b.out[r] + t0), _mm512_load_ps(acc[r][n])));
+    }
+}
+
+// Rows per lane row block: 8 when every lane group fits one register block with 8 rows,
+// else 6 with up to 3 lane groups per register block: R x NG sums + NG token vectors + a
+// broadcast stay within the 32 registers with room (at 6 x 4 GCC spilled the sums).
+constexpr int kLaneMaxGroups = 3;
+inline int lane_rows(int64_t m) { return lane_groups(m) <= 2 ? 8 : 6; }
+
+// Every lane group of the tokens against R rows of a segment, NG at a time.
+template <Format F, int64_t G, int R>
+void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, const uint8_t* values,
+                    const float* xs, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const RowBlock<R> b = row_block_of<R>(F, w, seg, j, j_hi, 0, out, ldo);
+    LaneRows<R> lr;
+    signed_rows<F, R>(b, seg.k0, seg.k1, lr.rows);
+    lr.c0 = seg.k0;
+    lr.g0 = seg.k0 / G;
+    lr.n_groups = (seg.k1 - seg.k0) / G;
+    lr.ld = lr.n_groups + 16;  // 16 spare: whole-vector stores
+    float* sw = static_cast<float*>(thread_scratch(kRowScalesSlot, sizeof(float) * R * lr.ld));
+    int32_t* bias = static_cast<int32_t*>(thread_scratch(kRowSumsSlot, sizeof(int32_t) * R * lr.ld));
+    for (int r = 0; r < R; ++r) {
+        for (int64_t g = 0; g < lr.n_groups; g += 16)
+            _mm512_storeu_ps(sw + r * lr.ld + g,
+                             row_scales(w.scale_type, b.scales[r], lr.g0 + g, lr.n_groups - g < 16 ? lr.n_groups - g : 16));
+        group_bias<G>(lr.rows[r], lr.n_groups, bias + r * lr.ld);
+    }
+    lr.sw = sw;
+    lr.bias = bias;
+    // Register blocks of about equal lane groups (4 = 2 + 2, not 3 + 1).
+    const int64_t groups = lane_groups(m), blocks = (groups + kLaneMaxGroups - 1) / kLaneMaxGroups;
+    for (int64_t i = 0, j0 = 0; i < blocks; ++i) {
+        const int64_t ng = groups / blocks + (i < groups % blocks ? 1 : 0);
+        const int64_t first = j0;
+        j0 += ng;
+        switch (ng) {
+            case 1: lane_micro<G, R, 1>(b, lr, values, xs, m, k, first); break;
+            case 2: lane_micro<G, R, 2>(b, lr, values, xs, m, k, first); break;
+            default:
+                if constexpr (R <= 6) lane_micro<G, R, 3>(b, lr, values, xs, m, k, first);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Segments.
 
 // j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
 void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
@@ -395,56 +570,70 @@ void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, i
 }
 
 // Few tokens: token blocks of 4 (4 rows x 4 tokens), the last one 1-3 tokens with more
-// rows; many: groups of 16 token lanes. Each row block passes over all token blocks before
-// the next rows, so its weights stay in cache.
-template <Format F>
+// rows; many: blocks of lane_rows(m) rows over every lane group. Each row block passes over all token
+// blocks before the next rows, so its weights stay in cache.
+template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end,
                      const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
     if (m <= 0) return;
-    const int8_t* q = static_cast<const int8_t*>(packed);
-    const float* xs = token_scales(packed, m, k);
-    const bool lanes = m >= kLaneMinTokens;
+    const uint8_t* values = static_cast<const uint8_t*>(packed);
+    const float* xs = reinterpret_cast<const float*>(values + value_bytes(m, k));
+    const bool lanes = uses_lanes(m);
+    const int8_t* q = reinterpret_cast<const int8_t*>(values);
     const int64_t tail = m % 4, full_blocks = m / 4;
     // The row block follows the last token block's width: the widest (most rows) first.
-    const int rows = lanes ? kLaneRows : tail ? rows_for_tokens(static_cast<int>(tail)) : rows_for_tokens(4);
+    const int rows = lanes ? lane_rows(m) : tail ? rows_for_tokens(static_cast<int>(tail)) : rows_for_tokens(4);
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         int64_t j_lo, j_hi;
         segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
         if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
-        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += rows) {
             const int64_t j1 = j0 + rows < j_hi ? j0 + rows : j_hi;
             if (lanes) {
-                for (int64_t t0 = 0; t0 < m; t0 += 16)
-                    row_block<F, 0>(w, seg, j0, j1, stride, q, xs, t0, m - t0 < 16 ? m - t0 : 16, k, out, ldo);
+                if (rows == 8)
+                    lane_row_block<F, G, 8>(w, seg, j0, j1, values, xs, m, k, out, ldo);
+                else
+                    lane_row_block<F, G, 6>(w, seg, j0, j1, values, xs, m, k, out, ldo);
                 continue;
             }
             for (int64_t j = j0; j < j1; j += 4)
-                for (int64_t tb = 0; tb < full_blocks; ++tb)
-                    row_block<F, 4>(w, seg, j, j1, stride, q, xs, tb * 4, 4, k, out, ldo);
+                for (int64_t tb = 0; tb < full_blocks; ++tb) pair_row_block<F, G, 4>(w, seg, j, j1, q, xs, tb * 4, k, out, ldo);
             switch (tail) {
-                case 1: row_block<F, 1>(w, seg, j0, j1, stride, q, xs, m - 1, 1, k, out, ldo); break;
-                case 2: row_block<F, 2>(w, seg, j0, j1, stride, q, xs, m - 2, 2, k, out, ldo); break;
-                case 3: row_block<F, 3>(w, seg, j0, j1, stride, q, xs, m - 3, 3, k, out, ldo); break;
+                case 1: pair_row_block<F, G, 1>(w, seg, j0, j1, q, xs, m - 1, k, out, ldo); break;
+                case 2: pair_row_block<F, G, 2>(w, seg, j0, j1, q, xs, m - 2, k, out, ldo); break;
+                case 3: pair_row_block<F, G, 3>(w, seg, j0, j1, q, xs, m - 3, k, out, ldo); break;
                 default: break;
             }
         }
     }
 }
 
-}  // namespace
-
-const KernelOps& avx512_int8_ops() {
-    static const KernelOps ops{Isa::avx512, "avx512", Format::int8, plain_layout, packed_bytes, gather,
-                               matmul_segments<Format::int8>, silu_mul_pack, combine_down_avx512, store_down_avx512};
+template <Format F, int64_t G>
+const KernelOps& table() {
+    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<G>, gather<G>,
+                               matmul_segments<F, G>, silu_mul_pack<G>, combine_down_avx512, store_down_avx512};
     return ops;
 }
 
-const KernelOps& avx512_int4_ops() {
-    static const KernelOps ops{Isa::avx512, "avx512", Format::int4, plain_layout, packed_bytes, gather,
-                               matmul_segments<Format::int4>, silu_mul_pack, combine_down_avx512, store_down_avx512};
-    return ops;
+template <Format F>
+const KernelOps* table_for_group(int64_t group) {
+    switch (group) {
+        case 32: return &table<F, 32>();
+        case 64: return &table<F, 64>();
+        case 128: return &table<F, 128>();
+        default: return nullptr;
+    }
+}
+
+}  // namespace
+
+const KernelOps* avx512_integer_ops(Format format, int64_t group) {
+    switch (format) {
+        case Format::int8: return table_for_group<Format::int8>(group);
+        case Format::int4: return table_for_group<Format::int4>(group);
+        default: return nullptr;
+    }
 }
 
 }  // namespace numa_moe::kernels

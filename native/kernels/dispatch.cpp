@@ -53,21 +53,18 @@ bool parse_format(const char* name, Format* format) {
 namespace {
 
 // The integer formats: reference kernels and AVX-512-VNNI ones.
-const KernelOps* integer_ops(Isa isa, Format format) {
-    const bool int8 = format == Format::int8;
+const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
     switch (isa) {
-        case Isa::ref: return int8 ? &ref_int8_ops() : &ref_int4_ops();
-        case Isa::avx512:
-            if (!has_avx512_vnni_kernels()) return nullptr;
-            return int8 ? &avx512_int8_ops() : &avx512_int4_ops();
+        case Isa::ref: return ref_integer_ops(format, group);
+        case Isa::avx512: return has_avx512_vnni_kernels() ? avx512_integer_ops(format, group) : nullptr;
         default: return nullptr;
     }
 }
 
 }  // namespace
 
-const KernelOps* kernel_ops(Isa isa, Format format) {
-    if (format != Format::bf16) return integer_ops(isa, format);
+const KernelOps* kernel_ops(Isa isa, Format format, int64_t group) {
+    if (format != Format::bf16) return integer_ops(isa, format, group);
     switch (isa) {
         case Isa::ref: return &ref_ops();
         case Isa::avx2: return has_avx2_kernels() ? &avx2_ops() : nullptr;

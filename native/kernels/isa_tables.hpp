@@ -12,8 +12,9 @@ namespace numa_moe::kernels {
 
 const KernelOps& avx2_ops();       // avx2.cpp        (-mavx2 -mfma)
 const KernelOps& avx512_ops();     // avx512_bf16.cpp (-mavx512f/bw/vl/bf16 -mfma)
-const KernelOps& avx512_int8_ops();  // avx512_quant.cpp (... and -mavx512vnni)
-const KernelOps& avx512_int4_ops();  // avx512_quant.cpp
+// avx512_quant.cpp (... and -mavx512vnni): int8 / int4, nullptr for a group outside
+// kIntegerGroups.
+const KernelOps* avx512_integer_ops(Format format, int64_t group);
 const KernelOps& amx_ops();        // amx_bf16.cpp    (real AMX instructions)
 const KernelOps& amx_model_ops();  // amx_bf16_model.cpp: amx_bf16.cpp against the AMX model
 

@@ -43,10 +43,14 @@ struct Weights {
     ScaleType scale_type = ScaleType::fp32;
 };
 
-// Integer formats quantize the token operand per token and per block of this many
-// columns (symmetric int8, an fp32 scale each); segment columns of integer weights start
-// and end on these blocks.
-constexpr int64_t kActivationBlock = 32;
+// Integer formats quantize the token operand per token and per group of columns of the
+// weights it multiplies (symmetric int8, an fp32 scale each): a group's int32 dot product
+// is then exact and scaled once. Their tables exist for these groups; segment columns of
+// integer weights start and end on groups.
+constexpr int64_t kIntegerGroups[] = {32, 64, 128};
+constexpr int64_t kDefaultGroup = 128;
+
+constexpr bool is_integer_group(int64_t group) { return group == 32 || group == 64 || group == 128; }
 
 // Layout of the packed token operand, m tokens x k columns of bf16. The columns come in
 // blocks of B = block_columns; a block stores every token's B columns in turn, tokens padded
@@ -89,6 +93,8 @@ struct KernelOps {
     Isa isa;
     const char* name;
     Format format;  // of the weights matmul_segments reads
+    int64_t group;  // integer formats: the weights' group, which is also the token operand's
+                    // quantization block (0 for bf16)
 
     // The layout gather and silu_mul_pack write, and matmul_segments reads, for m tokens.
     // Only the bindings (tests) look at it; the worker layer treats the operand as bytes.
@@ -105,8 +111,8 @@ struct KernelOps {
     // For each segment s, for each row r = s.row0 + j * s.row_stride (j < s.nrows) with
     // row_begin <= r < row_end, for each token t < m:
     //     out[r * ldo + t] += sum_{c in [s.k0, s.k1)} w[r][c] * tokens[t][c]
-    // (integer formats: the int32 dot product of each activation block, times the weight
-    // and token scales, summed in fp32). Threads that own disjoint [row_begin, row_end)
+    // (integer formats: the int32 dot product of each group, times the weight and token
+    // scales, summed in fp32 in increasing column order from 0, then added to out). Threads that own disjoint [row_begin, row_end)
     // ranges may run concurrently on the same out buffer.
     void (*matmul_segments)(const Weights& w, const Segment* segments, int64_t n_segments,
                             int64_t row_begin, int64_t row_end, const void* packed, int64_t m,
@@ -119,7 +125,7 @@ struct KernelOps {
     //     act[t][i] = bf16(silu(g) * u)
     // written into `packed`, the token operand (m tokens x k = i_total columns) of the down
     // projection. Disjoint [i_begin, i_end) ranges may run concurrently; i_begin and
-    // i_end are multiples of 32 except i_end == i_total.
+    // i_end are multiples of row_align(*this) except i_end == i_total.
     void (*silu_mul_pack)(const float* const* gate_parts, const float* const* up_parts, int n_parts,
                           int64_t ld, int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total,
                           void* packed);
@@ -142,9 +148,15 @@ struct KernelOps {
                        int64_t m, void* out, int64_t ldo, bool out_bf16);
 };
 
-// The table for an ISA and weight format, or nullptr when this CPU (or OS) cannot run it
-// or the ISA has no kernels for the format.
-const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16);
+// Row ranges handed to threads are multiples of this: 32 rows (the epilogues' register
+// tiles), and for integer formats whole groups, since silu_mul_pack quantizes a group's
+// columns of the down projection's operand together.
+inline int64_t row_align(const KernelOps& ops) { return ops.group > 32 ? ops.group : 32; }
+
+// The table for an ISA, weight format and (integer formats) group, or nullptr when this CPU
+// (or OS) cannot run it, the ISA has no kernels for the format, or the group is not one of
+// kIntegerGroups. The group is ignored for bf16.
+const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16, int64_t group = kDefaultGroup);
 
 // The fastest ISA this machine runs, unless NUMA_MOE_ISA (ref|avx2|avx512|amx_model|amx)
 // names another; an unavailable choice there is an error (std::runtime_error).
@@ -159,9 +171,9 @@ std::string unavailable_reason(Isa isa, Format format = Format::bf16);
 const char* format_name(Format format);
 bool parse_format(const char* name, Format* format);
 
-// The portable reference tables, always available.
+// The portable reference tables, always available (integer ones: nullptr for a group
+// outside kIntegerGroups).
 const KernelOps& ref_ops();
-const KernelOps& ref_int8_ops();
-const KernelOps& ref_int4_ops();
+const KernelOps* ref_integer_ops(Format format, int64_t group);
 
 }  // namespace numa_moe::kernels

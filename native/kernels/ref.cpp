@@ -87,7 +87,7 @@ void store_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_be
 }  // namespace
 
 const KernelOps& ref_ops() {
-    static const KernelOps ops{Isa::ref,      "ref",        Format::bf16, plain_layout, packed_bytes, gather, matmul_segments,
+    static const KernelOps ops{Isa::ref,      "ref",        Format::bf16, 0, plain_layout, packed_bytes, gather, matmul_segments,
                                silu_mul_pack, combine_down, store_down};
     return ops;
 }

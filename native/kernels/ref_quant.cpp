@@ -5,10 +5,10 @@
 // Operand layouts (kernel_api.hpp):
 //   weights  int8 w[r * ld + c]; int4: byte (r * ld + c) / 2, the even column in its low
 //            nibble, 4-bit two's complement; scales s[r * scales_ld + c / group]
-//   tokens   per token t and block b of kActivationBlock columns, symmetric int8:
-//            q[t * k + c] (m * k bytes, padded to 64), then fp32 scale[t * (k / 32) + b]
-//            with x ~= scale * q; k is a multiple of kActivationBlock
-//   partials out[r * ldo + t] fp32: sum over blocks of int32 dot * s_w * s_x, in fp32
+//   tokens   per token t and block b of G columns (G = the weights' group), symmetric
+//            int8: q[t * k + c] (m * k bytes, padded to 64), then fp32
+//            scale[t * (k / G) + b] with x ~= scale * q; k is a multiple of G
+//   partials out[r * ldo + t] fp32: sum over groups of int32 dot * (s_w * s_x), in fp32
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -18,8 +18,6 @@
 
 namespace numa_moe::kernels {
 namespace {
-
-constexpr int64_t kBlock = kActivationBlock;
 
 float fp16_to_float(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -60,44 +58,48 @@ int32_t weight_value(const Weights& w, int64_t r, int64_t c) {
     }
 }
 
+template <int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
     const size_t values = (static_cast<size_t>(m * k) + 63) / 64 * 64;
-    return values + static_cast<size_t>(m * (k / kBlock)) * sizeof(float);
+    return values + static_cast<size_t>(m * (k / G)) * sizeof(float);
 }
 
 int8_t* token_values(void* packed) { return static_cast<int8_t*>(packed); }
-float* token_scales(void* packed, int64_t m, int64_t k) {
-    return reinterpret_cast<float*>(static_cast<uint8_t*>(packed) + (static_cast<size_t>(m * k) + 63) / 64 * 64);
+float* token_scales(const void* packed, int64_t m, int64_t k) {
+    return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) +
+                                    (static_cast<size_t>(m * k) + 63) / 64 * 64);
 }
 
-// One block of kBlock values -> symmetric int8 with scale amax / 127 (0 for a zero block).
+// One block of G values -> symmetric int8 with scale amax / 127 (0 for a zero block).
+template <int64_t G>
 void quantize_block(const float* v, int8_t* q, float* scale) {
     float amax = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+    for (int64_t j = 0; j < G; ++j) amax = std::max(amax, std::fabs(v[j]));
     const float s = amax / 127.0f;
     *scale = s;
-    for (int64_t j = 0; j < kBlock; ++j)
+    for (int64_t j = 0; j < G; ++j)
         q[j] = s > 0.0f ? static_cast<int8_t>(std::clamp(std::nearbyint(v[j] / s), -127.0f, 127.0f)) : 0;
 }
 
+template <int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
     int8_t* q = token_values(packed);
     float* scales = token_scales(packed, m, k);
-    float block[kBlock];
+    float block[G];
     for (int64_t t = 0; t < m; ++t) {
         const bf16* row = x + token_index[t] * ldx;
-        for (int64_t b = 0; b < k / kBlock; ++b) {
-            for (int64_t j = 0; j < kBlock; ++j) block[j] = bf16_to_float(row[b * kBlock + j]);
-            quantize_block(block, q + t * k + b * kBlock, scales + t * (k / kBlock) + b);
+        for (int64_t b = 0; b < k / G; ++b) {
+            for (int64_t j = 0; j < G; ++j) block[j] = bf16_to_float(row[b * G + j]);
+            quantize_block<G>(block, q + t * k + b * G, scales + t * (k / G) + b);
         }
     }
 }
 
-template <Format F>
+template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
     const int8_t* q = static_cast<const int8_t*>(packed);
-    const float* x_scales = token_scales(const_cast<void*>(packed), m, k);
+    const float* x_scales = token_scales(packed, m, k);
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         for (int64_t j = 0; j < seg.nrows; ++j) {
@@ -105,10 +107,10 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             if (r < row_begin || r >= row_end) continue;
             for (int64_t t = 0; t < m; ++t) {
                 float sum = 0.0f;
-                for (int64_t c0 = seg.k0; c0 < seg.k1; c0 += kBlock) {
+                for (int64_t c0 = seg.k0; c0 < seg.k1; c0 += G) {
                     int32_t dot = 0;
-                    for (int64_t c = c0; c < c0 + kBlock; ++c) dot += weight_value<F>(w, r, c) * q[t * k + c];
-                    sum += static_cast<float>(dot) * (weight_scale(w, r, c0) * x_scales[t * (k / kBlock) + c0 / kBlock]);
+                    for (int64_t c = c0; c < c0 + G; ++c) dot += weight_value<F>(w, r, c) * q[t * k + c];
+                    sum += static_cast<float>(dot) * (weight_scale(w, r, c0) * x_scales[t * (k / G) + c0 / G]);
                 }
                 out[r * ldo + t] += sum;
             }
@@ -116,14 +118,15 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     }
 }
 
+template <int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
     int8_t* q = token_values(packed);
     float* scales = token_scales(packed, m, i_total);
-    float block[kBlock];
+    float block[G];
     for (int64_t t = 0; t < m; ++t) {
-        for (int64_t b0 = i_begin; b0 < i_end; b0 += kBlock) {
-            for (int64_t j = 0; j < kBlock; ++j) {
+        for (int64_t b0 = i_begin; b0 < i_end; b0 += G) {
+            for (int64_t j = 0; j < G; ++j) {
                 float g = 0.0f, u = 0.0f;
                 for (int p = 0; p < n_parts; ++p) {
                     g += gate_parts[p][(b0 + j) * ld + t];
@@ -131,25 +134,36 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
                 }
                 block[j] = silu(g) * u;
             }
-            quantize_block(block, q + t * i_total + b0, scales + t * (i_total / kBlock) + b0 / kBlock);
+            quantize_block<G>(block, q + t * i_total + b0, scales + t * (i_total / G) + b0 / G);
         }
+    }
+}
+
+template <Format F, int64_t G>
+const KernelOps& table() {
+    static const KernelOps ops{Isa::ref, "ref", F, G, plain_layout, packed_bytes<G>, gather<G>, matmul_segments<F, G>,
+                               silu_mul_pack<G>, ref_ops().combine_down, ref_ops().store_down};
+    return ops;
+}
+
+template <Format F>
+const KernelOps* table_for_group(int64_t group) {
+    switch (group) {
+        case 32: return &table<F, 32>();
+        case 64: return &table<F, 64>();
+        case 128: return &table<F, 128>();
+        default: return nullptr;
     }
 }
 
 }  // namespace
 
-const KernelOps& ref_int8_ops() {
-    static const KernelOps ops{Isa::ref, "ref", Format::int8, plain_layout, packed_bytes, gather,
-                               matmul_segments<Format::int8>, silu_mul_pack, ref_ops().combine_down,
-                               ref_ops().store_down};
-    return ops;
-}
-
-const KernelOps& ref_int4_ops() {
-    static const KernelOps ops{Isa::ref, "ref", Format::int4, plain_layout, packed_bytes, gather,
-                               matmul_segments<Format::int4>, silu_mul_pack, ref_ops().combine_down,
-                               ref_ops().store_down};
-    return ops;
+const KernelOps* ref_integer_ops(Format format, int64_t group) {
+    switch (format) {
+        case Format::int8: return table_for_group<Format::int8>(group);
+        case Format::int4: return table_for_group<Format::int4>(group);
+        default: return nullptr;
+    }
 }
 
 }  // namespace numa_moe::kernels
