@@ -34,6 +34,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from numa_moe.checkpoint import _short
+from numa_moe.expert_import import LoadFormat
 from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
                                  OpenFiles, byte_progress, read_matrix_into, read_scales_into)
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
@@ -55,10 +56,6 @@ __all__ = [
     "StoreLayer",
     "ExpertStore",
 ]
-
-# safetensors dtype of float experts -> numpy dtype name of their buffer (the weight
-# format of its table: checkpoint.FLOAT_FORMATS)
-_BUFFER_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -381,7 +378,8 @@ class _LayerLoader:
         self.checkpoint = checkpoint
         self.dims = checkpoint.dims
         self.fmt, self.group, self.scale_dtype, self.quantize = fmt, group, scale_dtype, quantize
-        self.value_dtype = _VALUE_DTYPES.get(fmt) or _BUFFER_DTYPES[checkpoint.dtype]
+        self.value_dtype = _VALUE_DTYPES[fmt]
+        self.importer = checkpoint.importer
         self.nodes, self.page, self.page_bytes = nodes, page, page_bytes
         self.files, self.bar = files, bar
         self.mismatches: list[PlacementMismatch] = []
@@ -426,7 +424,11 @@ class _LayerLoader:
         for e, matrix in enumerate(matrices):
             where = slice(*expert_rows(self.dims, kind, e))
             fd = self.files.fd(matrix.tensor.path)
-            if self.quantize:
+            if self.importer is not None:
+                self.importer.read_into(matrix, fd, buffer[where],
+                                        None if scales is None else scales[where],
+                                        LoadFormat(self.fmt, self.group, self.scale_dtype))
+            elif self.quantize:
                 qm = quantize_expert(matrix, fd, self.fmt, self.group, self.scale_dtype)
                 buffer[where] = qm.q
                 scales[where] = qm.scales
@@ -451,13 +453,19 @@ class _LayerLoader:
         return table, theory, was_measured
 
 
-_VALUE_DTYPES = {"int8": "int8", "int4": "uint8"}
+# store format -> numpy dtype name of its value buffers
+_VALUE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8",
+                 "int4": "uint8"}
 
 
 def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int | None,
                   scale_dtype: str | None) -> tuple[str, int | None, str | None, bool]:
     """(format, group, scale dtype, quantize while copying?) of a load request."""
     root = checkpoint.root
+    if checkpoint.importer is not None:
+        # GGUF, FP8: converted while copying, in the format the importer resolves
+        fmt = checkpoint.importer.resolve(root, checkpoint.dims, weight_format, group, scale_dtype)
+        return fmt.fmt, fmt.group, fmt.scale_dtype, False
     quant = checkpoint.quant
     wanted = None if weight_format is None else _format_name(weight_format)
     if quant is not None:
