@@ -373,9 +373,21 @@ class GGUFImport(ExpertImport):
             read_matrix_into(matrix, values, fd)
             return
         if t in LOSSLESS and LOSSLESS[t] == fmt:
-            qm = (q.from_q8_0 if t == "Q8_0" else q.from_q4_0)(_raw(matrix, fd), matrix.rows, matrix.cols)
+            try:
+                qm = (q.from_q8_0 if t == "Q8_0" else q.from_q4_0)(_raw(matrix, fd), matrix.rows,
+                                                                  matrix.cols)
+            except ValueError as err:
+                raise CheckpointError(f"{_where(matrix)}: {err}") from None
+            block_scales = qm.scales.astype(np.float32)
+            if not np.all(np.isfinite(block_scales)):
+                r, c = (int(i) for i in np.argwhere(~np.isfinite(block_scales))[0])
+                raise CheckpointError(f"{_where(matrix)}: a NaN or infinite block scale (row {r}, "
+                                      f"block {c})")
             values[...] = qm.q
             scales[...] = qm.scales
+            # ggml writes d = 0 for an all-zero block (its q are all 0); the contract's
+            # scales are never 0, and any scale gives the same zeros
+            scales[block_scales == 0] = 1
             return
         convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
 
