@@ -171,6 +171,9 @@ def read_gguf(path: str | os.PathLike):
     except _PastEnd as err:
         raise CheckpointError(f"{path}: truncated GGUF file: the header runs to byte {err.end} but "
                               f"the file has {err.size} bytes") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a readable GGUF file: metadata arrays nested too "
+                              "deeply to be plausible") from None
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError,
             MemoryError) as err:
         raise CheckpointError(f"{path}: not a readable GGUF file: {_short(str(err), 160)}") from None
@@ -219,10 +222,10 @@ def open_gguf(path: str | os.PathLike, pattern=None) -> Checkpoint:
         raise CheckpointError(f"{path}: a naming pattern applies to safetensors checkpoints; GGUF "
                               "experts are found by llama.cpp's names (blk.L.ffn_*_exps.weight)")
     reader = read_gguf(path)
-    split = reader.get_field("split.count")
-    if split is not None and int(split.contents()) > 1:
-        raise CheckpointError(f"{path}: one part of a split GGUF model ({int(split.contents())} "
-                              "parts); merge them first (llama-gguf-split --merge)")
+    split = _metadata_int(reader, path, "split.count", required=False)
+    if split is not None and split > 1:
+        raise CheckpointError(f"{path}: one part of a split GGUF model ({split} parts); merge "
+                              "them first (llama-gguf-split --merge)")
     tensors = {}
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))

@@ -11,6 +11,8 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of numa-moe "
                                           "(pyproject.toml); install it with tools/setup.sh")
@@ -327,3 +329,34 @@ def test_not_a_gguf_file_and_a_pattern(tmp_path, good_file):
         from numa_moe.checkpoint import NamingPattern
 
         Checkpoint.open(good_file, pattern=NamingPattern("p", r"(?P<layer>\d+)(?P<kind>x)", {"x": "gate"}))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_headers_give_checkpoint_errors_only(tmp_path_factory, data):
+    """Random byte changes in the header, metadata and tensor list of a good file, or a
+    cut anywhere: the file opens, or the error is a one-line CheckpointError."""
+    path = _fuzz_source(tmp_path_factory)
+    raw = bytearray(path.read_bytes())
+    header_bytes = gguf.GGUFReader(str(path)).data_offset
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, header_bytes - 1))
+        raw[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(raw))))
+    bad = tmp_path_factory.mktemp("fuzz") / "f.gguf"
+    bad.write_bytes(bytes(raw[:cut]))
+    try:
+        Checkpoint.open(bad)
+    except CheckpointError as err:
+        assert "\n" not in str(err)
+
+
+_FUZZ_SOURCE = {}
+
+
+def _fuzz_source(factory):
+    if "path" not in _FUZZ_SOURCE:
+        rng = np.random.default_rng(7)
+        _FUZZ_SOURCE["path"] = write_gguf(factory.mktemp("src") / "src.gguf", rng,
+                                          {"gate": T.Q8_0, "up": T.Q4_0, "down": T.Q4_K}, layers=(0,))
+    return _FUZZ_SOURCE["path"]
