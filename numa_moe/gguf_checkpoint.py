@@ -388,9 +388,10 @@ class GGUFImport(ExpertImport):
                                       f"block {c})")
             values[...] = qm.q
             scales[...] = qm.scales
-            # ggml writes d = 0 for an all-zero block (its q are all 0); the contract's
-            # scales are never 0, and any scale gives the same zeros
-            scales[block_scales == 0] = 1
+            # ggml writes d = +-0 for an all-zero block (its q are all 0); the contract's
+            # scales are never 0, and +-1 gives the same zeros, signs included
+            zero = block_scales == 0
+            scales[zero] = np.copysign(1, block_scales[zero])
             return
         convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
 

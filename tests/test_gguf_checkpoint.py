@@ -236,6 +236,14 @@ def test_tables_and_inspect_take_a_gguf_file(tmp_path, rng):
     assert "error vs the file's own dequantized values, layer 0 expert 0 down (Q6_K)" in text
 
 
+def test_quantize_refuses_a_gguf_file_and_points_to_loading_it(tmp_path, rng):
+    path = write_gguf(tmp_path / "bf.gguf", rng, uniform(T.BF16), layers=(0,))
+    result = _cli(["quantize", path, "--format", "int8", "--group", 32, "-o", tmp_path / "out", "--quiet"])
+    assert result.exit_code == 1
+    assert "a GGUF BF16 checkpoint; quantize writes safetensors from safetensors" in result.output
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- malformed files
 
 
