@@ -58,6 +58,12 @@ LOSSLESS = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
 INT4_DEFAULT_BITS = 4.5
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+# The reader keeps one numpy view per metadata array element and one record per tensor,
+# some hundred bytes each: these bounds keep a crafted file from costing gigabytes. Real
+# files hold about 1.3 M elements (a 256 k-token vocabulary's tokens, scores, types and
+# merges) and a few thousand tensors.
+MAX_METADATA_ELEMENTS = 4_000_000
+MAX_TENSORS = 1_000_000
 
 
 def _gguf():
@@ -96,7 +102,24 @@ def _bounded_reader_class():
 
         def __init__(self, f, path: Path):
             self._path = path
+            self._elements = 0
             super().__init__(f)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == gguf.GGUFValueType.ARRAY:
+                self._elements += int(self._get(orig_offs + 4, np.uint64)[0])
+                if self._elements > MAX_METADATA_ELEMENTS:
+                    raise CheckpointError(
+                        f"{self._path}: GGUF metadata arrays hold more than "
+                        f"{MAX_METADATA_ELEMENTS} elements, more than a plausible model has "
+                        "(corrupted or crafted file)")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _build_tensor_info(self, offs, count):
+            if int(count) > MAX_TENSORS:
+                raise CheckpointError(f"{self._path}: GGUF header declares {int(count)} tensors, "
+                                      f"more than the {MAX_TENSORS} a plausible model has")
+            return super()._build_tensor_info(offs, count)
 
         def _get(self, offset, dtype, count=1, override_order=None):
             count = int(count)

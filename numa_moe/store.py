@@ -14,7 +14,9 @@ or uint8 ``[rows, cols / 2]`` (two weights per byte), and each kind has a second
 interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or fp32), with
 its own table (``scale_table``). Tables count columns in weights (elements), also for
 int4, as ``segments.WeightFormat`` does. A quantized checkpoint is copied as it is; a
-float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time).
+float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time);
+GGUF and FP8 experts are converted by the checkpoint's ``importer``
+(``numa_moe.expert_import``), one expert matrix at a time.
 
 Loading copies tensor by tensor straight from the file into the destination rows
 (``os.preadv``), so extra memory is nil beyond the page cache; the checkpoint is opened
@@ -237,7 +239,11 @@ class ExpertStore:
         ``weight_format``: None keeps the file's format; "int8"/"int4" quantizes a
         BF16/F16/F32 checkpoint while copying (``group``, default 128, and
         ``scale_dtype``, default "fp16"); a quantized checkpoint loads as it is (its own
-        group and scale dtype; asking for others is refused, as is converting it).
+        group and scale dtype; asking for others is refused, as is converting it). GGUF
+        files and FP8 checkpoints are converted while copying, one expert matrix at a
+        time, into what ``checkpoint.importer.resolve`` makes of the request (None: Q8_0
+        -> int8 and Q4_0 -> int4 without loss, K-quants -> int8/int4 group 32, FP8 ->
+        bf16; docs/checkpoints.md, "Formats").
         """
         from numa_moe import memory
 

@@ -308,7 +308,32 @@ def test_huge_metadata_array_in_a_truncated_file_ends(tmp_path):
     data[length_at:length_at + 8] = (1 << 60).to_bytes(8, "little")  # 2**60 float32 elements
     path = tmp_path / "long.gguf"
     path.write_bytes(bytes(data))
+    _one_line_error(path, "metadata arrays hold more than")
+    # a length below the element bound, past the end of the file
+    data[length_at:length_at + 8] = (100_000).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
     _one_line_error(path, "truncated")
+
+
+def _header(kv_count, tensor_count=0):
+    return b"GGUF" + (3).to_bytes(4, "little") + tensor_count.to_bytes(8, "little") + kv_count.to_bytes(8, "little")
+
+
+def _string(text):
+    return len(text).to_bytes(8, "little") + text.encode()
+
+
+def test_metadata_beyond_plausible_sizes_is_refused_before_it_costs_memory(tmp_path):
+    from numa_moe.gguf_checkpoint import MAX_METADATA_ELEMENTS, MAX_TENSORS
+
+    n = MAX_METADATA_ELEMENTS + 1  # uint8 elements: 4 MB of file, ~1 GB of reader views
+    array = (9).to_bytes(4, "little") + (0).to_bytes(4, "little") + n.to_bytes(8, "little") + bytes(n)
+    path = tmp_path / "big-array.gguf"
+    path.write_bytes(_header(1) + _string("tokenizer.ggml.token_type") + array)
+    _one_line_error(path, f"metadata arrays hold more than {MAX_METADATA_ELEMENTS} elements")
+    path = tmp_path / "many-tensors.gguf"
+    path.write_bytes(_header(0, MAX_TENSORS + 1) + bytes(64))
+    _one_line_error(path, f"declares {MAX_TENSORS + 1} tensors")
 
 
 def test_wrong_expert_dimension_order(tmp_path, rng):
