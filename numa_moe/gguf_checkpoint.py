@@ -43,7 +43,8 @@ from numa_moe.checkpoint import (KINDS, Checkpoint, CheckpointError, ExpertLayer
                                  read_matrix_into)
 from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
 
-__all__ = ["open_gguf", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "ggml_row_bytes"]
+__all__ = ["open_gguf", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
+           "MAX_TENSORS"]
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.weight")
 _SHARED = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down|gate_inp)_shexp\.weight")
@@ -70,13 +71,6 @@ def _gguf():
     import gguf
 
     return gguf
-
-
-def ggml_row_bytes(type_name: str, cols: int) -> int:
-    """Bytes of one row of ``cols`` weights of a ggml type (cols a whole number of blocks)."""
-    gguf = _gguf()
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    return cols // block * size
 
 
 def _bits_per_weight(type_name: str) -> float:
@@ -146,15 +140,17 @@ def _check_tensor_field(field, data_start: int, file_bytes: int, path: Path) -> 
                               f"({_short(bytes(name_data))}): corrupted GGUF file") from None
     where = f"{path}: tensor {_short(name)}"
     code = int(raw_type[0])
-    if code not in gguf.GGMLQuantizationType._value2member_map_:
+    try:
+        qtype = gguf.GGMLQuantizationType(code)
+    except ValueError:
         raise CheckpointError(f"{where} has ggml type {code}, which gguf {_gguf_version()} does "
                               "not know: unknown tensor type (a newer llama.cpp type, or a "
-                              "corrupted file)")
-    type_name = gguf.GGMLQuantizationType(code).name
+                              "corrupted file)") from None
+    type_name = qtype.name
     shape = [int(d) for d in dims]
     if not 1 <= int(n_dims[0]) <= _MAX_DIMS or min(shape) < 1:
         raise CheckpointError(f"{where}: ggml dims {_short(shape)} (at most {_MAX_DIMS}, each >= 1)")
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(code)]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
     if shape[0] % block:
         raise CheckpointError(f"{where}: {type_name} rows of {shape[0]} weights are not whole "
                               f"{block}-weight blocks")

@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
+from numa_moe.checkpoint import (DTYPE_BYTES, FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
                                  open_checkpoint_file)
 from numa_moe.segments import SegmentTable, smallest_period, weight_format
 
@@ -547,8 +547,8 @@ def _tensors_to_inspect(checkpoint: Checkpoint, tensor: str | None, include_all:
         if not _matches(name, tensor) or len(info.shape) < 1 or info.nbytes == 0:
             continue
         if info.dtype not in _FORMAT_OF_DTYPE:
-            if name in expert_tensors and len(info.shape) >= 2:
-                # a block encoding (GGUF): its rows of blocks, measured as bytes
+            if info.dtype not in DTYPE_BYTES and len(info.shape) >= 2:
+                # a block encoding (GGUF Q8_0, Q4_K, ...): its rows of blocks, as bytes
                 rows = int(np.prod(info.shape[:-1]))
                 chosen.append(_Inspected(name, info, rows, info.nbytes // rows, "int8"))
             continue
@@ -586,6 +586,8 @@ def _measure_file(memory, path, entries: list[_Inspected], touch: str,
             placement, table = analyse_map(entry.name, entry.rows, entry.cols, entry.fmt,
                                            page_nodes, pm.page_bytes, pm.offset_bytes, workers,
                                            keep_pages=keep_pages)
+            if entry.info.dtype not in DTYPE_BYTES:
+                placement.fmt = f"{entry.info.dtype} bytes"  # rows of blocks, cols in bytes
             measured.append((entry, placement, table, (page_nodes, pm.page_bytes, pm.offset_bytes)))
             del view
         del whole

@@ -230,7 +230,10 @@ def test_tables_and_inspect_take_a_gguf_file(tmp_path, rng):
     assert conversion["loaded_bytes"] == 3 * E * I * H // 2 + 3 * E * I * H // 32 * 2
     assert {e["kind"] for e in conversion["errors"]} == set(KINDS)
     assert all(0 < e["rel_fro"] < 0.12 for e in conversion["errors"])
-    assert {t["name"] for t in report["tensors"]} == {f"blk.0.ffn_{k}_exps.weight" for k in KINDS}
+    tensors = {t["name"]: t for t in report["tensors"]}
+    assert set(tensors) == {f"blk.0.ffn_{k}_exps.weight" for k in KINDS}
+    down = tensors["blk.0.ffn_down_exps.weight"]  # rows of Q6_K blocks, measured as bytes
+    assert (down["rows"], down["cols"], down["fmt"]) == (E * H, I // 256 * 210, "Q6_K bytes")
     text = _cli(["inspect", path, "--nodes", 2]).output
     assert "import: GGUF Q4_K+Q6_K -> int8, group 32, fp16 scales (requantized)" in text
     assert "error vs the file's own dequantized values, layer 0 expert 0 down (Q6_K)" in text
