@@ -36,9 +36,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from numa_moe.checkpoint import _short
-from numa_moe.expert_import import LoadFormat
 from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
                                  OpenFiles, byte_progress, read_matrix_into, read_scales_into)
+from numa_moe.expert_import import LoadFormat
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
 from numa_moe.pages import page_bytes_of
 from numa_moe.quant import DEFAULT_GROUP, GROUPS, SCALE_DTYPES
