@@ -239,6 +239,16 @@ def test_tables_and_inspect_take_a_gguf_file(tmp_path, rng):
     assert "error vs the file's own dequantized values, layer 0 expert 0 down (Q6_K)" in text
 
 
+def test_run_takes_a_gguf_file(tmp_path, rng):
+    path = write_gguf(tmp_path / "m.gguf", rng, {"gate": T.Q4_0, "up": T.Q4_0, "down": T.Q4_0}, layers=(0,))
+    out = tmp_path / "report.json"
+    result = _cli(["run", path, "--steps", 1, "--tokens", 2, "--json", out])
+    assert result.exit_code == 0, result.output
+    assert "import: GGUF Q4_0 -> int4, group 32, fp16 scales (exact)" in result.output
+    assert "vs torch reference" in result.output and "[ok]" in result.output
+    assert json.loads(out.read_text())["weight_format"] == "int4"
+
+
 def test_quantize_refuses_a_gguf_file_and_points_to_loading_it(tmp_path, rng):
     path = write_gguf(tmp_path / "bf.gguf", rng, uniform(T.BF16), layers=(0,))
     result = _cli(["quantize", path, "--format", "int8", "--group", 32, "-o", tmp_path / "out", "--quiet"])
