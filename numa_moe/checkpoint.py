@@ -55,6 +55,7 @@ __all__ = [
     "QuantInfo",
     "QUANT_METADATA",
     "KINDS",
+    "FP8_DTYPES",
 ]
 
 KINDS = ("gate", "up", "down")
@@ -83,6 +84,10 @@ SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
 QUANT_GROUPS = (32, 64, 128)
 # safetensors dtype of float expert weights -> their weight format (numa_moe.segments)
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+# safetensors dtypes of FP8 expert weights that come with block scales (numa_moe.fp8_checkpoint)
+FP8_DTYPES = ("F8_E4M3",)
+GGUF_SUFFIX = ".gguf"
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -423,9 +428,14 @@ class ExpertMatrix:
     cols: int
     quant: str | None = None
     scales: "ExpertMatrix | None" = None
+    # bytes of a matrix in a block encoding (GGUF Q8_0, Q4_K, ...), where a row is not
+    # cols x an element size
+    stored_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.stored_bytes is not None:
+            return self.stored_bytes
         if self.quant == "int4":
             return self.rows * self.cols // 2
         return self.rows * self.cols * self.tensor.itemsize
@@ -501,6 +511,9 @@ class Checkpoint:
     # safetensors __metadata__ of each file, and the quantization the files declare
     file_metadata: dict[Path, dict] = field(default_factory=dict)
     quant: QuantInfo | None = None
+    # experts in an encoding the store converts while loading (GGUF, FP8 with block
+    # scales): a numa_moe.expert_import.ExpertImport, else None
+    importer: object | None = None
 
     # ---------------------------------------------------------------- opening
     @classmethod
@@ -508,6 +521,11 @@ class Checkpoint:
         root = Path(path)
         if not root.exists():
             raise CheckpointError(f"{root}: no such file or directory")
+        gguf_file = _gguf_file_of(root)
+        if gguf_file is not None:
+            from numa_moe.gguf_checkpoint import open_gguf
+
+            return open_gguf(gguf_file, pattern)
         files, tensors, metadata = _read_tensors(root)
         directory = root if root.is_dir() else root.parent
         config = None
@@ -520,6 +538,10 @@ class Checkpoint:
                          file_metadata=metadata)
         checkpoint.quant = _checkpoint_quant(metadata)
         checkpoint._find_experts(pattern)
+        if checkpoint.dtype in FP8_DTYPES:
+            from numa_moe.fp8_checkpoint import attach_fp8_scales
+
+            attach_fp8_scales(checkpoint)
         return checkpoint
 
     @property
@@ -536,7 +558,19 @@ class Checkpoint:
         format of their dtype ("bf16", "fp16", "fp32"), else the safetensors dtype."""
         if self.quant is not None:
             return self.quant.fmt
+        if self.importer is not None:
+            return self.importer.default().fmt
         return FLOAT_FORMATS.get(self.dtype, self.dtype)
+
+    @property
+    def source_format(self) -> str:
+        """What the routed experts are in the file: "safetensors BF16", "numa-moe int4",
+        "GGUF Q4_K+Q6_K", "FP8 e4m3 (block 128 x 128)", ..."""
+        if self.importer is not None:
+            return self.importer.source
+        if self.quant is not None:
+            return f"numa-moe {self.quant.describe()}"
+        return f"safetensors {self.dtype}"
 
     def expert_matrices(self):
         """Every routed-expert matrix, layer by layer, kind by kind, expert by expert."""
@@ -709,6 +743,7 @@ class Checkpoint:
             "files": [str(p) for p in self.files],
             "naming": list(self.naming),
             "dtype": self.dtype,
+            "source_format": self.source_format,
             "weight_format": self.weight_format,
             "quant": None if self.quant is None else {
                 "format": self.quant.fmt, "group": self.quant.group,
@@ -883,6 +918,30 @@ def _checkpoint_quant(metadata: dict[Path, dict]) -> QuantInfo | None:
         raise CheckpointError(f"mixed formats: the files of the checkpoint declare different "
                               f"quantizations ({listing})")
     return next(iter(declared), None)
+
+
+def _gguf_file_of(root: Path) -> Path | None:
+    """The GGUF file a checkpoint path names: a ``*.gguf`` file (or any file starting
+    with the GGUF magic), or a directory holding one ``*.gguf`` file and no safetensors;
+    None for safetensors checkpoints."""
+    if root.is_dir():
+        found = sorted(root.glob("*" + GGUF_SUFFIX))
+        if not found or any(root.glob("*.safetensors")):
+            return None
+        if len(found) > 1:
+            raise CheckpointError(f"{root}: holds {len(found)} GGUF files "
+                                  f"({', '.join(p.name for p in found[:4])}); name the one to read "
+                                  "(split GGUF models are not supported: merge them with "
+                                  "llama-gguf-split --merge)")
+        return found[0]
+    if root.name.endswith(GGUF_SUFFIX):
+        return root
+    fd = open_checkpoint_file(root)
+    try:
+        head = os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
+    return root if head == GGUF_MAGIC else None
 
 
 def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:

@@ -233,9 +233,11 @@ def _load_store(path, store_nodes, page, weight_format, progress, echo):
 
     echo(f"checkpoint: {path}")
     ckpt = Checkpoint.open(path)
-    if ckpt.dtype != "BF16" and ckpt.weight_format not in ("int8", "int4"):
+    if (weight_format or ckpt.weight_format) not in ("bf16", "int8", "int4"):
         # checked before loading: the store would copy F16/F32 experts, the layer refuse them
         raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16, INT8 or INT4 experts")
+    if ckpt.importer is not None:
+        echo(f"import: {ckpt.importer.describe(ckpt.importer.resolve(path, ckpt.dims, weight_format, None, None))}")
     store = ExpertStore.load(ckpt, nodes=store_nodes, page=page, progress=progress, weight_format=weight_format)
     summary = verify_store_tables(store)
     echo(f"tables: {summary['matrices']} matrices checked (exact partitions); measured == theoretical "

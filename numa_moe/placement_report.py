@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
+from numa_moe.checkpoint import (DTYPE_BYTES, FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
                                  open_checkpoint_file)
 from numa_moe.segments import SegmentTable, smallest_period, weight_format
 
@@ -49,6 +49,7 @@ __all__ = [
     "remote_scale_bytes",
     "quant_node_summary",
     "inspect_checkpoint",
+    "import_summary",
     "placement_report",
     "plot_placement",
 ]
@@ -141,6 +142,8 @@ class PlacementReport:
     # int8/int4 only: per node {weight_bytes, scale_bytes, remote_weight_bytes,
     # scale_bytes_needed, remote_scale_bytes} over every expert buffer of the report
     per_node: dict[int, dict[str, int]] | None = None
+    # GGUF / FP8 checkpoints: what loading them costs and loses (``import_summary``)
+    conversion: dict | None = None
 
     def totals(self) -> dict:
         pages: dict[int, int] = {}
@@ -173,6 +176,8 @@ class PlacementReport:
                "tensors": [t.to_dict(with_pages) for t in self.tensors]}
         if self.per_node is not None:
             out["per_node"] = {str(n): dict(v) for n, v in self.per_node.items()}
+        if self.conversion is not None:
+            out["conversion"] = self.conversion
         return out
 
     def format_text(self, max_lines: int = 50) -> str:
@@ -199,7 +204,26 @@ class PlacementReport:
                     f"  node {node}: weights {v['weight_bytes']} B, scales {v['scale_bytes']} B; "
                     f"remote reads: weights {v['remote_weight_bytes']} B, scales "
                     f"{v['remote_scale_bytes']} of {needed} B needed ({frac})")
+        if self.conversion is not None:
+            lines += _conversion_lines(self.conversion)
         return "\n".join(lines)
+
+
+def _conversion_lines(c: dict) -> list[str]:
+    def mib(n):
+        return f"{n / 2**20:.2f} MiB"
+
+    per_node = ", ".join(f"{n}: {mib(b)}" for n, b in c["bytes_per_node"].items())
+    lines = [f"import: {c['conversion']}",
+             f"  routed experts: {mib(c['file_bytes'])} in the file -> {mib(c['loaded_bytes'])} "
+             f"in interleaved memory ({c['page_bytes'] // 1024} KiB pages"
+             f"{'; values + scales' if c['group'] else ''}), "
+             f"per node {per_node}"]
+    for e in c["errors"]:
+        lines.append(f"  error vs the file's own dequantized values, layer {e['layer']} expert "
+                     f"{e['expert']} {e['kind']} ({e['source_type']}): relative {e['rel_fro']:.2e}, "
+                     f"max abs {e['max_abs']:.3g} ({e['max_rel']:.2%} of max |w|)")
+    return lines
 
 
 # ------------------------------------------------------------------ pure map arithmetic
@@ -382,7 +406,8 @@ def _matches(name: str, pattern: str | None) -> bool:
 def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str | None = None,
                        nodes: Sequence[int] | int | None = None, touch: str = "resident",
                        include_all: bool = False, pattern: NamingPattern | None = None,
-                       keep_pages: bool = True) -> PlacementReport:
+                       keep_pages: bool = True, weight_format: str | None = None,
+                       group: int | None = None, scale_dtype: str | None = None) -> PlacementReport:
     """Page placement of the checkpoint's routed-expert tensors as they sit in memory now.
 
     Each file is mapped like safetensors maps it (MAP_SHARED, read-only). ``touch``:
@@ -392,7 +417,9 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
     (pages never mapped by this process then read as not present). ``tensor``: a glob
     (``*.experts.0.*``) or regex over tensor names; ``include_all``: every tensor of the
     files, not only the routed experts. ``nodes``: the worker nodes of the split (default:
-    the machine's nodes).
+    the machine's nodes). For a GGUF or FP8 checkpoint the report also holds
+    ``import_summary`` of loading it as ``weight_format``/``group``/``scale_dtype``
+    (default: the importer's own choice), in ``report.conversion``.
     """
     from numa_moe import memory
 
@@ -427,7 +454,45 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
         per_node, note = _quant_per_node(quant, scale_of, maps, workers)
         if note is not None:
             notes.append(note)
-    return PlacementReport(str(checkpoint.root), workers, results, notes, per_node)
+    conversion = None
+    if checkpoint.importer is not None:
+        conversion = import_summary(checkpoint, workers, weight_format, group, scale_dtype)
+    elif weight_format is not None or group is not None or scale_dtype is not None:
+        raise ValueError(f"{checkpoint.root}: a load format applies to GGUF and FP8 checkpoints "
+                         f"(whose experts inspect converts); this one is {checkpoint.source_format}")
+    return PlacementReport(str(checkpoint.root), workers, results, notes, per_node, conversion)
+
+
+def import_summary(checkpoint: Checkpoint, nodes: Sequence[int], weight_format: str | None = None,
+                   group: int | None = None, scale_dtype: str | None = None, page: str = "4k",
+                   sample_experts: int = 1) -> dict:
+    """What loading an imported (GGUF, FP8) checkpoint into an ExpertStore costs and loses:
+    the conversion, the expert bytes in the file and in interleaved memory (from the
+    theoretical tables of the store's buffers over ``nodes``), and the conversion error of
+    the first ``sample_experts`` experts of the first MoE layer against the file's own
+    dequantized values (``expert_import.measure_conversion``, one matrix at a time)."""
+    from numa_moe.expert_import import measure_conversion
+    from numa_moe.store import checkpoint_tables, page_bytes_of
+
+    importer = checkpoint.importer
+    fmt = importer.resolve(checkpoint.root, checkpoint.dims, weight_format, group, scale_dtype)
+    tables = checkpoint_tables(checkpoint, nodes, page, fmt.fmt, fmt.group,
+                               fmt.scale_dtype or "fp32")
+    per_node: dict[int, int] = {}
+    for layer_tables in tables.values():
+        for table in layer_tables.values():
+            for node, nbytes in table.bytes_per_node().items():
+                per_node[node] = per_node.get(node, 0) + nbytes
+    first = checkpoint.layers[checkpoint.layer_ids[0]]
+    sample = [first.matrices[kind][e] for e in range(min(sample_experts, first.n_experts))
+              for kind in KINDS]
+    errors = measure_conversion(checkpoint, fmt, sample)
+    return {"conversion": importer.describe(fmt), "format": fmt.fmt, "group": fmt.group,
+            "scale_dtype": fmt.scale_dtype, "exact": importer.exact(fmt),
+            "file_bytes": sum(m.nbytes for m in checkpoint.expert_matrices()),
+            "loaded_bytes": sum(per_node.values()), "page_bytes": page_bytes_of(page),
+            "bytes_per_node": {str(n): b for n, b in sorted(per_node.items())},
+            "errors": [e.to_dict() for e in errors]}
 
 
 def _quant_per_node(quant, scale_of: dict[str, str], maps: dict[str, tuple],
@@ -482,6 +547,10 @@ def _tensors_to_inspect(checkpoint: Checkpoint, tensor: str | None, include_all:
         if not _matches(name, tensor) or len(info.shape) < 1 or info.nbytes == 0:
             continue
         if info.dtype not in _FORMAT_OF_DTYPE:
+            if info.dtype not in DTYPE_BYTES and len(info.shape) >= 2:
+                # a block encoding (GGUF Q8_0, Q4_K, ...): its rows of blocks, as bytes
+                rows = int(np.prod(info.shape[:-1]))
+                chosen.append(_Inspected(name, info, rows, info.nbytes // rows, "int8"))
             continue
         cols = info.shape[-1]
         rows = info.nbytes // (cols * info.itemsize)
@@ -517,6 +586,8 @@ def _measure_file(memory, path, entries: list[_Inspected], touch: str,
             placement, table = analyse_map(entry.name, entry.rows, entry.cols, entry.fmt,
                                            page_nodes, pm.page_bytes, pm.offset_bytes, workers,
                                            keep_pages=keep_pages)
+            if entry.info.dtype not in DTYPE_BYTES:
+                placement.fmt = f"{entry.info.dtype} bytes"  # rows of blocks, cols in bytes
             measured.append((entry, placement, table, (page_nodes, pm.page_bytes, pm.offset_bytes)))
             del view
         del whole

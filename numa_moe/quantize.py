@@ -74,6 +74,11 @@ def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> No
         raise ValueError(f"group {group} is not one of {', '.join(map(str, q.GROUPS))}")
     if scale_dtype not in SCALE_DTYPE_CODES:
         raise ValueError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPE_CODES)}")
+    if ck.importer is not None:
+        raise CheckpointError(f"{ck.root}: a {ck.importer.source} checkpoint; quantize writes "
+                              "safetensors from safetensors. Load it directly instead: the store "
+                              "converts its experts (ExpertStore.load(..., weight_format=...), "
+                              "--format of run, tables and inspect)")
     if ck.quant is not None:
         raise CheckpointError(f"{ck.root}: already quantized ({ck.quant.describe()}); quantize "
                               "reads a BF16, F16 or F32 checkpoint")

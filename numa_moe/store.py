@@ -14,7 +14,9 @@ or uint8 ``[rows, cols / 2]`` (two weights per byte), and each kind has a second
 interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or fp32), with
 its own table (``scale_table``). Tables count columns in weights (elements), also for
 int4, as ``segments.WeightFormat`` does. A quantized checkpoint is copied as it is; a
-float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time).
+float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time);
+GGUF and FP8 experts are converted by the checkpoint's ``importer``
+(``numa_moe.expert_import``), one expert matrix at a time.
 
 Loading copies tensor by tensor straight from the file into the destination rows
 (``os.preadv``), so extra memory is nil beyond the page cache; the checkpoint is opened
@@ -36,6 +38,7 @@ import numpy as np
 from numa_moe.checkpoint import _short
 from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
                                  OpenFiles, byte_progress, read_matrix_into, read_scales_into)
+from numa_moe.expert_import import LoadFormat
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
 from numa_moe.pages import page_bytes_of
 from numa_moe.quant import DEFAULT_GROUP, GROUPS, SCALE_DTYPES
@@ -55,10 +58,6 @@ __all__ = [
     "StoreLayer",
     "ExpertStore",
 ]
-
-# safetensors dtype of float experts -> numpy dtype name of their buffer (the weight
-# format of its table: checkpoint.FLOAT_FORMATS)
-_BUFFER_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -240,7 +239,11 @@ class ExpertStore:
         ``weight_format``: None keeps the file's format; "int8"/"int4" quantizes a
         BF16/F16/F32 checkpoint while copying (``group``, default 128, and
         ``scale_dtype``, default "fp16"); a quantized checkpoint loads as it is (its own
-        group and scale dtype; asking for others is refused, as is converting it).
+        group and scale dtype; asking for others is refused, as is converting it). GGUF
+        files and FP8 checkpoints are converted while copying, one expert matrix at a
+        time, into what ``checkpoint.importer.resolve`` makes of the request (None: Q8_0
+        -> int8 and Q4_0 -> int4 without loss, K-quants -> int8/int4 group 32, FP8 ->
+        bf16; docs/checkpoints.md, "Formats").
         """
         from numa_moe import memory
 
@@ -381,7 +384,8 @@ class _LayerLoader:
         self.checkpoint = checkpoint
         self.dims = checkpoint.dims
         self.fmt, self.group, self.scale_dtype, self.quantize = fmt, group, scale_dtype, quantize
-        self.value_dtype = _VALUE_DTYPES.get(fmt) or _BUFFER_DTYPES[checkpoint.dtype]
+        self.value_dtype = _VALUE_DTYPES[fmt]
+        self.importer = checkpoint.importer
         self.nodes, self.page, self.page_bytes = nodes, page, page_bytes
         self.files, self.bar = files, bar
         self.mismatches: list[PlacementMismatch] = []
@@ -426,7 +430,11 @@ class _LayerLoader:
         for e, matrix in enumerate(matrices):
             where = slice(*expert_rows(self.dims, kind, e))
             fd = self.files.fd(matrix.tensor.path)
-            if self.quantize:
+            if self.importer is not None:
+                self.importer.read_into(matrix, fd, buffer[where],
+                                        None if scales is None else scales[where],
+                                        LoadFormat(self.fmt, self.group, self.scale_dtype))
+            elif self.quantize:
                 qm = quantize_expert(matrix, fd, self.fmt, self.group, self.scale_dtype)
                 buffer[where] = qm.q
                 scales[where] = qm.scales
@@ -451,13 +459,19 @@ class _LayerLoader:
         return table, theory, was_measured
 
 
-_VALUE_DTYPES = {"int8": "int8", "int4": "uint8"}
+# store format -> numpy dtype name of its value buffers
+_VALUE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8",
+                 "int4": "uint8"}
 
 
 def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int | None,
                   scale_dtype: str | None) -> tuple[str, int | None, str | None, bool]:
     """(format, group, scale dtype, quantize while copying?) of a load request."""
     root = checkpoint.root
+    if checkpoint.importer is not None:
+        # GGUF, FP8: converted while copying, in the format the importer resolves
+        fmt = checkpoint.importer.resolve(root, checkpoint.dims, weight_format, group, scale_dtype)
+        return fmt.fmt, fmt.group, fmt.scale_dtype, False
     quant = checkpoint.quant
     wanted = None if weight_format is None else _format_name(weight_format)
     if quant is not None:

@@ -126,7 +126,14 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     check_output(output, "-o", create_parents=True)
     ck = _open(checkpoint, pattern, kinds)
     quant = ck.quant
-    if fmt is None:
+    if ck.importer is not None:
+        # GGUF / FP8: the tables of the buffers the store converts them into
+        try:
+            load = ck.importer.resolve(ck.root, ck.dims, fmt, group, scale_format)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
+        fmt, group, scale_format = load.fmt, load.group, load.scale_dtype
+    elif fmt is None:
         fmt = quant.fmt if quant is not None else "bf16"
         if group is not None and fmt == "bf16":
             raise click.UsageError("--group applies to --format int8/int4 only")
@@ -155,6 +162,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         "checkpoint": str(Path(checkpoint).resolve()),
         "naming": list(ck.naming),
         "checkpoint_dtype": ck.dtype,
+        "source_format": ck.source_format,
         "format": fmt,
         "group": (group or 128) if fmt != "bf16" else None,
         "scale_format": scale_format if fmt != "bf16" else None,
@@ -197,8 +205,16 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
               help="Write a PNG: one strip per tensor coloured by node (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--pages", is_flag=True, help="With --json: include the per-page node lists.")
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default=None,
+              help="GGUF / FP8 only: the format to report the load of (its cost and its error "
+                   "against the file's own values) [default: what the store loads by default].")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
+              help="GGUF / FP8 with --format int8/int4: scale group size [default: 32].")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
+              help="GGUF / FP8 with --format int8/int4: element type of the scales [default: fp16].")
 @_pattern_options
-def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json, pages, pattern, kinds):
+def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json, pages, fmt,
+                    group, scale_dtype, pattern, kinds):
     """Where the checkpoint's expert pages sit in memory now, and the cost of a naive split."""
     from numa_moe.placement_report import inspect_checkpoint, plot_placement
 
@@ -209,7 +225,9 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
     ck = _open(checkpoint, pattern, kinds)
     try:
         report = inspect_checkpoint(ck, tensor=tensor, nodes=nodes, touch=touch,
-                                    include_all=all_tensors)
+                                    include_all=all_tensors, weight_format=fmt,
+                                    group=None if group is None else int(group),
+                                    scale_dtype=scale_dtype)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
     if as_json:

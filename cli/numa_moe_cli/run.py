@@ -12,7 +12,7 @@ from numa_moe_cli.options import check_output, isa_option, page_option, write_ou
 
 
 @click.command("run")
-@click.argument("checkpoint", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument("checkpoint", required=False, type=click.Path(exists=True))
 @click.option("--tokens", "-t", default=1, show_default=True, type=click.IntRange(1), help="tokens per step")
 @click.option("--steps", "-s", default=10, show_default=True, type=click.IntRange(1), help="decode-like steps")
 @click.option("--nodes", type=click.IntRange(1), default=None,
@@ -24,7 +24,8 @@ from numa_moe_cli.options import check_output, isa_option, page_option, write_ou
 @click.option("--seed", default=0, show_default=True, type=int, help="seed of the inputs and the random routing")
 @click.option("--format", "weight_formats", type=click.Choice(["bf16", "int8", "int4"]), multiple=True,
               help="Expert weight format: int8 / int4 quantize a BF16 checkpoint while loading "
-                   "(group 128, fp16 scales; docs/quantization.md). Default: the checkpoint's own. Given "
+                   "(group 128, fp16 scales; docs/quantization.md); GGUF and FP8 experts are converted to "
+                   "it (group 32; docs/checkpoints.md). Default: the checkpoint's own. Given "
                    "more than once, the job runs once per format and ends with their steps side by side.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the report as JSON to this file.")

@@ -1,0 +1,152 @@
+"""FP8 routed experts with block scales (DeepSeek-V3/R1 style safetensors).
+
+Each expert weight is ``F8_E4M3`` (float8_e4m3fn) ``[rows, cols]``; beside it
+``<name>_scale_inv`` (``...gate_proj.weight_scale_inv``; for a fused tensor without
+``.weight``, ``<name>.weight_scale_inv``) holds one float per block of ``b0 x b1``
+weights, ``[ceil(rows / b0), ceil(cols / b1)]`` (fused: ``[E, ...]``), with the block from
+config.json ``quantization_config.weight_block_size`` (default 128 x 128). The weight is
+
+    W[r, c] = float(w8[r, c]) * scale_inv[r // b0, c // b1]
+
+computed in float32, as ``torch``'s ``w.to(float32) * scale`` does. Loading to bf16 rounds
+that product to nearest even, exactly as ``.to(torch.bfloat16)``; int8/int4 quantize it
+(``numa_moe.quant.quantize``) with the group asked for. Scale tensors are checked when the
+checkpoint is opened (present, float, the right shape), their values (finite) when read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import ml_dtypes
+import numpy as np
+
+from numa_moe.checkpoint import (Checkpoint, CheckpointError, ExpertLayer,
+                                 ExpertMatrix, _matrices_of, _short, read_matrix_into)
+from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
+
+__all__ = ["attach_fp8_scales", "FP8Import", "fp8_scale_name", "DEFAULT_BLOCK"]
+
+DEFAULT_BLOCK = (128, 128)
+SCALE_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16),
+                "F16": np.dtype(np.float16)}
+
+
+def fp8_scale_name(weight_name: str) -> str:
+    """``...gate_proj.weight`` -> ``...gate_proj.weight_scale_inv``;
+    ``...experts.gate_up_proj`` -> ``...experts.gate_up_proj.weight_scale_inv``."""
+    base = weight_name[:-len(".weight")] if weight_name.endswith(".weight") else weight_name
+    return base + ".weight_scale_inv"
+
+
+def _block_size(checkpoint: Checkpoint) -> tuple[tuple[int, int], str]:
+    config = checkpoint.config or {}
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict) or "weight_block_size" not in qc:
+        return DEFAULT_BLOCK, "default (no quantization_config.weight_block_size)"
+    block = qc["weight_block_size"]
+    if not (isinstance(block, list) and len(block) == 2
+            and all(type(b) is int and b >= 1 for b in block)):
+        raise CheckpointError(f"{checkpoint.root}: config.json quantization_config.weight_block_size="
+                              f"{_short(block)} is not two positive integers")
+    return (block[0], block[1]), "config.json quantization_config.weight_block_size"
+
+
+def attach_fp8_scales(checkpoint: Checkpoint) -> None:
+    """Give every FP8 expert matrix of ``checkpoint`` its block-scale matrix and set
+    ``checkpoint.importer``; refuses a missing, non-float or mis-shaped scale tensor."""
+    block, block_source = _block_size(checkpoint)
+    b0, b1 = block
+    layers = {}
+    for layer_id, layer in checkpoint.layers.items():
+        matrices = {}
+        for kind, per_expert in layer.matrices.items():
+            out = []
+            by_tensor: dict[str, list[ExpertMatrix]] = {}
+            for m in per_expert:
+                by_tensor.setdefault(m.tensor.name, []).append(m)
+            scales_of = {}
+            for name, ms in by_tensor.items():
+                info = ms[0].tensor
+                scale = _scale_tensor(checkpoint, info, block)
+                fused = len(info.shape) == 3
+                expert = None if fused else str(ms[0].expert)
+                if fused and kind in ("gate", "up") and (info.shape[1] // 2) % b0:
+                    raise CheckpointError(
+                        f"{info.path}: tensor {info.name!r}: fused gate_up rows {info.shape[1]} "
+                        f"split into gate and up halves of {info.shape[1] // 2} rows, not whole "
+                        f"{b0}-row scale blocks")
+                fused_kind = "gate_up" if fused and kind in ("gate", "up") else kind
+                for s in _matrices_of(scale, layer_id, expert, fused_kind):
+                    scales_of[(s.expert, s.kind)] = s
+            for m in per_expert:
+                out.append(replace(m, scales=scales_of[(m.expert, m.kind)]))
+            matrices[kind] = tuple(out)
+        layers[layer_id] = ExpertLayer(layer.layer, layer.hidden_size, layer.intermediate_size,
+                                       layer.n_experts, layer.dtype, matrices, layer.router,
+                                       layer.shared, layer.quant)
+    checkpoint.layers = layers
+    checkpoint.importer = FP8Import(block)
+    checkpoint.notes.append(f"FP8 block scales {b0} x {b1} ({block_source})")
+
+
+def _scale_tensor(checkpoint: Checkpoint, info, block: tuple[int, int]):
+    name = fp8_scale_name(info.name)
+    where = f"{info.path}: tensor {_short(info.name)}"
+    scale = checkpoint.tensors.get(name)
+    if scale is None:
+        raise CheckpointError(f"{where} is FP8 but its scale tensor {_short(name)} is missing "
+                              "(an FP8 expert weight needs its block scales)")
+    *lead, rows, cols = info.shape
+    shape = (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if scale.shape != shape:
+        raise CheckpointError(f"{scale.path}: tensor {_short(name)} has shape {list(scale.shape)}, "
+                              f"expected {list(shape)}: one scale per {block[0]} x {block[1]} block "
+                              f"of the FP8 weight {list(info.shape)}")
+    if scale.dtype not in SCALE_DTYPES:
+        raise CheckpointError(f"{scale.path}: tensor {_short(name)} is {scale.dtype}; FP8 block "
+                              f"scales are {', '.join(SCALE_DTYPES)}")
+    return scale
+
+
+@dataclass(frozen=True)
+class FP8Import(ExpertImport):
+    """FP8 e4m3 experts with block scales: bf16 by default, int8/int4 on request."""
+
+    block: tuple[int, int] = DEFAULT_BLOCK
+    float_formats = ("bf16",)
+
+    @property
+    def source(self) -> str:
+        return f"FP8 e4m3 (block {self.block[0]} x {self.block[1]})"
+
+    def default(self) -> LoadFormat:
+        return LoadFormat("bf16")
+
+    def exact(self, fmt: LoadFormat) -> bool:
+        # bf16 equals torch's own dequantization bit for bit; int8/int4 are requantized
+        return fmt.fmt == "bf16"
+
+    def read_into(self, matrix: ExpertMatrix, fd: int, values: np.ndarray,
+                  scales: np.ndarray | None, fmt: LoadFormat) -> None:
+        convert_float(self.dequantize(matrix, fd), values, scales, fmt,
+                      f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer "
+                      f"{matrix.layer} expert {matrix.expert} {matrix.kind})")
+
+    def dequantize(self, matrix: ExpertMatrix, fd: int) -> np.ndarray:
+        s = matrix.scales
+        w8 = np.empty((matrix.rows, matrix.cols), dtype=ml_dtypes.float8_e4m3fn)
+        read_matrix_into(matrix, w8, fd)
+        scale = np.empty((s.rows, s.cols), dtype=SCALE_DTYPES[s.dtype])
+        read_matrix_into(s, scale, fd if s.tensor.path == matrix.tensor.path else None)
+        scale = scale.astype(np.float32)
+        if not np.all(np.isfinite(scale)):
+            r, c = (int(i) for i in np.argwhere(~np.isfinite(scale))[0])
+            raise CheckpointError(f"{s.tensor.path}: tensor {_short(s.tensor.name)}: a NaN or "
+                                  f"infinite block scale for layer {matrix.layer} expert "
+                                  f"{matrix.expert} {matrix.kind} (block row {r}, column {c})")
+        b0, b1 = self.block
+        expanded = np.repeat(np.repeat(scale, b0, axis=0)[:matrix.rows], b1, axis=1)[:, :matrix.cols]
+        return w8.astype(np.float32) * expanded
+

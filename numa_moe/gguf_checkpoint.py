@@ -1,0 +1,438 @@
+"""The routed experts of a llama.cpp GGUF file, read with ggml's own ``gguf`` package.
+
+llama.cpp stores a MoE layer's routed experts fused, one 3-D tensor per kind:
+``blk.L.ffn_gate_exps.weight``, ``blk.L.ffn_up_exps.weight`` (ggml dims ``[H, I, E]``,
+row-major ``[E, I, H]``) and ``blk.L.ffn_down_exps.weight`` (``[E, H, I]``), each
+expert one contiguous slice. Rows are sequences of ggml blocks (32 weights for Q8_0 and
+Q4_0, 256 for the K-quants), so an expert matrix is still (file, byte offset, rows, cols),
+with ``rows x cols / block x block bytes`` bytes. Sizes come from the metadata
+(``general.architecture``, ``{arch}.expert_count``, ``{arch}.embedding_length``,
+``{arch}.expert_feed_forward_length`` or ``{arch}.feed_forward_length``,
+``{arch}.expert_used_count``) and are checked against every expert tensor's shape.
+
+Conversion into the store's layout (``GGUFImport``, one expert matrix at a time):
+
+* Q8_0 -> int8 and Q4_0 -> int4, group 32, fp16 scales: bytes re-arranged, no loss
+  (``numa_moe.quant.from_q8_0`` / ``from_q4_0``; the block scales land in their own
+  row-major tensor);
+* BF16, F16, F32: copied as they are;
+* every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_0, IQ4_NL, ...):
+  dequantized by it and requantized to the int8/int4 format asked for (or rounded to
+  bf16). Types it cannot dequantize are refused when the file is opened.
+
+The file is parsed by ``gguf.GGUFReader`` (given an fd from ``open_checkpoint_file``);
+``_BoundedReader`` only adds the bounds checks that make a truncated or crafted file a
+one-line ``CheckpointError`` instead of an exception from deep inside the reader or a
+loop over a length read from the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from numa_moe import quant as q
+from numa_moe.checkpoint import (KINDS, Checkpoint, CheckpointError, ExpertLayer, ExpertMatrix,
+                                 ModelDims, TensorInfo, _short, open_checkpoint_file,
+                                 read_matrix_into)
+from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
+
+__all__ = ["open_gguf", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
+           "MAX_TENSORS"]
+
+EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.weight")
+_SHARED = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down|gate_inp)_shexp\.weight")
+_ROUTER = re.compile(r"blk\.(?P<layer>\d+)\.ffn_gate_inp\.weight")
+_DENSE = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down)\.weight")
+
+# ggml float types -> the store's float format of the same bits
+GGML_FLOATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+# ggml types that convert without loss: -> the contract's format, group 32, fp16 scales
+LOSSLESS = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
+            "Q4_0": LoadFormat("int4", q.GGML_BLOCK, "fp16")}
+# bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
+INT4_DEFAULT_BITS = 4.5
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+# The reader keeps one numpy view per metadata array element and one record per tensor,
+# some hundred bytes each: these bounds keep a crafted file from costing gigabytes. Real
+# files hold about 1.3 M elements (a 256 k-token vocabulary's tokens, scores, types and
+# merges) and a few thousand tensors.
+MAX_METADATA_ELEMENTS = 4_000_000
+MAX_TENSORS = 1_000_000
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+def _bits_per_weight(type_name: str) -> float:
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    return size * 8 / block
+
+
+class _PastEnd(Exception):
+    def __init__(self, begin: int, end: int, size: int):
+        super().__init__(begin, end, size)
+        self.begin, self.end, self.size = begin, end, size
+
+
+def _bounded_reader_class():
+    gguf = _gguf()
+
+    class _BoundedReader(gguf.GGUFReader):
+        """GGUFReader that refuses to read past the end of the file (the reader itself
+        slices its memmap, which silently yields fewer bytes, and may then loop over a
+        count read from the file) and checks each tensor's type, dims and byte range
+        before it builds its views."""
+
+        def __init__(self, f, path: Path):
+            self._path = path
+            self._elements = 0
+            super().__init__(f)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == gguf.GGUFValueType.ARRAY:
+                self._elements += int(self._get(orig_offs + 4, np.uint64)[0])
+                if self._elements > MAX_METADATA_ELEMENTS:
+                    raise CheckpointError(
+                        f"{self._path}: GGUF metadata arrays hold more than "
+                        f"{MAX_METADATA_ELEMENTS} elements, more than a plausible model has "
+                        "(corrupted or crafted file)")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _build_tensor_info(self, offs, count):
+            if int(count) > MAX_TENSORS:
+                raise CheckpointError(f"{self._path}: GGUF header declares {int(count)} tensors, "
+                                      f"more than the {MAX_TENSORS} a plausible model has")
+            return super()._build_tensor_info(offs, count)
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            count = int(count)
+            end = int(offset) + np.dtype(dtype).itemsize * count
+            if offset < 0 or count < 0 or end > self.data.size:
+                raise _PastEnd(int(offset), end, int(self.data.size))
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _check_tensor_field(field, int(start_offs), int(self.data.size), self._path)
+            super()._build_tensors(start_offs, fields)
+
+    return _BoundedReader
+
+
+def _check_tensor_field(field, data_start: int, file_bytes: int, path: Path) -> None:
+    gguf = _gguf()
+    _, name_data, n_dims, dims, raw_type, offset = field.parts
+    try:
+        name = bytes(name_data).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: a tensor name is not UTF-8 "
+                              f"({_short(bytes(name_data))}): corrupted GGUF file") from None
+    where = f"{path}: tensor {_short(name)}"
+    code = int(raw_type[0])
+    try:
+        qtype = gguf.GGMLQuantizationType(code)
+    except ValueError:
+        raise CheckpointError(f"{where} has ggml type {code}, which gguf {_gguf_version()} does "
+                              "not know: unknown tensor type (a newer llama.cpp type, or a "
+                              "corrupted file)") from None
+    type_name = qtype.name
+    shape = [int(d) for d in dims]
+    if not 1 <= int(n_dims[0]) <= _MAX_DIMS or min(shape) < 1:
+        raise CheckpointError(f"{where}: ggml dims {_short(shape)} (at most {_MAX_DIMS}, each >= 1)")
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[0] % block:
+        raise CheckpointError(f"{where}: {type_name} rows of {shape[0]} weights are not whole "
+                              f"{block}-weight blocks")
+    nbytes = math.prod(shape) // block * size  # Python ints: never wraps
+    begin = data_start + int(offset[0])
+    if begin + nbytes > file_bytes:
+        raise CheckpointError(f"{where}: {type_name} {_short(shape)} declares {nbytes} bytes at "
+                              f"byte {begin}, but the file has only {file_bytes} bytes "
+                              "(truncated file, or sizes larger than its bytes)")
+
+
+def _gguf_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gguf")
+    except metadata.PackageNotFoundError:
+        return "(unknown version)"
+
+
+def read_gguf(path: str | os.PathLike):
+    """``gguf.GGUFReader`` of ``path`` (opened by ``open_checkpoint_file``: no FIFOs or
+    devices), with every way a malformed file fails turned into a one-line
+    ``CheckpointError`` naming the file."""
+    path = Path(path)
+    fd = open_checkpoint_file(path)
+    reader_class = _bounded_reader_class()
+    try:
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                raise CheckpointError(f"{path}: truncated GGUF file ({size} bytes; the header "
+                                      "alone needs 24)")
+            reader = reader_class(f, path)
+    except CheckpointError:
+        raise
+    except _PastEnd as err:
+        raise CheckpointError(f"{path}: truncated GGUF file: the header runs to byte {err.end} but "
+                              f"the file has {err.size} bytes") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a readable GGUF file: metadata arrays nested too "
+                              "deeply to be plausible") from None
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError,
+            MemoryError) as err:
+        raise CheckpointError(f"{path}: not a readable GGUF file: {_short(str(err), 160)}") from None
+    return reader
+
+
+def _metadata_int(reader, path: Path, key: str, required: bool = True) -> int | None:
+    gguf = _gguf()
+    field = reader.get_field(key)
+    if field is None:
+        if required:
+            raise CheckpointError(f"{path}: GGUF metadata {key} is missing (needed for the routed "
+                                  "experts' sizes)")
+        return None
+    ints = {gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT8, gguf.GGUFValueType.UINT16,
+            gguf.GGUFValueType.INT16, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32,
+            gguf.GGUFValueType.UINT64, gguf.GGUFValueType.INT64}
+    if len(field.types) != 1 or field.types[0] not in ints:
+        raise CheckpointError(f"{path}: GGUF metadata {key} is {field.types[0].name if field.types else '?'}, "
+                              "not an integer")
+    value = int(field.contents())
+    if value < 1:
+        raise CheckpointError(f"{path}: GGUF metadata {key}={value} is not a positive integer")
+    return value
+
+
+def _architecture(reader, path: Path) -> str:
+    gguf = _gguf()
+    field = reader.get_field("general.architecture")
+    if field is None:
+        raise CheckpointError(f"{path}: GGUF metadata general.architecture is missing")
+    if field.types != [gguf.GGUFValueType.STRING]:
+        raise CheckpointError(f"{path}: GGUF metadata general.architecture is not a string")
+    try:
+        return field.contents()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: GGUF metadata general.architecture is not UTF-8") from None
+
+
+def open_gguf(path: str | os.PathLike, pattern=None) -> Checkpoint:
+    """A ``Checkpoint`` of a GGUF file: its tensors (dtype = ggml type name, shape in
+    row-major order), the routed experts of every MoE block, shared experts, routers and
+    dense FFNs reported apart, and a ``GGUFImport`` as ``checkpoint.importer``."""
+    path = Path(path)
+    if pattern is not None:
+        raise CheckpointError(f"{path}: a naming pattern applies to safetensors checkpoints; GGUF "
+                              "experts are found by llama.cpp's names (blk.L.ffn_*_exps.weight)")
+    reader = read_gguf(path)
+    split = _metadata_int(reader, path, "split.count", required=False)
+    if split is not None and split > 1:
+        raise CheckpointError(f"{path}: one part of a split GGUF model ({split} parts); merge "
+                              "them first (llama-gguf-split --merge)")
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensors[t.name] = TensorInfo(t.name, path, t.tensor_type.name, shape, int(t.data_offset),
+                                     int(t.n_bytes))
+    arch = _architecture(reader, path)
+    n_experts = _metadata_int(reader, path, f"{arch}.expert_count")
+    hidden = _metadata_int(reader, path, f"{arch}.embedding_length")
+    ffn_key = f"{arch}.expert_feed_forward_length"
+    intermediate = _metadata_int(reader, path, ffn_key, required=False)
+    if intermediate is None:
+        ffn_key = f"{arch}.feed_forward_length"  # Mixtral-style: the experts are the FFN
+        intermediate = _metadata_int(reader, path, ffn_key, required=False)
+    if intermediate is None:
+        raise CheckpointError(f"{path}: GGUF metadata {arch}.expert_feed_forward_length (or "
+                              f"{arch}.feed_forward_length) is missing (needed for the routed "
+                              "experts' sizes)")
+    top_k = _metadata_int(reader, path, f"{arch}.expert_used_count", required=False)
+    del reader  # its memmap: the experts are read through fds from here on
+
+    expected = {"gate": (n_experts, intermediate, hidden), "up": (n_experts, intermediate, hidden),
+                "down": (n_experts, hidden, intermediate)}
+    by_layer: dict[int, dict[str, TensorInfo]] = defaultdict(dict)
+    shared, routers, dense = [], [], set()
+    for name, info in tensors.items():
+        match = EXPERT_TENSOR.fullmatch(name)
+        if match is not None:
+            by_layer[int(match.group("layer"))][match.group("kind")] = info
+        elif _SHARED.fullmatch(name):
+            shared.append(info)
+        elif _ROUTER.fullmatch(name):
+            routers.append(info)
+        elif (dense_match := _DENSE.fullmatch(name)):
+            dense.add(int(dense_match.group("layer")))
+    if not by_layer:
+        raise CheckpointError(f"{path}: no routed-expert tensors (blk.N.ffn_gate_exps.weight, "
+                              f"ffn_up_exps, ffn_down_exps) among {len(tensors)} tensors of this "
+                              f"{arch} GGUF file")
+    types: set[str] = set()
+    layers = {}
+    for layer in sorted(by_layer):
+        kinds = by_layer[layer]
+        missing = [k for k in KINDS if k not in kinds]
+        if missing:
+            raise CheckpointError(f"{path}: block {layer}: incomplete routed experts "
+                                  f"(ffn_{'_exps, ffn_'.join(missing)}_exps missing)")
+        matrices = {kind: _expert_matrices(path, layer, kind, kinds[kind], expected[kind], arch)
+                    for kind in KINDS}
+        layer_types = sorted({kinds[k].dtype for k in KINDS})
+        types.update(layer_types)
+        layers[layer] = ExpertLayer(
+            layer, hidden, intermediate, n_experts, "+".join(layer_types), matrices,
+            next((r for r in routers if _ROUTER.fullmatch(r.name).group("layer") == str(layer)), None),
+            tuple(s for s in shared if _SHARED.fullmatch(s.name).group("layer") == str(layer)))
+    importer = GGUFImport(tuple(sorted(types)))
+    sources = {"hidden_size": f"GGUF {arch}.embedding_length",
+               "intermediate_size": f"GGUF {ffn_key}",
+               "n_experts": f"GGUF {arch}.expert_count",
+               "top_k": f"GGUF {arch}.expert_used_count" if top_k else "unknown (not in metadata)"}
+    notes = []
+    if top_k is None:
+        notes.append(f"GGUF metadata has no {arch}.expert_used_count: top-k unknown")
+    if dense:
+        notes.append(f"dense FFN (not routed experts) in block(s) {_blocks(dense)}")
+    ck = Checkpoint(root=path, files=(path,), tensors=tensors, config=None, naming=("gguf",),
+                    layers=layers, dims=ModelDims(hidden, intermediate, n_experts, top_k, sources),
+                    shared_tensors=tuple(shared), router_tensors=tuple(routers), notes=notes,
+                    file_metadata={path: {"general.architecture": arch}}, importer=importer)
+    return ck
+
+
+def _blocks(ids) -> str:
+    ids = sorted(ids)
+    return ",".join(map(str, ids)) if len(ids) <= 8 else f"{ids[0]}-{ids[-1]} ({len(ids)} blocks)"
+
+
+def _expert_matrices(path: Path, layer: int, kind: str, info: TensorInfo,
+                     expected: tuple[int, int, int], arch: str) -> tuple[ExpertMatrix, ...]:
+    where = f"{path}: tensor {info.name!r}"
+    if info.shape != expected:
+        ggml_expected = list(reversed(expected))
+        what = ("wrong expert dimension order" if sorted(info.shape) == sorted(expected)
+                else "shape does not match the metadata")
+        raise CheckpointError(
+            f"{where}: {what}: ggml dims {list(reversed(info.shape))}, expected {ggml_expected} "
+            f"([cols, rows, experts] from {arch}.expert_count, embedding_length and the expert "
+            f"feed-forward length)")
+    if info.dtype not in GGML_FLOATS and info.dtype not in LOSSLESS:
+        _check_dequantizable(info, where)
+    n_experts, rows, cols = info.shape
+    per_expert = info.nbytes // n_experts
+    return tuple(ExpertMatrix(layer, e, kind, info, info.file_offset + e * per_expert, rows, cols,
+                              stored_bytes=per_expert)
+                 for e in range(n_experts))
+
+
+_DEQUANTIZABLE: dict[str, bool] = {}
+
+
+def _check_dequantizable(info: TensorInfo, where: str) -> None:
+    """Refuse a type the gguf package cannot dequantize (tried once per type on one zero block)."""
+    gguf = _gguf()
+    if info.dtype not in _DEQUANTIZABLE:
+        qtype = gguf.GGMLQuantizationType[info.dtype]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
+            _DEQUANTIZABLE[info.dtype] = True
+        except (NotImplementedError, ValueError, TypeError):
+            _DEQUANTIZABLE[info.dtype] = False
+    if not _DEQUANTIZABLE[info.dtype]:
+        raise CheckpointError(f"{where}: ggml type {info.dtype} cannot be read: gguf "
+                              f"{_gguf_version()} has no dequantization for it")
+
+
+@dataclass(frozen=True)
+class GGUFImport(ExpertImport):
+    """How a GGUF file's routed experts become the store's formats (module doc)."""
+
+    types: tuple[str, ...]
+
+    @property
+    def source(self) -> str:
+        return "GGUF " + "+".join(self.types)
+
+    @property
+    def float_formats(self) -> tuple[str, ...]:
+        own = {GGML_FLOATS[t] for t in self.types if t in GGML_FLOATS}
+        return ("bf16",) + tuple(sorted(own - {"bf16"})) if len(self.types) == 1 else ("bf16",)
+
+    def default(self) -> LoadFormat:
+        if len(self.types) == 1:
+            (only,) = self.types
+            if only in GGML_FLOATS:
+                return LoadFormat(GGML_FLOATS[only])
+            if only in LOSSLESS:
+                return LOSSLESS[only]
+        low_bit = all(_bits_per_weight(t) <= INT4_DEFAULT_BITS for t in self.types)
+        return LoadFormat("int4" if low_bit else "int8", q.GGML_BLOCK, "fp16")
+
+    def exact(self, fmt: LoadFormat) -> bool:
+        return all(_exact(t, fmt) for t in self.types)
+
+    def read_into(self, matrix: ExpertMatrix, fd: int, values: np.ndarray,
+                  scales: np.ndarray | None, fmt: LoadFormat) -> None:
+        t = matrix.dtype
+        if t in GGML_FLOATS and fmt.fmt == GGML_FLOATS[t]:
+            read_matrix_into(matrix, values, fd)
+            return
+        if t in LOSSLESS and LOSSLESS[t] == fmt:
+            try:
+                qm = (q.from_q8_0 if t == "Q8_0" else q.from_q4_0)(_raw(matrix, fd), matrix.rows,
+                                                                  matrix.cols)
+            except ValueError as err:
+                raise CheckpointError(f"{_where(matrix)}: {err}") from None
+            block_scales = qm.scales.astype(np.float32)
+            if not np.all(np.isfinite(block_scales)):
+                r, c = (int(i) for i in np.argwhere(~np.isfinite(block_scales))[0])
+                raise CheckpointError(f"{_where(matrix)}: a NaN or infinite block scale (row {r}, "
+                                      f"block {c})")
+            values[...] = qm.q
+            scales[...] = qm.scales
+            # ggml writes d = +-0 for an all-zero block (its q are all 0); the contract's
+            # scales are never 0, and +-1 gives the same zeros, signs included
+            zero = block_scales == 0
+            scales[zero] = np.copysign(1, block_scales[zero])
+            return
+        convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
+
+    def dequantize(self, matrix: ExpertMatrix, fd: int) -> np.ndarray:
+        gguf = _gguf()
+        raw = _raw(matrix, fd).reshape(matrix.rows, -1)
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[matrix.dtype])
+        return np.asarray(w, dtype=np.float32).reshape(matrix.rows, matrix.cols)
+
+
+def _exact(type_name: str, fmt: LoadFormat) -> bool:
+    if type_name in GGML_FLOATS:
+        return GGML_FLOATS[type_name] == fmt.fmt
+    return LOSSLESS.get(type_name) == fmt
+
+
+def _raw(matrix: ExpertMatrix, fd: int) -> np.ndarray:
+    raw = np.empty(matrix.nbytes, dtype=np.uint8)
+    read_matrix_into(matrix, raw, fd)
+    return raw
+
+
+def _where(matrix: ExpertMatrix) -> str:
+    return (f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (block {matrix.layer} expert "
+            f"{matrix.expert} {matrix.kind}, {matrix.dtype})")

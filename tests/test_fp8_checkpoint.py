@@ -1,0 +1,123 @@
+"""FP8 (DeepSeek-V3 style) checkpoints: tiny files written with torch's float8_e4m3fn and
+128 x 128 block scales; the BF16 import equals torch's own dequantization bit for bit,
+INT8 stays within numa_moe.quant.error_bound of it, and missing or mis-shaped scales are
+one-line errors when the headers are read."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="FP8 test checkpoints are written with torch's float8_e4m3fn")
+from safetensors.torch import save_file  # noqa: E402
+
+from numa_moe import quant as q  # noqa: E402
+from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError  # noqa: E402
+from numa_moe.store import ExpertStore, expert_rows  # noqa: E402
+
+E, H, I = 3, 256, 192  # I is not a multiple of 128: the last block of a row is partial
+NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def write_fp8(directory, seed, block=(128, 128), config_block=(128, 128), drop=None, reshape=None):
+    """A one-layer FP8 checkpoint: per expert and kind an F8_E4M3 weight and its F32
+    ``weight_scale_inv`` [ceil(rows / b0), ceil(cols / b1)]; ``drop`` / ``reshape`` name a
+    scale tensor to leave out or to write with one block row too few."""
+    g = torch.Generator().manual_seed(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for e in range(E):
+        for kind, (rows, cols) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            name = f"model.layers.0.mlp.experts.{e}.{NAMES[kind]}.weight"
+            w = (torch.randn(rows, cols, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            s = torch.rand(math.ceil(rows / block[0]), math.ceil(cols / block[1]), generator=g) * 1e-3 + 1e-4
+            tensors[name] = w
+            if name + "_scale_inv" == drop:
+                continue
+            tensors[name + "_scale_inv"] = s[:-1] if name + "_scale_inv" == reshape else s
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = {"hidden_size": H, "moe_intermediate_size": I, "n_routed_experts": E, "num_experts_per_tok": 2,
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                      "weight_block_size": list(config_block)}}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory, tensors
+
+
+def torch_dequantized(tensors, name, block=(128, 128)):
+    """torch's own dequantization: w.to(float32) * scale_inv broadcast over its blocks."""
+    w, s = tensors[name], tensors[name + "_scale_inv"]
+    expanded = s.repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)[:, :w.shape[1]]
+    return w.to(torch.float32) * expanded
+
+
+def test_bf16_import_equals_torch_dequantization(tmp_path, rng):
+    path, tensors = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
+    ck = Checkpoint.open(path)
+    assert ck.source_format == "FP8 e4m3 (block 128 x 128)" and ck.weight_format == "bf16"
+    store = ExpertStore.load(ck, progress=False)
+    assert store.weight_format == "bf16" and not store.quantized
+    for kind in KINDS:
+        loaded = store.torch_weights(0, kind)
+        for e in range(E):
+            want = torch_dequantized(tensors, f"model.layers.0.mlp.experts.{e}.{NAMES[kind]}.weight")
+            got = loaded[slice(*expert_rows(store.dims, kind, e))]
+            assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)), (kind, e)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_import_within_the_quantization_bound(tmp_path, rng, group):
+    path, tensors = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
+    store = ExpertStore.load(path, progress=False, weight_format="int8", group=group)
+    assert (store.weight_format, store.group, store.scale_dtype) == ("int8", group, "fp16")
+    for kind in KINDS:
+        for e in range(E):
+            want = torch_dequantized(tensors, f"model.layers.0.mlp.experts.{e}.{NAMES[kind]}.weight").numpy()
+            values, scales = (x[{"gate": 0, "up": 1, "down": 2}[kind]] for x in
+                              (store.expert(0, e), store.expert_scales(0, e)))
+            qm = q.QuantizedMatrix("int8", group, values, scales)
+            got = q.dequantize(qm)
+            assert np.all(np.abs(got - want) <= q.error_bound(want, qm) * (1 + 1e-6))
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.01
+
+
+def test_inspect_reports_the_conversion(tmp_path, rng):
+    from numa_moe.placement_report import inspect_checkpoint
+
+    path, _ = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
+    report = inspect_checkpoint(path, nodes=2, weight_format="int8", group=64)
+    c = report.conversion
+    assert c["conversion"] == "FP8 e4m3 (block 128 x 128) -> int8, group 64, fp16 scales (requantized)"
+    assert c["file_bytes"] == E * 3 * I * H
+    assert c["loaded_bytes"] == E * 3 * I * H + E * 3 * I * H // 64 * 2
+    assert all(0 < e["rel_fro"] < 0.01 for e in c["errors"])
+    assert "import: FP8 e4m3" in report.format_text()
+    bf16 = inspect_checkpoint(path, nodes=1).conversion
+    assert bf16["exact"] and bf16["format"] == "bf16"
+    # bf16 rounding of the float32 product: at most half an ulp of bf16 (2**-8 relative)
+    assert all(e["max_rel"] <= 2 ** -8 for e in bf16["errors"])
+
+
+def test_missing_scale_tensor(tmp_path):
+    name = "model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"
+    path, _ = write_fp8(tmp_path / "ck", 1, drop=name)
+    with pytest.raises(CheckpointError, match=f"scale tensor '{name}' is missing") as info:
+        Checkpoint.open(path)
+    assert "\n" not in str(info.value)
+
+
+def test_misshaped_scale_tensor(tmp_path):
+    name = "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv"
+    path, _ = write_fp8(tmp_path / "ck", 2, reshape=name)
+    with pytest.raises(CheckpointError, match=r"has shape \[1, 2\], expected \[2, 2\]: one scale per "
+                                              r"128 x 128 block") as info:
+        Checkpoint.open(path)
+    assert name in str(info.value) and "\n" not in str(info.value)
+
+
+def test_block_size_from_the_config_must_match_the_scales(tmp_path):
+    path, _ = write_fp8(tmp_path / "ck", 3, config_block=(64, 64))
+    with pytest.raises(CheckpointError, match="one scale per 64 x 64 block"):
+        Checkpoint.open(path)
