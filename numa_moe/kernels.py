@@ -25,6 +25,7 @@ __all__ = [
     "ISAS",
     "available_isas",
     "default_isa",
+    "fastest_isa",
     "forced_isa",
     "expert_ffn",
     "matmul_segments",
@@ -51,6 +52,12 @@ def default_isa() -> str:
         raise ValueError(str(error)) from None
 
 
+def fastest_isa(fmt: str = "bf16") -> str:
+    """The fastest ISA with kernels for a weight format on this machine (amx > avx512 >
+    avx2 > ref; never ``amx_model``), ``NUMA_MOE_ISA`` not consulted."""
+    return _native.fastest_kernel_isa(fmt)
+
+
 def forced_isa() -> str | None:
     """The ISA ``NUMA_MOE_ISA`` forces (checked as ``default_isa`` checks it), or None when
     the variable is unset or empty: callers with a rule of their own (the MoE layer picks
@@ -67,7 +74,7 @@ def _resolve_isa(isa: str | None, fmt: str = "bf16") -> str:
         return str(isa)
     if fmt == "bf16":
         return default_isa()
-    return _native.kernel_isas(fmt)[-1]
+    return fastest_isa(fmt)
 
 
 def _is_torch(value: Any) -> bool:

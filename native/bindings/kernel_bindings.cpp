@@ -151,6 +151,14 @@ void register_kernels(py::module_& m) {
             if (kernels::kernel_ops(isa, f)) names.emplace_back(kernels::isa_name(isa));
         return names;
     }, py::arg("format") = "bf16", "Names of the kernel ISAs this CPU (and OS) can run for a weight format, slowest first.");
+    m.def("fastest_kernel_isa", [](const std::string& format) {
+        kernels::Format f;
+        if (!kernels::parse_format(format.c_str(), &f))
+            throw std::invalid_argument("format '" + format + "' is not one of bf16, int8, int4");
+        return std::string(kernels::isa_name(kernels::fastest_isa(f)));
+    }, py::arg("format") = "bf16",
+          "The fastest ISA with kernels for a weight format here (amx > avx512 > avx2 > ref; never amx_model), "
+          "NUMA_MOE_ISA not consulted.");
     m.def("default_kernel_isa", [] { return std::string(kernels::isa_name(kernels::default_isa())); },
           "The ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("matmul_segments", &py_matmul_segments, py::arg("isa"), py::arg("weight"), py::arg("segments"),

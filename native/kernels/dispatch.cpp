@@ -52,7 +52,12 @@ bool parse_format(const char* name, Format* format) {
 
 namespace {
 
-// The integer formats: reference kernels and AVX-512-VNNI ones.
+// The integer formats: reference kernels, AVX-512-VNNI ones, and AMX-INT8 ones (real, or
+// over the AMX model; their epilogues and token packing are AVX-512 code).
+bool has_amx_int8_kernels() {
+    return has_avx512_bf16_kernels() && cpu_features().amx_int8 && request_amx_permission();
+}
+
 const KernelOps* integer_ops(Isa isa, Format format) {
     const bool int8 = format == Format::int8;
     switch (isa) {
@@ -60,6 +65,12 @@ const KernelOps* integer_ops(Isa isa, Format format) {
         case Isa::avx512:
             if (!has_avx512_vnni_kernels()) return nullptr;
             return int8 ? &avx512_int8_ops() : &avx512_int4_ops();
+        case Isa::amx_model:
+            if (!has_avx512_bf16_kernels()) return nullptr;
+            return int8 ? &amx_model_int8_ops() : &amx_model_int4_ops();
+        case Isa::amx:
+            if (!has_amx_int8_kernels()) return nullptr;
+            return int8 ? &amx_int8_ops() : &amx_int4_ops();
         default: return nullptr;
     }
 }
@@ -83,7 +94,8 @@ std::string unavailable_reason(Isa isa, Format format) {
     if (kernel_ops(isa, format)) return "";
     if (format != Format::bf16 && kernel_ops(isa)) {
         if (isa == Isa::avx512) return "this CPU (or OS) lacks AVX-512 VNNI";
-        return std::string("it has no ") + format_name(format) + " kernels yet (ref and avx512 have)";
+        if (isa == Isa::amx) return "this CPU has AMX-BF16 but no AMX-INT8";
+        return std::string("it has no ") + format_name(format) + " kernels (ref, avx512, amx_model and amx have)";
     }
     switch (isa) {
         case Isa::ref: return "";
@@ -110,9 +122,13 @@ Isa default_isa() {
             throw std::runtime_error(std::string("NUMA_MOE_ISA=") + forced + " is not available on this CPU");
         return isa;
     }
+    return fastest_isa(Format::bf16);
+}
+
+Isa fastest_isa(Format format) {
     // amx_model is never a default: it is a test vehicle, orders of magnitude slower.
     for (Isa isa : {Isa::amx, Isa::avx512, Isa::avx2}) {
-        if (kernel_ops(isa)) return isa;
+        if (kernel_ops(isa, format)) return isa;
     }
     return Isa::ref;
 }

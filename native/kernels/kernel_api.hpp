@@ -57,6 +57,10 @@ constexpr int64_t kActivationBlock = 32;
 //   dot-product kernels (ref, avx2, avx512 for few tokens)  {0, 1}   plain
 //   AMX B operand, pairs B[c / 2][2t + c % 2]               {2, 1}
 //   AVX-512 token lanes, T tokens per vector                 {32 / T, T}
+// Integer formats: the same index over int8 values (one byte each), m * k bytes padded to
+// 64, then fp32 scales, one per token t and block b of kActivationBlock columns:
+// scale[t * (k / 32) + b] for the plain layout (ref, avx512), scale[b * m + t] for the
+// AMX B operand's quads B[c / 4][4t + c % 4] {4, 1} (amx_quant.cpp).
 struct TokenLayout {
     int64_t block_columns;
     int64_t token_multiple;
@@ -149,6 +153,10 @@ const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16);
 // The fastest ISA this machine runs, unless NUMA_MOE_ISA (ref|avx2|avx512|amx_model|amx)
 // names another; an unavailable choice there is an error (std::runtime_error).
 Isa default_isa();
+
+// The fastest ISA with kernels for a weight format on this machine (amx > avx512 > avx2 >
+// ref), NUMA_MOE_ISA not consulted; never amx_model.
+Isa fastest_isa(Format format);
 
 const char* isa_name(Isa isa);
 bool parse_isa(const char* name, Isa* isa);
