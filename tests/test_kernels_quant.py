@@ -47,7 +47,7 @@ def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
 
 
 @pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 32, 33, 64, 100, 256])
 def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
     rows, cols, group = 40, 256, 64
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
@@ -75,8 +75,10 @@ def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dtype, group):
     """Odd row starts and strides, segments that start and end off the group grid (on the
-    32-column one), a thread's row range cutting segments, many token counts. The avx512
-    kernels add the same fp32 terms in the same order as ref: equal bit for bit."""
+    32-column one), a thread's row range cutting segments, many token counts (AMX: row and
+    token tiles of 16 and 32 cut, int4 64-column unpacks starting on odd blocks, more than
+    16 groups per segment). The avx512 and AMX kernels add the same fp32 terms in the same
+    order as ref: equal bit for bit."""
     rows, cols = 77, 640
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype)
     segments = np.array([[3, 7, 10, 32, 352], [1, 3, 9, 0, 640], [5, 1, 19, 96, 160], [0, 5, 15, 608, 640],
@@ -86,7 +88,7 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
     for row0, stride, nrows, _, _ in segments:
         covered[row0:row0 + stride * nrows:stride] = True
     covered[:row_begin] = covered[row_end:] = False
-    for m in sorted({1, 2, 3, 4, 6, 9, int(rng.integers(10, 64)), 64}):
+    for m in sorted({1, 2, 3, 4, 6, 9, 17, 33, int(rng.integers(10, 64)), 64}):
         x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
         out = np.full((rows, m), np.nan, np.float32)
         out[covered] = rng.standard_normal((covered.sum(), m))
@@ -101,7 +103,7 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
             expected[np.searchsorted(np.flatnonzero(covered), rs)] += reference_matmul(qm, x_q, x_s, rs, k0, k1)
         err = np.abs(out[covered] - expected).max() / np.abs(expected).max()
         assert err < 1e-5, (m, err)
-        if isa == "avx512":
+        if isa != "ref":
             ref_out = start.copy()
             kernels.matmul_segments(qm, segments, x, ref_out, isa="ref", row_begin=row_begin, row_end=row_end)
             np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
@@ -138,11 +140,30 @@ def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt
     float_out = (g / (1 + np.exp(-g)) * u) @ floats[2].T
     bound = 0.03 if fmt == "int8" else 0.25
     assert np.linalg.norm(out - float_out) / np.linalg.norm(float_out) < bound
+    if isa in ("amx_model", "amx") and "avx512" in kernels.available_isas(fmt):
+        # the same token operand values (in another layout), the same silu and fp32 sums
+        avx512_out = np.full_like(out, np.nan)
+        kernels.expert_ffn(x, *qms, token_index=index, out=avx512_out, threads=threads, isa="avx512")
+        np.testing.assert_array_equal(out, avx512_out)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n_nodes", [1, 2])
-def test_layer_with_integer_experts(rng, fmt, n_nodes):
+def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_never(fmt):
+    available = kernels.available_isas(fmt)
+    assert "amx_model" in available or "avx512" not in kernels.available_isas(), "the model runs wherever avx512 does"
+    expected = next(isa for isa in ("amx", "avx512", "ref") if isa in available)
+    assert kernels.fastest_isa(fmt) == expected
+    assert kernels.fastest_isa("bf16") == next(isa for isa in ("amx", "avx512", "avx2", "ref")
+                                               if isa in kernels.available_isas())
+
+
+LAYER_ISAS = [None] + [isa for isa in ("amx_model", "amx") if isa in kernels.available_isas("int8")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_nodes", [1, 2, 3])
+@pytest.mark.parametrize("isa", LAYER_ISAS)
+def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
     from numa_moe.segments import SegmentTable
     from numa_moe.topology import Topology
 
@@ -156,15 +177,20 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes):
         return SegmentTable.theoretical(rows, cols, fmt, 4096, topo.node_ids)
 
     tables = [{kind: table(qm) for kind, qm in zip(("gate", "up", "down"), e)} for e in experts]
-    layer = MoELayer(experts, tables, topology=topo)
-    # the fastest ISA with kernels for the format (avx512 where the CPU has VNNI)
-    assert layer.weight_format == fmt and layer.isa_for_tokens(1) == kernels.fastest_isa(fmt)
-    x = rng.standard_normal((4, hidden)).astype(BF16)
-    ids = np.array([[0, 2], [1, 1], [2, 0], [1, 2]])
-    w = rng.random((4, 2)).astype(np.float32)
+    layer = MoELayer(experts, tables, topology=topo, isa=isa)
+    # unforced: the fastest ISA with kernels for the format (amx, else avx512 where the CPU
+    # has VNNI), never the model
+    assert layer.weight_format == fmt
+    assert layer.isa_for_tokens(1) == (kernels.fastest_isa(fmt) if isa is None else isa)
+    n_tokens = 4 if isa is None else 37  # AMX: more than a 32-token block for expert 1
+    x = rng.standard_normal((n_tokens, hidden)).astype(BF16)
+    ids = np.array([[0, 2], [1, 1], [2, 0], [1, 2]] + [[1, 0]] * (n_tokens - 4))
+    w = rng.random((n_tokens, 2)).astype(np.float32)
     y = layer.forward_numpy(x, ids, w, out_dtype="float32")
-    expected = np.zeros((4, hidden))
-    for t in range(4):
+    if isa is not None:
+        assert set(layer.last_stats()["expert_isa"]) == {isa}
+    expected = np.zeros((n_tokens, hidden))
+    for t in range(n_tokens):
         for j in range(2):  # a repeated expert counts with its summed weight: the same sum
             expected[t] += w[t, j] * ffn_reference(x, experts[ids[t, j]], [t])[0]
     assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-4
