@@ -193,7 +193,15 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
     for t in range(n_tokens):
         for j in range(2):  # a repeated expert counts with its summed weight: the same sum
             expected[t] += w[t, j] * ffn_reference(x, experts[ids[t, j]], [t])[0]
-    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 1e-4
+    # The reference computes g and u in float64, the kernels in fp32: over 37 tokens an
+    # activation on a rounding edge now and then quantizes one step apart (about 1e-4 of
+    # the output each); a wrong block, scale or tile is off by far more.
+    bound = 1e-4 if n_tokens <= 8 else 5e-4
+    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < bound
+    if isa is not None and "avx512" in kernels.available_isas(fmt):
+        # the same quantized operands and fp32 sums: equal to the avx512 layer bit for bit
+        y_avx512 = MoELayer(experts, tables, topology=topo, isa="avx512").forward_numpy(x, ids, w, out_dtype="float32")
+        np.testing.assert_array_equal(y, y_avx512)
 
 
 def test_integer_weights_get_clear_errors(rng):

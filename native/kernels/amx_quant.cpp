@@ -251,12 +251,14 @@ inline __m512 load_scales16(ScaleType type, const void* p, __mmask16 mask) {
 // g0 + g, for i < rows (0 beyond) and g < n_groups: a transpose, so that one load gives the
 // 16 rows' scales of a group.
 void row_scale_table(ScaleType type, const uint8_t* first_row, int64_t row_step, int rows, int64_t g0, int n_groups,
-                     __m512 table[kChunkGroups]) {
+                     float table[kChunkGroups][16]) {
     const int64_t elem = type == ScaleType::fp32 ? 4 : 2;
     const __mmask16 mask = tail_mask16(n_groups);
+    __m512 v[16];
     for (int i = 0; i < 16; ++i)
-        table[i] = i < rows ? load_scales16(type, first_row + i * row_step + g0 * elem, mask) : _mm512_setzero_ps();
-    transpose16(table);
+        v[i] = i < rows ? load_scales16(type, first_row + i * row_step + g0 * elem, mask) : _mm512_setzero_ps();
+    transpose16(v);
+    for (int g = 0; g < kChunkGroups; ++g) _mm512_store_ps(table[g], v[g]);
 }
 
 // 64 columns (32 when !two_blocks) of an int4 row as sign-extended int8 in column order:
@@ -305,7 +307,7 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
     alignas(64) float acc[4][256];
     alignas(64) int32_t dots[4][256];
     alignas(64) int8_t stage[32][64];
-    __m512 sw_table[2][kChunkGroups];
+    alignas(64) float sw_table[2][kChunkGroups][16];
     std::memset(acc, 0, sizeof(acc));
     std::memset(dots, 0, sizeof(dots));
     const int64_t b_first = k0 / kBlock, b_end = k1 / kBlock;
@@ -365,12 +367,22 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
             const int64_t g = b / per_group - g0;
             for (int a = 0; a < 2; ++a) {
                 if (!shape.rows[a]) continue;
-                const __m512 sw = sw_table[a][g];
+                const float* sw_rows = sw_table[a][g];
+                const __m512 sw = _mm512_load_ps(sw_rows);
                 for (int tb = 0; tb < 2; ++tb) {
                     const int n = shape.tokens[tb];
                     if (!n) continue;
                     const __m512 sx = _mm512_maskz_loadu_ps(tail_mask16(n), xs + b * m + blk.t0 + 16 * tb);
                     const int tile = 2 * a + tb, vectors = (shape.rows[a] * n + 15) / 16;
+                    if (n == 16) {  // vector v is row v: its weight scale broadcast, no permutes
+                        for (int v = 0; v < vectors; ++v) {
+                            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sw_rows[v]), sx);
+                            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[tile] + 16 * v));
+                            _mm512_store_ps(acc[tile] + 16 * v, _mm512_add_ps(_mm512_load_ps(acc[tile] + 16 * v),
+                                                                              _mm512_mul_ps(dot, scale)));
+                        }
+                        continue;
+                    }
                     for (int v = 0; v < vectors; ++v) {
                         const __m512i ri = _mm512_load_si512(kFlatIndex.row[n][v]);
                         const __m512i ti = _mm512_load_si512(kFlatIndex.token[n][v]);
