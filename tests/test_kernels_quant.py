@@ -144,7 +144,9 @@ def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt
     xf = x[index].astype(np.float64)
     g, u = xf @ floats[0].T, xf @ floats[1].T
     float_out = (g / (1 + np.exp(-g)) * u) @ floats[2].T
-    bound = 0.03 if fmt == "int8" else 0.25
+    # measured over 300-400 random experts at M = 1: int8 median 0.015, max 0.021; int4
+    # median 0.17, 99th percentile 0.24, max 0.27 (0.25 failed about 1 call in 100)
+    bound = 0.03 if fmt == "int8" else 0.35
     assert np.linalg.norm(out - float_out) / np.linalg.norm(float_out) < bound
     if isa in ("amx_model", "amx") and "avx512" in kernels.available_isas(fmt):
         # the same token operand values (in another layout), the same silu and fp32 sums

@@ -297,19 +297,28 @@ struct Block {
     TileShape shape;
 };
 
+// A thread's working memory for one matmul_segments call (about 12 KiB, L1-resident).
+struct Scratch {
+    alignas(64) float acc[4][256];        // fp32 sums per C tile, pairs in the flat order
+    alignas(64) int32_t dots[4][256];     // the C tiles of the current block, flat
+    alignas(64) int8_t stage[32][64];     // int4 rows unpacked to int8 (64 columns)
+    alignas(64) float sw_table[2][kChunkGroups][16];  // weight scales, [group][row] per A tile
+};
+
 // The segment columns [k0, k1) of one block: per 32-column block the tile products and
 // the fp32 epilogue; out += the sums at the end.
 template <Format F>
 void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const int8_t* q, const float* xs, int64_t m,
-               bool stream_weights) {
+               bool stream_weights, Scratch& scratch) {
     const TileShape& shape = blk.shape;
     const int64_t per_group = w.group / kBlock;
-    alignas(64) float acc[4][256];
-    alignas(64) int32_t dots[4][256];
-    alignas(64) int8_t stage[32][64];
-    alignas(64) float sw_table[2][kChunkGroups][16];
-    std::memset(acc, 0, sizeof(acc));
-    std::memset(dots, 0, sizeof(dots));
+    float (&acc)[4][256] = scratch.acc;
+    int32_t (&dots)[4][256] = scratch.dots;
+    int8_t (&stage)[32][64] = scratch.stage;
+    float (&sw_table)[2][kChunkGroups][16] = scratch.sw_table;
+    for (int a = 0; a < 2; ++a)
+        for (int tb = 0; tb < 2; ++tb)
+            std::memset(acc[2 * a + tb], 0, sizeof(float) * shape.rows[a] * shape.tokens[tb]);
     const int64_t b_first = k0 / kBlock, b_end = k1 / kBlock;
     for (int64_t g0 = b_first / per_group; g0 * per_group < b_end; g0 += kChunkGroups) {
         const int64_t bb = b_first > g0 * per_group ? b_first : g0 * per_group;
@@ -420,6 +429,11 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const int64_t row_bytes = column_bytes<F>(w.ld);
     const int64_t scale_row_bytes = w.scales_ld * (w.scale_type == ScaleType::fp32 ? 4 : 2);
     TileShape current{{-1, -1}, {-1, -1}};  // tile state of other code on this thread is not trusted
+    Scratch scratch;
+    // Lanes past a tile's rows x tokens pairs are computed and dropped; zeroed once so that
+    // they start from defined values.
+    std::memset(scratch.dots, 0, sizeof(scratch.dots));
+    std::memset(scratch.acc, 0, sizeof(scratch.acc));
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         int64_t j_lo, j_hi;
@@ -444,7 +458,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     configure(blk.shape);
                     current = blk.shape;
                 }
-                run_block<F>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights);
+                run_block<F>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, scratch);
             }
         }
     }
