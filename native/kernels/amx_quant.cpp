@@ -287,13 +287,13 @@ void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, i
 
 // Where one block of up to 32 rows x 32 tokens of a segment reads and writes.
 struct Block {
-    const uint8_t* w;        // weight row r, column 0
-    int64_t w_step;          // bytes between the block's rows
-    const uint8_t* scales;   // scale row of r
-    int64_t scales_step;     // bytes between scale rows
-    float* out;              // out row r, token t0
-    int64_t out_step;        // floats between out rows
-    int64_t t0;              // first token
+    const uint8_t* w;           // weight row r, column 0
+    int64_t w_step_bytes;       // between the block's rows
+    const uint8_t* scales;      // scale row of r
+    int64_t scales_step_bytes;  // between scale rows
+    float* out;                 // out row r, token t0
+    int64_t out_step_floats;    // between out rows
+    int64_t t0;                 // first token
     TileShape shape;
 };
 
@@ -326,8 +326,8 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
         const int n_groups = static_cast<int>((be - 1) / per_group - g0 + 1);
         for (int a = 0; a < 2; ++a)
             if (shape.rows[a])
-                row_scale_table(w.scale_type, blk.scales + 16 * a * blk.scales_step, blk.scales_step, shape.rows[a], g0,
-                                n_groups, sw_table[a]);
+                row_scale_table(w.scale_type, blk.scales + 16 * a * blk.scales_step_bytes, blk.scales_step_bytes,
+                                shape.rows[a], g0, n_groups, sw_table[a]);
         for (int64_t b = bb; b < be; ++b) {
             const int64_t c = b * kBlock;
             if constexpr (F == Format::int4) {
@@ -335,7 +335,7 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
                     const bool two = be - b >= 2;
                     for (int a = 0; a < 2; ++a)
                         for (int i = 0; i < shape.rows[a]; ++i)
-                            unpack_int4(blk.w + (16 * a + i) * blk.w_step + column_bytes<F>(c), two, stage[16 * a + i]);
+                            unpack_int4(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c), two, stage[16 * a + i]);
                 }
             }
             TILE_ZERO(kC00);
@@ -348,11 +348,11 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
             if constexpr (F == Format::int8) {
                 const uint8_t* a = blk.w + c;
                 if (stream_weights) {
-                    TILE_STREAM_LOADD(kA0, a, blk.w_step);
-                    if (shape.rows[1]) TILE_STREAM_LOADD(kA1, a + 16 * blk.w_step, blk.w_step);
+                    TILE_STREAM_LOADD(kA0, a, blk.w_step_bytes);
+                    if (shape.rows[1]) TILE_STREAM_LOADD(kA1, a + 16 * blk.w_step_bytes, blk.w_step_bytes);
                 } else {
-                    TILE_LOADD(kA0, a, blk.w_step);
-                    if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * blk.w_step, blk.w_step);
+                    TILE_LOADD(kA0, a, blk.w_step_bytes);
+                    if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * blk.w_step_bytes, blk.w_step_bytes);
                 }
             } else {
                 const int8_t* a = stage[0] + kBlock * ((b - bb) % 2);
@@ -410,7 +410,7 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
             if (!n) continue;
             const __mmask16 tmask = tail_mask16(n);
             for (int i = 0; i < shape.rows[a]; ++i) {
-                float* o = blk.out + (16 * a + i) * blk.out_step + 16 * tb;
+                float* o = blk.out + (16 * a + i) * blk.out_step_floats + 16 * tb;
                 const __m512 sum = _mm512_maskz_loadu_ps(tmask, acc[2 * a + tb] + i * n);
                 _mm512_mask_storeu_ps(o, tmask, _mm512_add_ps(_mm512_maskz_loadu_ps(tmask, o), sum));
             }
