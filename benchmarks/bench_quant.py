@@ -69,7 +69,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     calls = max(20, args.calls)
     print(f"threads={args.threads} group={args.group} scales={args.scale_dtype} calls={calls} (median) "
-          f"int ISA={kernels.available_isas('int8')[-1]} bf16 ISA={kernels.default_isa()}")
+          f"int ISA={kernels.fastest_isa('int8')} bf16 ISA={kernels.default_isa()}")
     print(f"{'shape':<15}{'fmt':<6}{'M':>4}{'MB/call':>9}{'copies':>7}{'us/call':>10}{'GB/s':>8}"
           f"{'read GB/s':>11}{'of read':>9}")
     for shape in args.shapes.split(","):

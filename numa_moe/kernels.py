@@ -25,6 +25,7 @@ __all__ = [
     "ISAS",
     "available_isas",
     "default_isa",
+    "fastest_isa",
     "forced_isa",
     "expert_ffn",
     "matmul_segments",
@@ -51,6 +52,12 @@ def default_isa() -> str:
         raise ValueError(str(error)) from None
 
 
+def fastest_isa(fmt: str = "bf16") -> str:
+    """The fastest ISA with kernels for a weight format on this machine (amx > avx512 >
+    avx2 > ref; never ``amx_model``), ``NUMA_MOE_ISA`` not consulted."""
+    return _native.fastest_kernel_isa(fmt)
+
+
 def forced_isa() -> str | None:
     """The ISA ``NUMA_MOE_ISA`` forces (checked as ``default_isa`` checks it), or None when
     the variable is unset or empty: callers with a rule of their own (the MoE layer picks
@@ -67,7 +74,7 @@ def _resolve_isa(isa: str | None, fmt: str = "bf16") -> str:
         return str(isa)
     if fmt == "bf16":
         return default_isa()
-    return _native.kernel_isas(fmt)[-1]
+    return fastest_isa(fmt)
 
 
 def _is_torch(value: Any) -> bool:
@@ -165,7 +172,7 @@ def expert_ffn(
 
     x: ``[T, H]`` bf16; w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (all bf16, row-major,
     torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 with group scales,
-    tokens then quantized per 32-column block, docs/quantization.md). token_index: the
+    tokens then quantized per group of columns, docs/quantization.md). token_index: the
     rows of x to use (default all, in order).
     out_dtype: float32 or bfloat16 (numpy, ml_dtypes or torch dtype); out: optional
     preallocated ``[M, H]`` output of that dtype (same library as x). threads: worker
@@ -250,8 +257,8 @@ def _out_view(out: Any) -> np.ndarray:
 
 def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *, isa: str | None = None,
                     row_begin: int = 0, row_end: int | None = None) -> np.ndarray:
-    # weight may be a numa_moe.quant.QuantizedMatrix (then tokens are quantized per
-    # 32-column block as the kernels do)
+    # weight may be a numa_moe.quant.QuantizedMatrix (then tokens are quantized per its
+    # groups of columns as the kernels do)
     """Low-level: ``out[r, t] += sum_{c in [k0, k1)} weight[r, c] * tokens[t, c]`` for the rows
     of every segment (int64 ``[n, 5]``: row0, row_stride, nrows, k0, k1) inside
     ``[row_begin, row_end)``. out: float32 ``[rows, >= M]`` (accumulated into)."""

@@ -14,9 +14,10 @@ router stays with the caller.
 Routing rule: a token that lists the same expert several times gets that expert once,
 with the weights summed (the same sum the transformers loop computes with index_add_).
 
-Kernel choice, per expert from its own token count: AMX (when the CPU and OS allow it)
-from ``amx_min_tokens`` tokens (default 1), otherwise AVX-512-BF16, AVX2, the scalar
-reference. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
+Kernel choice, per expert from its own token count and weight format: AMX (AMX-BF16, or
+AMX-INT8 for int8 / int4 weights, when the CPU and OS allow it) from ``amx_min_tokens``
+tokens (default 1), otherwise AVX-512 (BF16, or VNNI for integer weights), AVX2 (bf16
+only), the scalar reference; never the AMX software model unless forced. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
 
 Thread safety: one layer runs one forward at a time (a per-layer lock; its partial
 buffers are reused between calls); layers sharing a worker pool are serialised by the

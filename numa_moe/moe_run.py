@@ -170,8 +170,8 @@ class RunReport:
 
 
 # The check of step 1 against the float32 loop on the same (dequantized) weights: bf16
-# kernels round their activations to bf16, integer kernels quantize them per 32-column
-# block to int8 (docs/quantization.md), which costs about 1% more.
+# kernels round their activations to bf16, integer kernels quantize them per group of columns
+# to int8 (docs/quantization.md), which costs about 1% more.
 TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2}
 
 

@@ -168,6 +168,31 @@ def test_amx_model_tdpbssd_int8(rng):
 
 
 @needs_model
+def test_amx_model_tdpbssd_partial_tiles_accumulate_and_wrap(rng):
+    """TDPBSSD as the SDM defines it, on the shapes the integer kernels configure (K = 32:
+    A 32 bytes, B 8 quad rows; fewer rows and tokens): C += sum of sign-extended byte
+    products, int32 wrapping; -128 at both operands; nothing outside the tile shape written."""
+    for rows, quads, n in ((16, 8, 16), (5, 8, 3), (1, 8, 1), (11, 13, 7)):
+        a = rng.integers(-128, 128, (rows, 4 * quads), dtype=np.int8)
+        b_plain = rng.integers(-128, 128, (4 * quads, n), dtype=np.int8)
+        a[0], b_plain[:, 0] = -128, -128  # the largest products: C[0, 0] must wrap
+        c0 = rng.integers(-2**31, 2**31, (rows, n), dtype=np.int64)
+        c0[0, 0] = 2**31 - 1  # wraps to negative
+        tiles = {name: np.zeros((16, 64), np.uint8) for name in "cab"}
+        tiles["a"][:rows, : 4 * quads] = a.view(np.uint8)
+        b_quads = b_plain.reshape(quads, 4, n).transpose(0, 2, 1).reshape(quads, 4 * n)  # B[k/4][4n + k%4]
+        tiles["b"][:quads, : 4 * n] = np.ascontiguousarray(b_quads).view(np.uint8)
+        tiles["c"][:rows, : 4 * n] = c0.astype(np.int32).view(np.uint8)
+        cfg = tile_config({0: (rows, 4 * n), 1: (rows, 4 * quads), 2: (quads, 4 * n)})
+        _native.testing.amx_model_tile_dot(cfg, True, tiles["c"], tiles["a"], tiles["b"])
+        exact = c0 + a.astype(np.int64) @ b_plain.astype(np.int64)
+        wrapped = ((exact + 2**31) % 2**32 - 2**31).astype(np.int32)
+        np.testing.assert_array_equal(tiles["c"][:rows, : 4 * n].copy().view(np.int32), wrapped)
+        assert exact[0, 0] > 2**31 - 1 and wrapped[0, 0] < 0
+        assert not tiles["c"][rows:].any() and not tiles["c"][:, 4 * n:].any(), "store wrote outside the tile shape"
+
+
+@needs_model
 @pytest.mark.parametrize(
     "shapes,palette,message",
     [({0: (17, 64), 1: (16, 64), 2: (16, 64)}, 1, "rows 17 > 16"),

@@ -40,7 +40,8 @@ def weak_symbols(obj: Path) -> set[str]:
 
 
 def test_isa_sources_are_listed():
-    assert {"native/kernels/avx512_bf16.cpp", "native/kernels/amx_bf16.cpp", "native/bench/avx512_loops.cpp"} <= isa_sources()
+    assert {"native/kernels/avx512_bf16.cpp", "native/kernels/amx_bf16.cpp", "native/kernels/amx_quant.cpp",
+            "native/kernels/amx_quant_model.cpp", "native/bench/avx512_loops.cpp"} <= isa_sources()
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")

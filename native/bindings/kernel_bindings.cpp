@@ -151,14 +151,22 @@ void register_kernels(py::module_& m) {
             if (kernels::kernel_ops(isa, f)) names.emplace_back(kernels::isa_name(isa));
         return names;
     }, py::arg("format") = "bf16", "Names of the kernel ISAs this CPU (and OS) can run for a weight format, slowest first.");
+    m.def("fastest_kernel_isa", [](const std::string& format) {
+        kernels::Format f;
+        if (!kernels::parse_format(format.c_str(), &f))
+            throw std::invalid_argument("format '" + format + "' is not one of bf16, int8, int4");
+        return std::string(kernels::isa_name(kernels::fastest_isa(f)));
+    }, py::arg("format") = "bf16",
+          "The fastest ISA with kernels for a weight format here (amx > avx512 > avx2 > ref; never amx_model), "
+          "NUMA_MOE_ISA not consulted.");
     m.def("default_kernel_isa", [] { return std::string(kernels::isa_name(kernels::default_isa())); },
           "The ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("matmul_segments", &py_matmul_segments, py::arg("isa"), py::arg("weight"), py::arg("segments"),
           py::arg("tokens"), py::arg("out"), py::arg("row_begin") = 0, py::arg("row_end") = -1,
           py::arg("scales") = py::none(),
           "out[r, t] += sum over segment columns of weight[r, c] * tokens[t, c] (rows of the segments in "
-          "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4) and tokens are quantized per "
-          "32-column block as the kernels do.");
+          "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4) and tokens are quantized per group "
+          "of the weights as the kernels do.");
     m.def("silu_mul_pack", &py_silu_mul_pack, py::arg("isa"), py::arg("gate_parts"), py::arg("up_parts"),
           py::arg("i_begin"), py::arg("i_end"), "act[t, i] = bf16(silu(sum gate) * sum up), unpacked to [m, I] uint16.");
     m.def("combine_down", &py_combine_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),

@@ -27,6 +27,11 @@ TileState& tile_state() {
     return state;
 }
 
+InstructionCounts& counts() {
+    static thread_local InstructionCounts c;
+    return c;
+}
+
 [[noreturn]] void fault(const char* instruction, const std::string& rule) {
     throw std::runtime_error(std::string("AMX model: ") + instruction + " faults (#UD/#GP): " + rule);
 }
@@ -39,6 +44,9 @@ void check_tile(const char* instruction, int tile) {
 }
 
 }  // namespace
+
+InstructionCounts instruction_counts() { return counts(); }
+void reset_instruction_counts() { counts() = InstructionCounts{}; }
 
 void _tile_release() { tile_state() = TileState{}; }
 
@@ -69,6 +77,7 @@ void _tile_loadconfig(const void* config) {
     TileState& s = tile_state();
     s = TileState{};
     s.configured = true;
+    ++counts().loadconfig;
     for (int t = 0; t < kTiles; ++t) {
         s.rows[t] = rows[t];
         s.colsb[t] = colsb[t];
@@ -77,6 +86,7 @@ void _tile_loadconfig(const void* config) {
 
 void _tile_loadd(int dst, const void* base, long stride) {
     check_tile("TILELOADD", dst);
+    ++counts().loads;
     TileState& s = tile_state();
     const uint8_t* src = static_cast<const uint8_t*>(base);
     std::memset(s.data[dst], 0, sizeof(s.data[dst]));
@@ -84,10 +94,14 @@ void _tile_loadd(int dst, const void* base, long stride) {
 }
 
 // TILELOADDT1 differs only in its cache hint.
-void _tile_stream_loadd(int dst, const void* base, long stride) { _tile_loadd(dst, base, stride); }
+void _tile_stream_loadd(int dst, const void* base, long stride) {
+    _tile_loadd(dst, base, stride);
+    ++counts().stream_loads;
+}
 
 void _tile_stored(int src, void* base, long stride) {
     check_tile("TILESTORED", src);
+    ++counts().stores;
     const TileState& s = tile_state();
     uint8_t* dst = static_cast<uint8_t*>(base);
     for (int r = 0; r < s.rows[src]; ++r) std::memcpy(dst + r * stride, s.data[src][r], s.colsb[src]);
@@ -95,6 +109,7 @@ void _tile_stored(int src, void* base, long stride) {
 
 void _tile_zero(int dst) {
     check_tile("TILEZERO", dst);
+    ++counts().zeros;
     std::memset(tile_state().data[dst], 0, sizeof(tile_state().data[dst]));
 }
 
@@ -123,6 +138,7 @@ static float ftz(float value) { return std::fpclassify(value) == FP_SUBNORMAL ? 
 
 void _tile_dpbf16ps(int dst, int a, int b) {
     check_dot_shapes("TDPBF16PS", dst, a, b);
+    ++counts().dpbf16ps;
     TileState& s = tile_state();
     const int pairs = s.colsb[a] / 4, columns = s.colsb[dst] / 4;
     for (int m = 0; m < s.rows[dst]; ++m) {
@@ -142,6 +158,7 @@ void _tile_dpbf16ps(int dst, int a, int b) {
 
 void _tile_dpbssd(int dst, int a, int b) {
     check_dot_shapes("TDPBSSD", dst, a, b);
+    ++counts().dpbssd;
     TileState& s = tile_state();
     const int quads = s.colsb[a] / 4, columns = s.colsb[dst] / 4;
     for (int m = 0; m < s.rows[dst]; ++m) {

@@ -42,6 +42,20 @@ void _tile_zero(int dst);
 void _tile_dpbf16ps(int dst, int a, int b);
 void _tile_dpbssd(int dst, int a, int b);
 
+// Instructions this thread executed since the last reset_instruction_counts(): how the
+// tests and docs/kernels.md count a kernel's tile work on machines without AMX.
+struct InstructionCounts {
+    long loadconfig = 0;
+    long loads = 0;  // TILELOADD and TILELOADDT1
+    long stream_loads = 0;  // TILELOADDT1 alone
+    long stores = 0;
+    long zeros = 0;
+    long dpbf16ps = 0;
+    long dpbssd = 0;
+};
+InstructionCounts instruction_counts();
+void reset_instruction_counts();
+
 // Test entry: LDTILECFG `config`, load C/A/B into tmm0/1/2 (row stride 64 bytes), one
 // TDPBF16PS (int8 = false) or TDPBSSD (int8 = true), store tmm0, release.
 void tile_dot(const void* config, bool int8, void* c, const void* a, const void* b);

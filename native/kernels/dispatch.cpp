@@ -52,11 +52,18 @@ bool parse_format(const char* name, Format* format) {
 
 namespace {
 
-// The integer formats: reference kernels and AVX-512-VNNI ones.
+// The integer formats: reference kernels, AVX-512-VNNI ones, and AMX-INT8 ones (real, or
+// over the AMX model; their epilogues and token packing are AVX-512 code).
+bool has_amx_int8_kernels() {
+    return has_avx512_bf16_kernels() && cpu_features().amx_int8 && request_amx_permission();
+}
+
 const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
     switch (isa) {
         case Isa::ref: return ref_integer_ops(format, group);
         case Isa::avx512: return has_avx512_vnni_kernels() ? avx512_integer_ops(format, group) : nullptr;
+        case Isa::amx_model: return has_avx512_bf16_kernels() ? amx_model_integer_ops(format, group) : nullptr;
+        case Isa::amx: return has_amx_int8_kernels() ? amx_integer_ops(format, group) : nullptr;
         default: return nullptr;
     }
 }
@@ -80,7 +87,8 @@ std::string unavailable_reason(Isa isa, Format format) {
     if (kernel_ops(isa, format)) return "";
     if (format != Format::bf16 && kernel_ops(isa)) {
         if (isa == Isa::avx512) return "this CPU (or OS) lacks AVX-512 VNNI";
-        return std::string("it has no ") + format_name(format) + " kernels yet (ref and avx512 have)";
+        if (isa == Isa::amx) return "this CPU has AMX-BF16 but no AMX-INT8";
+        return std::string("it has no ") + format_name(format) + " kernels (ref, avx512, amx_model and amx have)";
     }
     switch (isa) {
         case Isa::ref: return "";
@@ -107,9 +115,13 @@ Isa default_isa() {
             throw std::runtime_error(std::string("NUMA_MOE_ISA=") + forced + " is not available on this CPU");
         return isa;
     }
+    return fastest_isa(Format::bf16);
+}
+
+Isa fastest_isa(Format format) {
     // amx_model is never a default: it is a test vehicle, orders of magnitude slower.
     for (Isa isa : {Isa::amx, Isa::avx512, Isa::avx2}) {
-        if (kernel_ops(isa)) return isa;
+        if (kernel_ops(isa, format)) return isa;
     }
     return Isa::ref;
 }

@@ -17,5 +17,9 @@ const KernelOps& avx512_ops();     // avx512_bf16.cpp (-mavx512f/bw/vl/bf16 -mfm
 const KernelOps* avx512_integer_ops(Format format, int64_t group);
 const KernelOps& amx_ops();        // amx_bf16.cpp    (real AMX instructions)
 const KernelOps& amx_model_ops();  // amx_bf16_model.cpp: amx_bf16.cpp against the AMX model
+// amx_quant.cpp (real AMX-INT8 instructions), amx_quant_model.cpp (the same source against
+// the AMX model): int8 / int4, nullptr for a group outside kIntegerGroups.
+const KernelOps* amx_integer_ops(Format format, int64_t group);
+const KernelOps* amx_model_integer_ops(Format format, int64_t group);
 
 }  // namespace numa_moe::kernels

@@ -61,6 +61,10 @@ constexpr bool is_integer_group(int64_t group) { return group == 32 || group == 
 //   dot-product kernels (ref, avx2, avx512 for few tokens)  {0, 1}   plain
 //   AMX B operand, pairs B[c / 2][2t + c % 2]               {2, 1}
 //   AVX-512 token lanes, T tokens per vector                 {32 / T, T}
+// Integer formats: int8 values and fp32 scales, one per token t and group b of the
+// weights' G columns, in each table's own layout (ref_quant.cpp: plain, q[t * k + c] then
+// scale[t * (k / G) + b]; avx512_quant.cpp: plain or 16-token lanes; amx_quant.cpp: the
+// AMX B operand's quads B[c / 4][4t + c % 4] {4, 1}, then scale[b * m + t]).
 struct TokenLayout {
     int64_t block_columns;
     int64_t token_multiple;
@@ -161,6 +165,10 @@ const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16, int64_t group
 // The fastest ISA this machine runs, unless NUMA_MOE_ISA (ref|avx2|avx512|amx_model|amx)
 // names another; an unavailable choice there is an error (std::runtime_error).
 Isa default_isa();
+
+// The fastest ISA with kernels for a weight format on this machine (amx > avx512 > avx2 >
+// ref), NUMA_MOE_ISA not consulted; never amx_model.
+Isa fastest_isa(Format format);
 
 const char* isa_name(Isa isa);
 bool parse_isa(const char* name, Isa* isa);

@@ -14,6 +14,8 @@ list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/avx512_quant.cpp
   native/kernels/amx_bf16_model.cpp
   native/kernels/amx_bf16.cpp
+  native/kernels/amx_quant_model.cpp
+  native/kernels/amx_quant.cpp
 )
 numa_moe_isa_source(native/kernels/avx2.cpp avx2 -mavx2 -mfma)
 numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
@@ -21,3 +23,6 @@ numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAG
 numa_moe_isa_source(native/kernels/avx512_quant.cpp avx512_vnni ${NUMA_MOE_AVX512_FLAGS} -mavx512vnni -ffp-contract=off)
 numa_moe_isa_source(native/kernels/amx_bf16_model.cpp amx_model ${NUMA_MOE_AVX512_FLAGS})
 numa_moe_isa_source(native/kernels/amx_bf16.cpp amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
+# The AMX integer kernels, no contraction either (their fp32 epilogue rounds as ref's).
+numa_moe_isa_source(native/kernels/amx_quant_model.cpp amx_quant_model ${NUMA_MOE_AVX512_FLAGS} -ffp-contract=off)
+numa_moe_isa_source(native/kernels/amx_quant.cpp amx_quant ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-int8 -ffp-contract=off)

@@ -155,6 +155,15 @@ void register_testing(py::module_& parent) {
           "Thread ids of a team of n threads of the loaded OpenMP runtime (empty: none loaded).");
     m.def("amx_model_tile_dot", &amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"), py::arg("a"),
           py::arg("b"), "One TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
+    m.def("amx_model_counts", [](bool reset) {
+        const amx_model::InstructionCounts c = amx_model::instruction_counts();
+        if (reset) amx_model::reset_instruction_counts();
+        return py::dict(py::arg("loadconfig") = c.loadconfig, py::arg("loads") = c.loads,
+                        py::arg("stream_loads") = c.stream_loads, py::arg("stores") = c.stores,
+                        py::arg("zeros") = c.zeros, py::arg("dpbf16ps") = c.dpbf16ps, py::arg("dpbssd") = c.dpbssd);
+    }, py::arg("reset") = false,
+          "Tile instructions the AMX model executed on this thread since the last reset (reset=True: read, then "
+          "zero them).");
 }
 
 }  // namespace numa_moe::testing

@@ -302,7 +302,7 @@ def _checked_arguments(shapes, page, min_seconds, isa, weight_format):
         for_format = "" if weight_format == "bf16" else f" for {weight_format} weights"
         raise ValueError(f"isa {isa!r} is not available on this CPU{for_format} (available: {', '.join(available)})")
     if isa is None:
-        isa = kernels.default_isa() if weight_format == "bf16" else available[-1]
+        isa = kernels.default_isa() if weight_format == "bf16" else kernels.fastest_isa(weight_format)
     return shapes, page, isa
 
 

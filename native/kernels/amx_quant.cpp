@@ -1,0 +1,519 @@
+// AMX-INT8 kernels of the integer weight formats (docs/quantization.md, docs/kernels.md):
+// int8 and int4 weights against int8 tokens, tdpbssd (s8 x s8 into int32). This one
+// source is compiled twice, as amx_bf16.cpp is:
+//   - for real (-mamx-tile -mamx-int8 + AVX-512 flags): Isa::amx, handed out only when
+//     cpuid has AMX-INT8 and Linux granted the tile state (request_amx_permission);
+//   - with -DNUMA_MOE_AMX_MODEL against amx_model.hpp: Isa::amx_model, the same kernel
+//     logic over emulated tiles, run by the tests on CPUs without AMX.
+// Both with -ffp-contract=off: the fp32 epilogue must round as ref_quant.cpp does.
+//
+// Operand layouts (tdpbssd C[m][n] += sum_k A[m][k] * B[k/4][4n + k%4], all int8 / int32):
+//   A  weights  int8 w[r * ld + c] row-major, straight from the checkpoint: a tile is 16 rows
+//               of one segment (r = row0 + j * row_stride) x 32 columns, loaded at stride
+//               row_stride * ld bytes (tileloadt1 when m <= 32).
+//               int4 (byte (r * ld + c) / 2, even column in the low nibble) is unpacked to
+//               sign-extended int8 in registers, 64 columns of each row at a time, into a
+//               staging buffer the A tile is loaded from (stride 64 bytes)
+//   B  tokens   the quad layout TokenLayout {4, 1}: q[(c / 4) * 4m + 4t + c % 4] int8 (m * k
+//               bytes, padded to 64), then fp32 scale[b * m + t] per group b of G columns
+//               (group-major, so that one vector holds 16 tokens' scales); the token rule
+//               (per token and group, s = amax / 127, round half even) is ref_quant.cpp's,
+//               so the values and scales are the same numbers in another order. A tile is
+//               8 quad rows (32 columns) x min(tokens, 16) tokens, stride 4m bytes
+//   C  int32 dots of one group (G / 32 tdpbssd), stored to a scratch tile; the fp32 sums
+//               live in accumulators and are added to out[r * ldo + t] once per segment
+// Tile rule: K = 32 per tdpbssd (A colsb 32, B rows 8): a group of 32 columns (Q8_0 and
+// Q4_0 imports) is one instruction, wider groups accumulate in the C tiles. Rows and
+// tokens in blocks of 32 as 2 x 2 C tiles (tmm0..3), A in tmm4/5, B in tmm6/7; smaller
+// tiles for fewer rows or tokens. Per group: tilezero, the products, tilestored, then the
+// epilogue
+//     acc[r][t] += float(dot) * (s_w[r][group] * s_x[t][group])
+// over the stored tile read flat (16 (row, token) pairs a vector, whatever the token count,
+// with the two scale vectors spread by permutes): the reference's fp32 terms in its block
+// order, hence its result bit for bit.
+#include <cstdint>
+#include <cstring>
+
+#include "common/cpu_features.hpp"
+#include "kernels/avx512_common.hpp"
+#include "kernels/bf16.hpp"
+#include "kernels/isa_tables.hpp"
+
+#ifdef NUMA_MOE_AMX_MODEL
+#include "kernels/amx_model.hpp"
+#define TILE_LOADCONFIG(cfg) ::numa_moe::amx_model::_tile_loadconfig(cfg)
+#define TILE_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_loadd(t, base, stride)
+#define TILE_STREAM_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_stream_loadd(t, base, stride)
+#define TILE_STORED(t, base, stride) ::numa_moe::amx_model::_tile_stored(t, base, stride)
+#define TILE_ZERO(t) ::numa_moe::amx_model::_tile_zero(t)
+#define TILE_DPBSSD(c, a, b) ::numa_moe::amx_model::_tile_dpbssd(c, a, b)
+#define AMX_NAMESPACE amx_quant_model_build
+#else
+#include <immintrin.h>
+#define TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STREAM_LOADD(t, base, stride) _tile_stream_loadd(t, base, stride)
+#define TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define AMX_NAMESPACE amx_quant_real_build
+#endif
+
+namespace numa_moe::kernels {
+namespace AMX_NAMESPACE {
+namespace {
+
+constexpr int64_t kBlock = 32;                             // columns per tdpbssd
+constexpr int kQuadRows = static_cast<int>(kBlock / 4);  // B tile rows per block
+constexpr int kChunkGroups = 16;                           // groups per transposed scale table
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// Tile register numbers: macros, because gcc's intrinsics paste them into the assembly
+// text ("%%tmm" #n) and so need literal digits.
+#define kC00 0
+#define kC01 1
+#define kC10 2
+#define kC11 3
+#define kA0 4
+#define kA1 5
+#define kB0 6
+#define kB1 7
+
+struct TileShape {
+    int rows[2];    // weight rows in A0 / A1 (rows[1] may be 0)
+    int tokens[2];  // tokens in B0 / B1 (tokens[1] may be 0)
+    bool operator==(const TileShape& o) const {
+        return rows[0] == o.rows[0] && rows[1] == o.rows[1] && tokens[0] == o.tokens[0] && tokens[1] == o.tokens[1];
+    }
+};
+
+void configure(const TileShape& shape) {
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    auto set = [&](int tile, int rows, int colsb) {
+        if (rows == 0 || colsb == 0) return;
+        cfg.rows[tile] = static_cast<uint8_t>(rows);
+        cfg.colsb[tile] = static_cast<uint16_t>(colsb);
+    };
+    set(kC00, shape.rows[0], 4 * shape.tokens[0]);
+    set(kC01, shape.rows[0], 4 * shape.tokens[1]);
+    set(kC10, shape.rows[1], 4 * shape.tokens[0]);
+    set(kC11, shape.rows[1], 4 * shape.tokens[1]);
+    set(kA0, shape.rows[0], static_cast<int>(kBlock));
+    set(kA1, shape.rows[1], static_cast<int>(kBlock));
+    set(kB0, kQuadRows, 4 * shape.tokens[0]);
+    set(kB1, kQuadRows, 4 * shape.tokens[1]);
+    TILE_LOADCONFIG(&cfg);
+}
+
+// ---------------------------------------------------------------------------------------
+// Token operand: the quad layout.
+
+TokenLayout quads_layout(int64_t) { return TokenLayout{4, 1}; }
+
+size_t values_bytes(int64_t m, int64_t k) { return (static_cast<size_t>(m * k) + 63) / 64 * 64; }
+
+template <int64_t G>
+size_t packed_bytes(int64_t m, int64_t k) {
+    return values_bytes(m, k) + static_cast<size_t>(m * (k / G)) * sizeof(float);
+}
+
+float* token_scales(const void* packed, int64_t m, int64_t k) {
+    return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) + values_bytes(m, k));
+}
+
+inline __m512 bf16x16_to_ps(const bf16* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// One group of G columns for up to 16 tokens: v[j] holds column j, lane t token t0 + t
+// (t < nt). Quantizes per token as ref_quant.cpp's quantize_block (amax / 127 by a
+// division, round half even, clip to +-127, 0 for an all-zero group) and writes the
+// group's G / 4 quad rows (quads + i * quad_stride, 4 bytes per token from token t0) and
+// the tokens' scales.
+template <int64_t G>
+inline void quantize_store(const __m512 v[G], int nt, int8_t* quads, int64_t quad_stride, float* scales) {
+    const __mmask16 tmask = tail_mask16(nt);
+    __m512 amax = _mm512_setzero_ps();
+    for (int j = 0; j < G; ++j) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
+    const __m512 s = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+    _mm512_mask_storeu_ps(scales, tmask, s);
+    const __mmask16 live = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __m512 limit = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
+    __m128i bytes[G];  // column j, byte t = token t
+    for (int j = 0; j < G; ++j) {
+        __m512 q = _mm512_maskz_div_ps(live, v[j], s);
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        bytes[j] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(q, limit), low)));
+    }
+    // Quad row i: token t's dword is bytes (t) of columns 4i .. 4i + 3.
+    for (int i = 0; i < G / 4; ++i) {
+        const __m128i* a = bytes + 4 * i;
+        const __m128i lo01 = _mm_unpacklo_epi8(a[0], a[1]), hi01 = _mm_unpackhi_epi8(a[0], a[1]);
+        const __m128i lo23 = _mm_unpacklo_epi8(a[2], a[3]), hi23 = _mm_unpackhi_epi8(a[2], a[3]);
+        __m512i row = _mm512_castsi128_si512(_mm_unpacklo_epi16(lo01, lo23));  // tokens 0-3
+        row = _mm512_inserti32x4(row, _mm_unpackhi_epi16(lo01, lo23), 1);     // 4-7
+        row = _mm512_inserti32x4(row, _mm_unpacklo_epi16(hi01, hi23), 2);     // 8-11
+        row = _mm512_inserti32x4(row, _mm_unpackhi_epi16(hi01, hi23), 3);     // 12-15
+        _mm512_mask_storeu_epi32(quads + i * quad_stride, tmask, row);
+    }
+}
+
+// Tokens 16 at a time: the 16 x G group transposed in registers 16 x 16 at a time, then
+// quantized.
+template <int64_t G>
+void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    int8_t* q = static_cast<int8_t*>(packed);
+    float* scales = token_scales(packed, m, k);
+    for (int64_t t0 = 0; t0 < m; t0 += 16) {
+        const int nt = static_cast<int>(m - t0 < 16 ? m - t0 : 16);
+        for (int64_t b = 0; b < k / G; ++b) {
+            __m512 v[G];
+            for (int64_t h = 0; h < G / 16; ++h) {
+                for (int t = 0; t < 16; ++t)
+                    v[16 * h + t] = t < nt ? bf16x16_to_ps(x + token_index[t0 + t] * ldx + b * G + 16 * h)
+                                           : _mm512_setzero_ps();
+                transpose16(v + 16 * h);
+            }
+            quantize_store<G>(v, nt, q + b * G * m + 4 * t0, 4 * m, scales + b * m + t0);
+        }
+    }
+}
+
+// The partials are [row][token]: G rows of 16 tokens are a group's columns with the tokens
+// in lanes already. silu and the part sums as silu_mul_pack_avx512 computes them.
+template <int64_t G>
+void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+    int8_t* q = static_cast<int8_t*>(packed);
+    float* scales = token_scales(packed, m, i_total);
+    for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
+        for (int64_t t0 = 0; t0 < m; t0 += 16) {
+            const int nt = static_cast<int>(m - t0 < 16 ? m - t0 : 16);
+            const __mmask16 tmask = tail_mask16(nt);
+            __m512 v[G];
+            for (int j = 0; j < G; ++j) {
+                const int64_t offset = (i0 + j) * ld + t0;
+                v[j] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, offset, tmask)),
+                                     sum_parts(up_parts, n_parts, offset, tmask));
+            }
+            quantize_store<G>(v, nt, q + i0 * m + 4 * t0, 4 * m, scales + (i0 / G) * m + t0);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Weights.
+
+template <Format F>
+constexpr int64_t column_bytes(int64_t c) {
+    return F == Format::int8 ? c : c / 2;
+}
+
+// The flat epilogue's lane maps: a C tile of `rows` x n tokens stored at stride 4n bytes
+// is rows * n int32 in a row; lane l of vector v is pair e = 16v + l, row e / n, token
+// e % n (pairs past rows * n are computed and never written).
+struct FlatIndex {
+    int32_t row[17][16][16];
+    int32_t token[17][16][16];
+    constexpr FlatIndex() : row(), token() {
+        for (int n = 1; n <= 16; ++n)
+            for (int v = 0; v < 16; ++v)
+                for (int l = 0; l < 16; ++l) {
+                    row[n][v][l] = (16 * v + l) / n % 16;
+                    token[n][v][l] = (16 * v + l) % n;
+                }
+    }
+};
+alignas(64) constexpr FlatIndex kFlatIndex{};
+
+inline __m512 load_scales16(ScaleType type, const void* p, __mmask16 mask) {
+    switch (type) {
+        case ScaleType::fp32: return _mm512_maskz_loadu_ps(mask, p);
+        case ScaleType::fp16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+        case ScaleType::bf16:
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+    }
+    return _mm512_setzero_ps();
+}
+
+// table[g][i] = fp32 scale of row i (rows apart by row_step bytes of scales) and group
+// g0 + g, for i < rows (0 beyond) and g < n_groups: a transpose, so that one load gives the
+// 16 rows' scales of a group.
+void row_scale_table(ScaleType type, const uint8_t* first_row, int64_t row_step, int rows, int64_t g0, int n_groups,
+                     float table[kChunkGroups][16]) {
+    const int64_t elem = type == ScaleType::fp32 ? 4 : 2;
+    const __mmask16 mask = tail_mask16(n_groups);
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i)
+        v[i] = i < rows ? load_scales16(type, first_row + i * row_step + g0 * elem, mask) : _mm512_setzero_ps();
+    transpose16(v);
+    for (int g = 0; g < kChunkGroups; ++g) _mm512_store_ps(table[g], v[g]);
+}
+
+// 64 columns (32 when !two_blocks) of an int4 row as sign-extended int8 in column order:
+// byte 0x?HL widened to the word 0x00HL becomes the bytes (L, H) by (w | w << 4) & 0x0f0f,
+// then (x ^ 8) - 8 sign-extends each nibble.
+inline void unpack_int4(const uint8_t* src, bool two_blocks, int8_t* dst) {
+    const __m256i raw = two_blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                   : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const __m512i wide = _mm512_cvtepu8_epi16(raw);
+    const __m512i nibbles = _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
+    const __m512i eight = _mm512_set1_epi8(8);
+    _mm512_store_si512(dst, _mm512_sub_epi8(_mm512_xor_si512(nibbles, eight), eight));
+}
+
+// j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
+void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
+    *j_lo = *j_hi = 0;
+    if (seg.nrows <= 0 || row_end <= row_begin) return;
+    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    int64_t lo = 0, hi = seg.nrows;
+    if (seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
+    if (seg.row0 + (hi - 1) * stride >= row_end) hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
+    *j_lo = lo;
+    *j_hi = hi > lo ? hi : lo;
+}
+
+// Where one block of up to 32 rows x 32 tokens of a segment reads and writes.
+struct Block {
+    const uint8_t* w;           // weight row r, column 0
+    int64_t w_step_bytes;       // between the block's rows
+    const uint8_t* scales;      // scale row of r
+    int64_t scales_step_bytes;  // between scale rows
+    float* out;                 // out row r, token t0
+    int64_t out_step_floats;    // between out rows
+    int64_t t0;                 // first token
+    TileShape shape;
+};
+
+// A thread's working memory for one matmul_segments call (about 12 KiB, L1-resident).
+struct Scratch {
+    alignas(64) float acc[4][256];        // fp32 sums per C tile, pairs in the flat order
+    alignas(64) int32_t dots[4][256];     // the C tiles of the current block, flat
+    alignas(64) int8_t stage[32][64];     // int4 rows unpacked to int8 (64 columns)
+    alignas(64) float sw_table[2][kChunkGroups][16];  // weight scales, [group][row] per A tile
+};
+
+// The epilogue of one group: acc[tile] += float(dots[tile]) * (s_w * s_x) over each C
+// tile read flat (16 (row, token) pairs a vector), sw_table[a][g] the A tile's row scales
+// and xs the tokens' scales of the group from the block's first token.
+inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kChunkGroups][16], int64_t g,
+                          const float* xs, const int32_t (&dots)[4][256], float (&acc)[4][256]) {
+    for (int a = 0; a < 2; ++a) {
+        if (!shape.rows[a]) continue;
+        const float* sw_rows = sw_table[a][g];
+        const __m512 sw = _mm512_load_ps(sw_rows);
+        for (int tb = 0; tb < 2; ++tb) {
+            const int n = shape.tokens[tb];
+            if (!n) continue;
+            const __m512 sx = _mm512_maskz_loadu_ps(tail_mask16(n), xs + 16 * tb);
+            const int tile = 2 * a + tb, vectors = (shape.rows[a] * n + 15) / 16;
+            if (n == 16) {  // vector v is row v: its weight scale broadcast, no permutes
+                for (int v = 0; v < vectors; ++v) {
+                    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sw_rows[v]), sx);
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[tile] + 16 * v));
+                    _mm512_store_ps(acc[tile] + 16 * v,
+                                    _mm512_add_ps(_mm512_load_ps(acc[tile] + 16 * v), _mm512_mul_ps(dot, scale)));
+                }
+                continue;
+            }
+            for (int v = 0; v < vectors; ++v) {
+                const __m512i ri = _mm512_load_si512(kFlatIndex.row[n][v]);
+                const __m512i ti = _mm512_load_si512(kFlatIndex.token[n][v]);
+                const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(ri, sw), _mm512_permutexvar_ps(ti, sx));
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[tile] + 16 * v));
+                _mm512_store_ps(acc[tile] + 16 * v,
+                                _mm512_add_ps(_mm512_load_ps(acc[tile] + 16 * v), _mm512_mul_ps(dot, scale)));
+            }
+        }
+    }
+}
+
+// The segment columns [k0, k1) (whole groups) of one block: per group, G / 32 tile
+// products accumulated in C, then the fp32 epilogue; out += the sums at the end.
+template <Format F, int64_t G>
+void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const int8_t* q, const float* xs, int64_t m,
+               bool stream_weights, Scratch& scratch) {
+    const TileShape& shape = blk.shape;
+    float (&acc)[4][256] = scratch.acc;
+    int32_t (&dots)[4][256] = scratch.dots;
+    int8_t (&stage)[32][64] = scratch.stage;
+    float (&sw_table)[2][kChunkGroups][16] = scratch.sw_table;
+    for (int a = 0; a < 2; ++a)
+        for (int tb = 0; tb < 2; ++tb)
+            std::memset(acc[2 * a + tb], 0, sizeof(float) * shape.rows[a] * shape.tokens[tb]);
+    const int64_t g_first = k0 / G, g_end = k1 / G;
+    for (int64_t g0 = g_first; g0 < g_end; g0 += kChunkGroups) {
+        const int n_groups = static_cast<int>(g_end - g0 < kChunkGroups ? g_end - g0 : kChunkGroups);
+        for (int a = 0; a < 2; ++a)
+            if (shape.rows[a])
+                row_scale_table(w.scale_type, blk.scales + 16 * a * blk.scales_step_bytes, blk.scales_step_bytes,
+                                shape.rows[a], g0, n_groups, sw_table[a]);
+        for (int64_t g = g0; g < g0 + n_groups; ++g) {
+            TILE_ZERO(kC00);
+            if (shape.tokens[1]) TILE_ZERO(kC01);
+            if (shape.rows[1]) TILE_ZERO(kC10);
+            if (shape.rows[1] && shape.tokens[1]) TILE_ZERO(kC11);
+            for (int64_t sub = 0; sub < G / kBlock; ++sub) {
+                const int64_t c = g * G + sub * kBlock;
+                if constexpr (F == Format::int4) {
+                    if (sub % 2 == 0) {
+                        const bool two = G / kBlock - sub >= 2;
+                        for (int a = 0; a < 2; ++a)
+                            for (int i = 0; i < shape.rows[a]; ++i)
+                                unpack_int4(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c), two,
+                                            stage[16 * a + i]);
+                    }
+                }
+                const int8_t* bq = q + c * m + 4 * blk.t0;
+                TILE_LOADD(kB0, bq, 4 * m);
+                if (shape.tokens[1]) TILE_LOADD(kB1, bq + 64, 4 * m);
+                if constexpr (F == Format::int8) {
+                    const uint8_t* a = blk.w + c;
+                    if (stream_weights) {
+                        TILE_STREAM_LOADD(kA0, a, blk.w_step_bytes);
+                        if (shape.rows[1]) TILE_STREAM_LOADD(kA1, a + 16 * blk.w_step_bytes, blk.w_step_bytes);
+                    } else {
+                        TILE_LOADD(kA0, a, blk.w_step_bytes);
+                        if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * blk.w_step_bytes, blk.w_step_bytes);
+                    }
+                } else {
+                    const int8_t* a = stage[0] + kBlock * (sub % 2);
+                    TILE_LOADD(kA0, a, 64);
+                    if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * 64, 64);
+                }
+                TILE_DPBSSD(kC00, kA0, kB0);
+                if (shape.tokens[1]) TILE_DPBSSD(kC01, kA0, kB1);
+                if (shape.rows[1]) {
+                    TILE_DPBSSD(kC10, kA1, kB0);
+                    if (shape.tokens[1]) TILE_DPBSSD(kC11, kA1, kB1);
+                }
+            }
+            TILE_STORED(kC00, dots[0], 4 * shape.tokens[0]);
+            if (shape.tokens[1]) TILE_STORED(kC01, dots[1], 4 * shape.tokens[1]);
+            if (shape.rows[1]) {
+                TILE_STORED(kC10, dots[2], 4 * shape.tokens[0]);
+                if (shape.tokens[1]) TILE_STORED(kC11, dots[3], 4 * shape.tokens[1]);
+            }
+            scale_and_add(shape, sw_table, g - g0, xs + g * m + blk.t0, dots, acc);
+        }
+    }
+    for (int a = 0; a < 2; ++a)
+        for (int tb = 0; tb < 2; ++tb) {
+            const int n = shape.tokens[tb];
+            if (!n) continue;
+            const __mmask16 tmask = tail_mask16(n);
+            for (int i = 0; i < shape.rows[a]; ++i) {
+                float* o = blk.out + (16 * a + i) * blk.out_step_floats + 16 * tb;
+                const __m512 sum = _mm512_maskz_loadu_ps(tmask, acc[2 * a + tb] + i * n);
+                _mm512_mask_storeu_ps(o, tmask, _mm512_add_ps(_mm512_maskz_loadu_ps(tmask, o), sum));
+            }
+        }
+}
+
+// Each segment in row blocks of 32 and, within one, token blocks of 32 (a block's weights
+// are read once per token block: from memory once when m <= 32, hence tileloadt1 then).
+template <Format F, int64_t G>
+void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                     int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
+    if (m <= 0) return;
+    const int8_t* q = static_cast<const int8_t*>(packed);
+    const float* xs = token_scales(packed, m, k);
+    const bool stream_weights = m <= 32;
+    const int64_t row_bytes = column_bytes<F>(w.ld);
+    const int64_t scale_row_bytes = w.scales_ld * (w.scale_type == ScaleType::fp32 ? 4 : 2);
+    TileShape current{{-1, -1}, {-1, -1}};  // tile state of other code on this thread is not trusted
+    Scratch scratch;
+    // Lanes past a tile's rows x tokens pairs are computed and dropped; zeroed once so that
+    // they start from defined values.
+    std::memset(scratch.dots, 0, sizeof(scratch.dots));
+    std::memset(scratch.acc, 0, sizeof(scratch.acc));
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+        for (int64_t j = j_lo; j < j_hi; j += 32) {
+            const int rows = static_cast<int>(j_hi - j < 32 ? j_hi - j : 32);
+            const int64_t r = seg.row0 + j * stride;
+            for (int64_t t0 = 0; t0 < m; t0 += 32) {
+                const int nt = static_cast<int>(m - t0 < 32 ? m - t0 : 32);
+                Block blk{static_cast<const uint8_t*>(w.data) + r * row_bytes,
+                          stride * row_bytes,
+                          static_cast<const uint8_t*>(w.scales) + r * scale_row_bytes,
+                          stride * scale_row_bytes,
+                          out + r * ldo + t0,
+                          stride * ldo,
+                          t0,
+                          TileShape{{rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0},
+                                    {nt < 16 ? nt : 16, nt > 16 ? nt - 16 : 0}}};
+                if (!(blk.shape == current)) {
+                    configure(blk.shape);
+                    current = blk.shape;
+                }
+                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, scratch);
+            }
+        }
+    }
+}
+
+}  // namespace
+}  // namespace AMX_NAMESPACE
+
+namespace AMX_NAMESPACE {
+namespace {
+
+template <Format F, int64_t G>
+const KernelOps& table() {
+#ifdef NUMA_MOE_AMX_MODEL
+    constexpr Isa isa = Isa::amx_model;
+    constexpr const char* name = "amx_model";
+#else
+    constexpr Isa isa = Isa::amx;
+    constexpr const char* name = "amx";
+#endif
+    static const KernelOps ops{isa, name, F, G, quads_layout, packed_bytes<G>, gather<G>, matmul_segments<F, G>,
+                               silu_mul_pack<G>, combine_down_avx512, store_down_avx512};
+    return ops;
+}
+
+template <Format F>
+const KernelOps* table_for_group(int64_t group) {
+    switch (group) {
+        case 32: return &table<F, 32>();
+        case 64: return &table<F, 64>();
+        case 128: return &table<F, 128>();
+        default: return nullptr;
+    }
+}
+
+const KernelOps* integer_ops(Format format, int64_t group) {
+    switch (format) {
+        case Format::int8: return table_for_group<Format::int8>(group);
+        case Format::int4: return table_for_group<Format::int4>(group);
+        default: return nullptr;
+    }
+}
+
+}  // namespace
+}  // namespace AMX_NAMESPACE
+
+#ifdef NUMA_MOE_AMX_MODEL
+const KernelOps* amx_model_integer_ops(Format format, int64_t group) { return AMX_NAMESPACE::integer_ops(format, group); }
+#else
+const KernelOps* amx_integer_ops(Format format, int64_t group) { return AMX_NAMESPACE::integer_ops(format, group); }
+#endif
+
+}  // namespace numa_moe::kernels
