@@ -3,6 +3,9 @@
 median time per call, and the bytes it reads (weights + scales) per second next to the
 streaming-read ceiling of the same bytes (numa_moe._bench.stream_read). The calls rotate
 over enough weight copies to exceed the last-level cache, so every call reads DRAM.
+With --hot: the compute cost alone, one matmul_segments call on one thread over weights
+that stay in L2 (256 x 2048), the minimum of many calls (the least disturbed by other
+work on a shared machine), each format against bf16.
 A measurement, not a test: nothing here asserts a speed."""
 
 from __future__ import annotations
@@ -55,8 +58,34 @@ def median_seconds(fn, copies, calls):
     return statistics.median(times)
 
 
+def hot(m_values, group: int, scale_dtype: str, calls: int) -> None:
+    rng = np.random.default_rng(0)
+    rows, cols = 256, 2048
+    w = rng.standard_normal((rows, cols), dtype=np.float32) * cols ** -0.5
+    mats = {"bf16": w.astype(BF16)}
+    mats.update({fmt: quant.quantize(w, fmt, group, scale_dtype) for fmt in ("int8", "int4")})
+    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
+    isas = {fmt: kernels.fastest_isa(fmt) for fmt in mats}
+    print(f"hot: {rows} x {cols} weights, one thread, min of {calls} calls; ISA {isas}")
+    print(f"{'M':>5}" + "".join(f"{fmt + ' us':>10}" for fmt in mats) + f"{'bf16/int8':>11}{'bf16/int4':>11}")
+    for m in m_values:
+        x = rng.standard_normal((m, cols), dtype=np.float32).astype(BF16)
+        best = {}
+        for fmt, weight in mats.items():
+            out = np.zeros((rows, m), np.float32)
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                kernels.matmul_segments(weight, segments, x, out, isa=isas[fmt])
+                times.append(time.perf_counter() - start)
+            best[fmt] = min(times) * 1e6
+        print(f"{m:>5}" + "".join(f"{best[fmt]:>10.1f}" for fmt in mats) +
+              f"{best['bf16'] / best['int8']:>11.2f}{best['bf16'] / best['int4']:>11.2f}")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hot", action="store_true", help="compute cost only: weights in L2, one thread")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--m", default="1,4,16")
     parser.add_argument("--formats", default=",".join(FORMATS))
@@ -66,8 +95,11 @@ def main() -> None:
     parser.add_argument("--scale-dtype", default="fp16")
     parser.add_argument("--cache-mib", type=int, default=32, help="last-level cache the copies must exceed")
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
     calls = max(20, args.calls)
+    if args.hot:
+        hot([int(v) for v in args.m.split(",")], args.group, args.scale_dtype, max(calls, 200))
+        return
+    rng = np.random.default_rng(0)
     print(f"threads={args.threads} group={args.group} scales={args.scale_dtype} calls={calls} (median) "
           f"int ISA={kernels.fastest_isa('int8')} bf16 ISA={kernels.default_isa()}")
     print(f"{'shape':<15}{'fmt':<6}{'M':>4}{'MB/call':>9}{'copies':>7}{'us/call':>10}{'GB/s':>8}"
