@@ -106,7 +106,7 @@ def main() -> None:
           f"{'read GB/s':>11}{'of read':>9}")
     for shape in args.shapes.split(","):
         hidden, inter = SHAPES[shape]
-        x = rng.standard_normal((64, hidden), dtype=np.float32).astype(BF16)
+        x = rng.standard_normal((max(int(v) for v in args.m.split(",")), hidden), dtype=np.float32).astype(BF16)
         for fmt in args.formats.split(","):
             first = expert(rng, hidden, inter, fmt, args.group, args.scale_dtype)
             size = nbytes(first)

@@ -81,8 +81,13 @@ size_t packed_bytes(int64_t m, int64_t k) {
     return value_bytes(m, k) + static_cast<size_t>(scales) * sizeof(float);
 }
 
+// The few-token int4 kernel at G = 128 takes the even and the odd columns of a group
+// apart (pair_dots_split): its plain token operand holds each group as 64 even-column
+// bytes, then 64 odd-column ones.
+constexpr bool splits_nibbles(Format format, int64_t group) { return format == Format::int4 && group == 128; }
+
 // Where gather and silu_mul_pack put token t's block b (G values and a scale).
-template <int64_t G>
+template <int64_t G, bool kSplit>
 struct TokenWriter {
     TokenWriter(void* packed, int64_t m_, int64_t k_)
         : values(static_cast<uint8_t*>(packed)),
@@ -91,7 +96,15 @@ struct TokenWriter {
 
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
         if (!lanes) {
-            std::memcpy(values + t * k + b * G, q, G);
+            uint8_t* dst = values + t * k + b * G;
+            if constexpr (kSplit) {
+                for (int64_t c = 0; c < G; c += 2) {
+                    dst[c / 2] = static_cast<uint8_t>(q[c]);
+                    dst[G / 2 + c / 2] = static_cast<uint8_t>(q[c + 1]);
+                }
+            } else {
+                std::memcpy(dst, q, G);
+            }
             scales[t * (k / G) + b] = scale;
             return;
         }
@@ -151,9 +164,9 @@ inline __m512 bf16x16_to_ps(const bf16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-template <int64_t G>
+template <int64_t G, bool kSplit>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    const TokenWriter<G> out(packed, m, k);
+    const TokenWriter<G, kSplit> out(packed, m, k);
     out.fill_padding(0, k);
     alignas(64) int8_t q[G];
     for (int64_t t = 0; t < m; ++t) {
@@ -170,10 +183,10 @@ void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, i
 
 // The gate/up epilogue: the partials are [row][token], the operand [token][column], so
 // 16 rows x 16 tokens tiles are transposed in registers, G / 16 per group of columns.
-template <int64_t G>
+template <int64_t G, bool kSplit>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    const TokenWriter<G> out(packed, m, i_total);
+    const TokenWriter<G, kSplit> out(packed, m, i_total);
     out.fill_padding(i_begin, i_end);
     alignas(64) int8_t q[G];
     for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
@@ -343,6 +356,37 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
     }
 }
 
+// int4 at G = 128: the group at column c is 64 weight bytes a row, and the tokens' even
+// and odd columns are apart (splits_nibbles), so the low nibbles of the bytes meet the even
+// columns and the high ones the odd: three operations unpack 128 columns (xor with the
+// bias, and; shift-and via ternarylogic) where column order takes five per 64.
+template <int R, int T>
+inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, __m512i v[kPairs]) {
+    const __m512i bias = _mm512_set1_epi8(8), low = _mm512_set1_epi8(0x0f);
+    __m512i even[T], odd[T];
+    for (int t = 0; t < T; ++t) {
+        even[t] = _mm512_loadu_si512(xq + t * k + c);
+        odd[t] = _mm512_loadu_si512(xq + t * k + c + 64);
+        __m512i correction = _mm512_setzero_si512();
+        dpbusd(correction, bias, even[t]);
+        dpbusd(correction, bias, odd[t]);
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), correction);
+        for (int r = 0; r < R; ++r) v[r * T + t] = start;
+    }
+    for (int p = R * T; p < kPairs; ++p) v[p] = _mm512_setzero_si512();
+    const int64_t offset = c / 2;
+    for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(b.w[r] + offset), _mm512_set1_epi8(static_cast<char>(0x88)));
+        const __m512i lo = _mm512_and_si512(u, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+        for (int t = 0; t < T; ++t) {
+            dpbusd(v[r * T + t], lo, even[t]);
+            dpbusd(v[r * T + t], hi, odd[t]);
+        }
+    }
+}
+
 // out[r][t] += sum over the groups of [c0, c1) of float(dot) * (s_w * s_x), in group
 // order, for the R rows of b and T tokens from xq / xs. G = 32: a step holds two groups
 // (the two halves of the reduction); G >= 64: a group is G / 64 steps, summed in int32.
@@ -366,7 +410,10 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(first), tile[i]));
                 if (full) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(second), tile[i + 1]));
             } else {
-                pair_dots<F, R, T, kSteps>(b, xq, k, c, true, v);
+                if constexpr (splits_nibbles(F, G))
+                    pair_dots_split<R, T>(b, xq, k, c, v);
+                else
+                    pair_dots<F, R, T, kSteps>(b, xq, k, c, true, v);
                 reduce_pairs(v, &first, &second);
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), tile[i]));
             }
@@ -611,8 +658,10 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
 
 template <Format F, int64_t G>
 const KernelOps& table() {
-    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<G>, gather<G>,
-                               matmul_segments<F, G>, silu_mul_pack<G>, combine_down_avx512, store_down_avx512};
+    constexpr bool split = splits_nibbles(F, G);
+    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<G>, gather<G, split>,
+                               matmul_segments<F, G>, silu_mul_pack<G, split>, combine_down_avx512,
+                               store_down_avx512};
     return ops;
 }
 
