@@ -92,7 +92,7 @@ def test_the_peak_is_measured_with_the_loop_of_the_isa_that_ran(monkeypatch):
 
     calls = []
 
-    def fake_peak_flops(isa, iterations, threads):
+    def fake_peak_flops(isa, iterations, threads, weight_format="bf16"):
         calls.append(isa)
         return 1e9 * iterations
     monkeypatch.setitem(native_loops.PEAK_INSTRUCTIONS, "amx", "tdpbf16ps")
@@ -116,7 +116,7 @@ def test_a_peak_that_moves_between_start_and_end_warns_that_the_machine_is_busy(
     from numa_moe.benchmarking.yardsticks import Yardstick
 
     peaks = iter([Yardstick.from_samples([470.0]), Yardstick.from_samples([350.0])])
-    monkeypatch.setattr(kernel_bench, "measure_peak_gflop_s", lambda isa, threads: next(peaks))
+    monkeypatch.setattr(kernel_bench, "measure_peak_gflop_s", lambda isa, threads, **_: next(peaks))
     lines = []
     result = kernel_bench.run(shapes=["qwen3-30b-a3b"], m_values=[1], repeats=2, isa="avx512", with_torch=False,
                               page="4k", min_seconds=0.0, progress=lambda line: None, table=lines.append)
@@ -146,6 +146,10 @@ def test_the_native_peak_loops_are_the_ones_named():
     runnable = set(native_loops.PEAK_INSTRUCTIONS) & set(kernels.available_isas())
     for isa in runnable:
         assert native_loops.peak_flops(isa, 1000, 1) > 0, isa
+    # the integer kernels' instruction (vpdpbusd, tdpbssd): 24 x 128 and 4 x 32768 operations a round
+    for isa in set(native_loops.INTEGER_PEAK_INSTRUCTIONS) & set(kernels.available_isas("int8")):
+        expected = {"avx512": 1000 * 24 * 128, "amx": 1000 * 4 * 32768}[isa]
+        assert native_loops.peak_flops(isa, 1000, 1, "int8") == expected, isa
     # an ISA without a loop is refused by the harness, so measure_peak_gflop_s must not ask
     with pytest.raises(ValueError, match="no peak loop"):
         native_loops.peak_flops("avx2", 1000, 1)

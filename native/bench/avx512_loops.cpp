@@ -51,4 +51,27 @@ double vdpbf16ps_loop(int64_t iterations) {
     return static_cast<double>(iterations) * 24.0 * 64.0;
 }
 
+double vpdpbusd_loop(int64_t iterations) {
+    // As vdpbf16ps_loop: assembly, 24 independent chains, zero operands.
+    if (iterations <= 0) return 0.0;
+    int64_t n = iterations;
+#define NUMA_MOE_DP(i) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #i "\n\t"
+    __asm__ volatile(
+        "vpxord %%zmm30, %%zmm30, %%zmm30\n\t"
+        "vpxord %%zmm31, %%zmm31, %%zmm31\n\t"
+        "1:\n\t" NUMA_MOE_DP(0) NUMA_MOE_DP(1) NUMA_MOE_DP(2) NUMA_MOE_DP(3) NUMA_MOE_DP(4) NUMA_MOE_DP(5)
+        NUMA_MOE_DP(6) NUMA_MOE_DP(7) NUMA_MOE_DP(8) NUMA_MOE_DP(9) NUMA_MOE_DP(10) NUMA_MOE_DP(11) NUMA_MOE_DP(12)
+        NUMA_MOE_DP(13) NUMA_MOE_DP(14) NUMA_MOE_DP(15) NUMA_MOE_DP(16) NUMA_MOE_DP(17) NUMA_MOE_DP(18)
+        NUMA_MOE_DP(19) NUMA_MOE_DP(20) NUMA_MOE_DP(21) NUMA_MOE_DP(22) NUMA_MOE_DP(23)
+        "dec %0\n\t"
+        "jnz 1b\n\t"
+        : "+r"(n)
+        :
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm30",
+          "xmm31", "cc");
+#undef NUMA_MOE_DP
+    return static_cast<double>(iterations) * 24.0 * 128.0;
+}
+
 }  // namespace numa_moe::bench

@@ -193,14 +193,20 @@ std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
     return {ours, read};
 }
 
-// The register-only peak loop of an ISA on `threads` threads; returns the flops executed.
-double py_peak_flops(const std::string& isa, int64_t iterations, int threads) {
-    const kernels::KernelOps& ops = bindings::ops_for(isa);
+// The register-only peak loop of an ISA and weight format (the instruction its kernels
+// multiply with) on `threads` threads; returns the operations executed.
+double py_peak_flops(const std::string& isa, int64_t iterations, int threads, const std::string& format) {
+    kernels::Format parsed;
+    if (!kernels::parse_format(format.c_str(), &parsed))
+        throw std::invalid_argument("peak_flops: format '" + format + "' is not one of bf16, int8, int4");
+    const kernels::KernelOps& ops = bindings::ops_for(isa, parsed);  // refuses what this CPU cannot run
+    const bool integer = parsed != kernels::Format::bf16;
     double (*loop)(int64_t) = nullptr;
-    if (ops.isa == kernels::Isa::avx512) loop = vdpbf16ps_loop;
-    if (ops.isa == kernels::Isa::amx) loop = tdpbf16ps_loop;
+    if (ops.isa == kernels::Isa::avx512) loop = integer ? vpdpbusd_loop : vdpbf16ps_loop;
+    if (ops.isa == kernels::Isa::amx) loop = integer ? tdpbssd_loop : tdpbf16ps_loop;
     if (!loop)
-        throw std::invalid_argument("peak_flops: no peak loop for isa '" + isa + "' (avx512: vdpbf16ps, amx: tdpbf16ps)");
+        throw std::invalid_argument("peak_flops: no peak loop for isa '" + isa +
+                                    "' (avx512: vdpbf16ps / vpdpbusd, amx: tdpbf16ps / tdpbssd)");
     const int n = thread_count(threads);
     std::vector<double> flops(static_cast<size_t>(n) * 8, 0.0);
     py::gil_scoped_release release;
@@ -227,8 +233,9 @@ void register_bench(py::module_& parent) {
           "(kernel seconds, read seconds) per repetition; repetition r runs expert_ffn on expert 2r and "
           "stream-reads expert 2r+1 (rotating), interleaved so both see the same machine state.");
     m.def("peak_flops", &py_peak_flops, py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1,
-          "Register-only peak loop of the ISA (avx512: vdpbf16ps, amx: tdpbf16ps) on `threads` threads; "
-          "returns the flops executed (time it).");
+          py::arg("format") = "bf16",
+          "Register-only peak loop of the ISA and weight format (avx512: vdpbf16ps / vpdpbusd, amx: tdpbf16ps / "
+          "tdpbssd) on `threads` threads; returns the operations executed (time it).");
 }
 
 }  // namespace numa_moe::bench

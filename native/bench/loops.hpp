@@ -15,9 +15,18 @@ uint64_t stream_read_avx512(const void* data, size_t bytes);
 // (2 * 32 per instruction). The caller times it.                    avx512_loops.cpp
 double vdpbf16ps_loop(int64_t iterations);
 
+// `iterations` x 24 independent vpdpbusd on registers only (needs AVX-512 VNNI); returns
+// the integer operations (2 * 64 per instruction).                  avx512_loops.cpp
+double vpdpbusd_loop(int64_t iterations);
+
 // `iterations` x 4 independent tdpbf16ps on 16 x 16 fp32 tiles with 32-deep bf16 operands
 // (register tiles only); returns the flops (2 * 16 * 16 * 32 per instruction). Needs
 // the AMX tile permission (request_amx_permission).                 amx_loops.cpp
 double tdpbf16ps_loop(int64_t iterations);
+
+// `iterations` x 4 independent tdpbssd on 16 x 16 int32 tiles with 64-deep int8 operands;
+// returns the integer operations (2 * 16 * 16 * 64 per instruction). Needs AMX-INT8 and
+// the tile permission.                                              amx_loops.cpp
+double tdpbssd_loop(int64_t iterations);
 
 }  // namespace numa_moe::bench

@@ -7,4 +7,4 @@ list(APPEND NUMA_MOE_ISA_SOURCES
   native/bench/amx_loops.cpp
 )
 numa_moe_isa_source(native/bench/avx512_loops.cpp bench_avx512 ${NUMA_MOE_AVX512_FLAGS})
-numa_moe_isa_source(native/bench/amx_loops.cpp bench_amx -mamx-tile -mamx-bf16)
+numa_moe_isa_source(native/bench/amx_loops.cpp bench_amx -mamx-tile -mamx-bf16 -mamx-int8)

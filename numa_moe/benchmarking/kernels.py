@@ -105,18 +105,20 @@ def random_bf16_bits(rng: np.random.Generator, shape) -> np.ndarray:
     return (bits & np.uint16(0x80FF)) | np.uint16(0x3C00)
 
 
-def measure_peak_gflop_s(isa: str, threads: int, seconds: float = 0.1, tries: int = 5) -> Yardstick | None:
-    """The register-only peak of `isa` (native_loops.PEAK_INSTRUCTIONS) on `threads`
-    threads: a Yardstick over `tries` runs of about `seconds` each, whose best is the
-    peak. Another process on the cores can only lower a run (one disturbed 0.2 s run read
-    425 instead of 465 GFLOP/s), and a low peak would flatter every fraction of it. None
-    for an ISA without a peak loop."""
-    if isa not in native_loops.PEAK_INSTRUCTIONS:
+def measure_peak_gflop_s(isa: str, threads: int, seconds: float = 0.1, tries: int = 5,
+                        weight_format: str = "bf16") -> Yardstick | None:
+    """The register-only peak of `isa` (native_loops.peak_instruction: the instruction its
+    kernels for `weight_format` multiply with; int8 operations for integer formats) on
+    `threads` threads: a Yardstick over `tries` runs of about `seconds` each, whose best is
+    the peak. Another process on the cores can only lower a run (one disturbed 0.2 s run
+    read 425 instead of 465 GFLOP/s), and a low peak would flatter every fraction of it.
+    None for an ISA without a peak loop."""
+    if native_loops.peak_instruction(isa, weight_format) is None:
         return None
     iterations = 1000
     while True:
         start = time.perf_counter()
-        flops = native_loops.peak_flops(isa, iterations, threads)
+        flops = native_loops.peak_flops(isa, iterations, threads, weight_format)
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             break
@@ -124,7 +126,7 @@ def measure_peak_gflop_s(isa: str, threads: int, seconds: float = 0.1, tries: in
     rates = [flops / elapsed / 1e9]
     for _ in range(tries - 1):
         start = time.perf_counter()
-        flops = native_loops.peak_flops(isa, iterations, threads)
+        flops = native_loops.peak_flops(isa, iterations, threads, weight_format)
         rates.append(flops / (time.perf_counter() - start) / 1e9)
     return Yardstick.from_samples(rates)
 
@@ -253,9 +255,10 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
         import torch
 
         torch_version = torch.__version__
-    peak = measure_peak_gflop_s(isa, threads) if weight_format == "bf16" else None
-    instruction = native_loops.PEAK_INSTRUCTIONS.get(isa) if peak else None
-    peak_text = (f"{instruction} peak: {peak.best:.0f} GFLOP/s" if peak else f"no peak loop for isa {isa} "
+    peak = measure_peak_gflop_s(isa, threads, weight_format=weight_format)
+    instruction = native_loops.peak_instruction(isa, weight_format) if peak else None
+    unit = "GFLOP/s" if weight_format == "bf16" else "GOP/s"
+    peak_text = (f"{instruction} peak: {peak.best:.0f} {unit}" if peak else f"no peak loop for isa {isa} "
                  f"and {weight_format}")
     cache = l3_bytes()
     progress(f"{peak_text} on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa}; {page} pages; "
@@ -274,7 +277,7 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
 
         torch.set_num_threads(threads)
     if peak:
-        peak_end = measure_peak_gflop_s(isa, threads)
+        peak_end = measure_peak_gflop_s(isa, threads, weight_format=weight_format)
         result.peak_end_gflop_s = peak_end.best
         warning = busy_warning(f"{instruction} peak", Yardstick.from_windows([peak, peak_end]), "GFLOP/s")
         if warning:

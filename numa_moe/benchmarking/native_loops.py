@@ -10,13 +10,21 @@ from numa_moe import _bench, _native
 # The register-only loop behind each ISA's peak: the instruction it repeats
 # (_bench.peak_flops). ISAs without one (ref, avx2, amx_model) have no measured peak.
 PEAK_INSTRUCTIONS = {"avx512": "vdpbf16ps", "amx": "tdpbf16ps"}
+# The integer formats' kernels multiply with these (int8 operations, counted as flops are).
+INTEGER_PEAK_INSTRUCTIONS = {"avx512": "vpdpbusd", "amx": "tdpbssd"}
 
 
-def peak_flops(isa: str, iterations: int, threads: int) -> float:
-    """Flops executed by `iterations` rounds of `isa`'s register-only loop on each of
-    `threads` threads. ValueError for an ISA without one (PEAK_INSTRUCTIONS) or one this
-    CPU cannot run."""
-    return _bench.peak_flops(isa, iterations, threads)
+def peak_instruction(isa: str, weight_format: str = "bf16") -> str | None:
+    """The instruction of `isa`'s peak loop for a weight format, None if it has none."""
+    table = PEAK_INSTRUCTIONS if weight_format == "bf16" else INTEGER_PEAK_INSTRUCTIONS
+    return table.get(isa)
+
+
+def peak_flops(isa: str, iterations: int, threads: int, weight_format: str = "bf16") -> float:
+    """Operations executed by `iterations` rounds of the register-only loop of `isa`
+    and the weight format on each of `threads` threads. ValueError for an ISA without one
+    (peak_instruction) or one this CPU cannot run."""
+    return _bench.peak_flops(isa, iterations, threads, weight_format)
 
 
 def stream_read(buffers, threads: int) -> int:
