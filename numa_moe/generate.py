@@ -159,9 +159,10 @@ def _shares(model, experts_modules, attention_timings: dict):
 
 def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64, experts: int | None = None,
                  vocab: int = 4096, prompt_tokens: int = 16, seed: int = 0, baseline_attention: str = "sdpa",
-                 topology=None, isa: str | None = None, echo=print) -> GenerateReport:
+                 topology=None, isa: str | None = None, echo=print, **overrides) -> GenerateReport:
     """Greedy decoding of `tokens` new tokens after a random prompt, unpatched then
-    patched (see the module docstring); the report of both."""
+    patched (see the module docstring); the report of both. overrides: config fields
+    (tiny models for tests: hidden_size=128, head_dim=64, ...)."""
     torch = _torch()
     from numa_moe import attention
     from numa_moe.integrations import hf_attention
@@ -172,10 +173,11 @@ def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64,
     if isa is not None and isa not in attention.available_isas():
         raise ValueError(f"isa {isa!r} has no attention kernels here (available: "
                          f"{', '.join(attention.available_isas())})")
-    model = build_model(like, layers, experts, vocab, seed)
+    model = build_model(like, layers, experts, vocab, seed, **overrides)
     experts_n = find_expert_modules(model)[0][1].gate_up_proj.shape[0]
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
-    echo(f"model: {like} shapes, {layers} layers, {experts_n} experts, vocabulary {vocab}, random weights; "
+    shapes = f"{like} shapes" + (f" with {overrides}" if overrides else "")
+    echo(f"model: {shapes}, {layers} layers, {experts_n} experts, vocabulary {vocab}, random weights; "
          f"prompt {prompt_tokens} tokens, {tokens} new tokens, greedy")
 
     model.set_attn_implementation(_timed_implementation(baseline_attention))

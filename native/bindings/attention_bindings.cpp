@@ -44,7 +44,7 @@ void py_gqa_decode(const std::string& isa, const py::array& q, const py::array& 
     {
         py::gil_scoped_release release;
         if (!pool) {
-            const int n = threads == 0 ? engine::affinity_cpu_count() : threads;
+            const int n = threads == 0 ? engine::auto_attention_threads(args, engine::affinity_cpu_count()) : threads;
             if (n > 1) pool = engine::process_pool(n);
         }
         completed = engine::gqa_decode(pool.get(), ops, args, check_signals);

@@ -221,6 +221,16 @@ private:
 
 }  // namespace
 
+int auto_attention_threads(const DecodeAttentionArgs& a, int cpus) {
+    int64_t pairs = 0;
+    for (int64_t b = 0; b < a.batch; ++b) {
+        const int64_t len = a.lengths[b];
+        pairs += (a.window > 0 && len > a.window ? a.window : len) * a.kv_heads;
+    }
+    const int64_t wanted = (pairs + kAutoPositionsPerThread - 1) / kAutoPositionsPerThread;
+    return static_cast<int>(wanted < 1 ? 1 : wanted > cpus ? cpus : wanted);
+}
+
 bool gqa_decode(WorkerPool* pool, const AttentionOps& ops, const DecodeAttentionArgs& args,
                 const std::function<bool()>& keep_going) {
     if (args.batch == 0 || args.q_heads == 0) return true;

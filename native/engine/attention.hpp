@@ -50,6 +50,12 @@ struct DecodeAttentionArgs {
 void merge_states(const float* const* m, const float* const* l, const float* const* o, int n_states, int64_t d,
                   float* out);
 
+// Threads worth waking for a call on one node: one per kAutoPositionsPerThread attended
+// (position, KV head) pairs, at least 1, at most `cpus` (a short context is done before
+// another thread would be awake).
+constexpr int64_t kAutoPositionsPerThread = 2048;
+int auto_attention_threads(const DecodeAttentionArgs& args, int cpus);
+
 // Runs on `pool` (null: the calling thread alone). Returns false when keep_going aborted.
 bool gqa_decode(WorkerPool* pool, const kernels::AttentionOps& ops, const DecodeAttentionArgs& args,
                 const std::function<bool()>& keep_going);
