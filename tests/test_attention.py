@@ -189,3 +189,20 @@ def test_bad_input_is_named(rng):
         with pytest.raises((ValueError, TypeError), match=message):  # case: change
             attention.gqa_decode(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("lengths"), **args)
 
+
+
+def test_kv_cache_on_this_machine_measures_its_table(rng):
+    """The default: interleaved over this machine's real nodes, the table measured from
+    the page map (one node here: every position on it)."""
+    cache = attention.KVCache((2, 2, 300, 64))
+    assert cache.v_local
+    assert cache.table.rows == 2 * 2 * 300 and cache.table.cols == 64
+    cache.k[...] = rng.standard_normal(cache.shape).astype(BF16)
+    cache.v[...] = rng.standard_normal(cache.shape).astype(BF16)
+    q = rng.standard_normal((2, 8, 64)).astype(BF16)
+    out = cache.decode(q, [300, 17], out_dtype=np.float32)
+    isa = attention.default_isa()
+    assert_close(out, reference_decode(q, cache.k, cache.v, [300, 17]), error_bound(isa, cache.v))
+    assert sum(cache.positions_per_node([300, 17]).values()) == 2 * 317
+    with pytest.raises(ValueError, match="head size 80"):
+        attention.KVCache((1, 1, 8, 80))
