@@ -150,7 +150,8 @@ class KVCache:
         cache_bytes = self.rows * shape[3] * 2
         v_offset = -(-cache_bytes // round_bytes) * round_bytes
         alloc_nodes = None if self.topology.is_virtual else node_ids
-        self._buffer = memory.interleaved_empty((2 * v_offset // 2,), "bfloat16", nodes=alloc_nodes, page=page)
+        self._buffer = memory.interleaved_empty(((v_offset + cache_bytes) // 2,), "bfloat16", nodes=alloc_nodes,
+                                                page=page)
         self.k = self._buffer[: cache_bytes // 2].reshape(shape)
         self.v = self._buffer[v_offset // 2: v_offset // 2 + cache_bytes // 2].reshape(shape)
         if tables == "measured" and not self.topology.is_virtual:
