@@ -31,13 +31,12 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def available_isas() -> tuple[str, ...]:
-    """ISAs with attention kernels on this CPU (and OS), slowest first (avx2 has none:
-    CPUs without AVX-512-BF16 run the portable ref kernels)."""
+    """ISAs with attention kernels this CPU (and OS) runs, slowest first."""
     return tuple(_native.attention_isas())
 
 
 def default_isa() -> str:
-    """``NUMA_MOE_ISA`` when it names an ISA with attention kernels, else the fastest."""
+    """``NUMA_MOE_ISA`` when set, else the fastest (amx > avx512 > avx2 > ref)."""
     try:
         return _native.default_attention_isa()
     except RuntimeError as error:

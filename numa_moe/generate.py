@@ -171,7 +171,7 @@ def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64,
     if baseline_attention not in ("sdpa", "eager"):
         raise ValueError(f"baseline attention must be sdpa or eager, got {baseline_attention!r}")
     if isa is not None and isa not in attention.available_isas():
-        raise ValueError(f"isa {isa!r} has no attention kernels here (available: "
+        raise ValueError(f"isa {isa!r} is not available here (available: "
                          f"{', '.join(attention.available_isas())})")
     model = build_model(like, layers, experts, vocab, seed, **overrides)
     experts_n = find_expert_modules(model)[0][1].gate_up_proj.shape[0]

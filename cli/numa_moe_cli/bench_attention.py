@@ -21,7 +21,7 @@ SHAPES = ("qwen3-30b-a3b", "llama-8/1")  # numa_moe.benchmarking.attention.ATTEN
 @click.option("--batch", "-b", "batches", multiple=True, type=click.IntRange(1), help="sequences (default: 1, 8)")
 @click.option("--repeats", "-r", default=10, show_default=True, type=click.IntRange(1),
               help="calls per case (medians are reported)")
-@isa_option("the fastest with attention kernels (amx > avx512 > ref)")
+@isa_option("the fastest (amx > avx512 > avx2 > ref)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows as JSON to this file.")
 def attention_command(shapes, contexts, batches, repeats, isa, json_path):
@@ -31,7 +31,7 @@ def attention_command(shapes, contexts, batches, repeats, isa, json_path):
     from numa_moe.benchmarking.attention import bench_attention
 
     if isa is not None and isa not in attention.available_isas():
-        raise click.UsageError(f"--isa {isa} has no attention kernels here (available: "
+        raise click.UsageError(f"--isa {isa} is not available here (available: "
                                f"{', '.join(attention.available_isas())})")
     if json_path:
         check_output(json_path, "--json")

@@ -26,7 +26,7 @@ LIKE = ("qwen3-30b-a3b", "qwen3-235b", "mixtral-8x7b")  # the qwen3_moe / mixtra
               help="random prompt tokens")
 @click.option("--baseline", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True,
               help="attention implementation of the unpatched transformers run")
-@isa_option("the fastest with attention kernels (amx > avx512 > ref)")
+@isa_option("the fastest (amx > avx512 > avx2 > ref)")
 @click.option("--seed", default=0, show_default=True, type=int, help="seed of the weights and the prompt")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the report as JSON to this file.")

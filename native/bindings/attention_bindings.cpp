@@ -79,9 +79,9 @@ void register_attention(py::module_& m) {
         for (Isa isa : {Isa::ref, Isa::avx2, Isa::avx512, Isa::amx_model, Isa::amx})
             if (kernels::attention_ops(isa)) names.emplace_back(kernels::isa_name(isa));
         return names;
-    }, "Names of the ISAs with decode-attention kernels on this CPU (and OS), slowest first.");
+    }, "Names of the ISAs whose decode-attention kernels this CPU (and OS) runs, slowest first.");
     m.def("default_attention_isa", [] { return std::string(kernels::isa_name(kernels::default_attention_isa())); },
-          "The attention ISA chosen by default (amx > avx512 > ref, or NUMA_MOE_ISA when it has attention kernels).");
+          "The attention ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("gqa_decode", &py_gqa_decode, py::arg("isa"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
           py::arg("lengths"), py::arg("out"), py::arg("scale"), py::arg("window") = 0,
           py::arg("block_table") = py::none(), py::arg("node_segments") = py::none(), py::arg("pool") = nullptr,

@@ -287,7 +287,7 @@ const kernels::AttentionOps& attention_ops_for(const std::string& isa) {
     if (!kernels::parse_isa(isa.c_str(), &parsed))
         fail("unknown ISA '" + isa + "': not one of ref, avx2, avx512, amx_model, amx");
     const kernels::AttentionOps* ops = kernels::attention_ops(parsed);
-    if (!ops) fail("isa '" + isa + "' has no attention kernels here: " + kernels::attention_unavailable_reason(parsed));
+    if (!ops) fail("isa '" + isa + "' is not available for attention: " + kernels::attention_unavailable_reason(parsed));
     return *ops;
 }
 

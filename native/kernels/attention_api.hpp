@@ -56,14 +56,14 @@ struct AttentionOps {
                    float scale, const AttentionState& state, void* scratch);
 };
 
-// The table for an ISA, or nullptr when this CPU (or OS) cannot run it or the ISA has no
-// attention kernels (avx2: the portable ref path serves those CPUs).
+// The table for an ISA, or nullptr when this CPU (or OS) cannot run it.
 const AttentionOps* attention_ops(Isa isa);
 std::string attention_unavailable_reason(Isa isa);
-// default_isa() when it has attention kernels, else the fastest that has.
+// default_isa() (every ISA has attention kernels).
 Isa default_attention_isa();
 
 const AttentionOps& attention_ref_ops();     // attention_ref.cpp     baseline
+const AttentionOps& attention_avx2_ops();    // attention_avx2.cpp    AVX2 + FMA, fp32
 const AttentionOps& attention_avx512_ops();  // attention_avx512.cpp  AVX-512-BF16
 const AttentionOps& attention_amx_ops();     // attention_amx.cpp     real AMX
 const AttentionOps& attention_amx_model_ops();  // attention_amx_model.cpp: the same source on the AMX model

@@ -11,7 +11,7 @@ namespace numa_moe::kernels {
 const AttentionOps* attention_ops(Isa isa) {
     switch (isa) {
         case Isa::ref: return &attention_ref_ops();
-        case Isa::avx2: return nullptr;
+        case Isa::avx2: return has_avx2_kernels() ? &attention_avx2_ops() : nullptr;
         case Isa::avx512: return has_avx512_bf16_kernels() ? &attention_avx512_ops() : nullptr;
         case Isa::amx_model: return has_avx512_bf16_kernels() ? &attention_amx_model_ops() : nullptr;
         case Isa::amx:
@@ -22,7 +22,6 @@ const AttentionOps* attention_ops(Isa isa) {
 
 std::string attention_unavailable_reason(Isa isa) {
     if (attention_ops(isa)) return "";
-    if (isa == Isa::avx2) return "it has no attention kernels (CPUs without AVX-512-BF16 run ref)";
     return unavailable_reason(isa);
 }
 

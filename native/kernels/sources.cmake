@@ -16,6 +16,7 @@ list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/avx512_quant.cpp
   native/kernels/amx_bf16_model.cpp
   native/kernels/amx_bf16.cpp
+  native/kernels/attention_avx2.cpp
   native/kernels/attention_avx512.cpp
   native/kernels/attention_amx_model.cpp
   native/kernels/attention_amx.cpp
@@ -27,6 +28,7 @@ numa_moe_isa_source(native/kernels/avx512_quant.cpp avx512_vnni ${NUMA_MOE_AVX51
 numa_moe_isa_source(native/kernels/amx_bf16_model.cpp amx_model ${NUMA_MOE_AVX512_FLAGS})
 numa_moe_isa_source(native/kernels/amx_bf16.cpp amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
 # Decode attention (attention_api.hpp): the same ISA rules, its own tables.
+numa_moe_isa_source(native/kernels/attention_avx2.cpp attn_avx2 -mavx2 -mfma)
 numa_moe_isa_source(native/kernels/attention_avx512.cpp attn_avx512 ${NUMA_MOE_AVX512_FLAGS})
 numa_moe_isa_source(native/kernels/attention_amx_model.cpp attn_amx_model ${NUMA_MOE_AVX512_FLAGS})
 numa_moe_isa_source(native/kernels/attention_amx.cpp attn_amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
