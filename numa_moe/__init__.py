@@ -9,6 +9,8 @@ Layers, bottom up (each imports only from the layers below it):
 * ``kernels``   - expert FFN kernels over segment lists (AMX, AVX-512, AVX2, reference)
 * ``checkpoint``/``store`` - routed experts of a safetensors checkpoint, loaded interleaved
 * ``moe``       - the NUMA-partitioned MoE layer (per-node workers + reduction)
+* ``attention`` - GQA decode attention over KV caches split by node (log-sum-exp merge)
+* ``generate``  - a transformers decode loop with both kernels (``numa-moe generate``)
 """
 
 __version__ = "0.1.0"

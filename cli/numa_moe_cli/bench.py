@@ -69,3 +69,8 @@ def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_tor
 from numa_moe_cli.bench_layer import layer_command  # noqa: E402
 
 bench.add_command(layer_command, "layer")
+
+# `numa-moe bench attention` likewise (decode attention owner).
+from numa_moe_cli.bench_attention import attention_command  # noqa: E402
+
+bench.add_command(attention_command, "attention")

@@ -27,6 +27,7 @@ _COMMANDS = {
     "quantize": ("checkpoint_commands", "quantize_command"),
     "bench": ("bench", "bench"),
     "run": ("run", "run_command"),
+    "generate": ("generate", "generate_command"),
     "simulate": ("simulate", "simulate_command"),
 }
 

@@ -7,6 +7,7 @@ namespace numa_moe::bindings {
 void register_placement(pybind11::module_& m);
 void register_kernels(pybind11::module_& m);
 void register_engine(pybind11::module_& m);
+void register_attention(pybind11::module_& m);
 }  // namespace numa_moe::bindings
 namespace numa_moe::bench {
 void register_bench(pybind11::module_& m);
@@ -22,6 +23,7 @@ PYBIND11_MODULE(_native, m) {
     numa_moe::bindings::register_placement(m);
     numa_moe::bindings::register_kernels(m);
     numa_moe::bindings::register_engine(m);
+    numa_moe::bindings::register_attention(m);
     numa_moe::bench::register_bench(m);
 #ifdef NUMA_MOE_TEST_HOOKS
     numa_moe::testing::register_testing(m);

@@ -1,6 +1,7 @@
 # Bindings: the module, the one checking layer, each layer's API registration.
 list(APPEND NUMA_MOE_SOURCES
   native/bindings/module.cpp
+  native/bindings/attention_bindings.cpp
   native/bindings/checks.cpp
   native/bindings/engine_bindings.cpp
   native/bindings/kernel_bindings.cpp

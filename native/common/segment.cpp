@@ -78,3 +78,55 @@ void check_partition(const std::vector<std::vector<Segment>>& node_segments, int
 }
 
 }  // namespace numa_moe
+
+namespace numa_moe {
+
+RowNodes row_nodes(const std::vector<std::vector<Segment>>& node_segments, int64_t rows, int64_t cols,
+                   const std::string& what) {
+    RowNodes result;
+    result.period = rows;
+    for (size_t n = 0; n < node_segments.size(); ++n) {
+        const std::string name = what + " of node " + std::to_string(n);
+        check_segments(node_segments[n].data(), static_cast<int64_t>(node_segments[n].size()), rows, cols, name);
+        for (size_t i = 0; i < node_segments[n].size(); ++i) {
+            const Segment& s = node_segments[n][i];
+            const std::string at = name + "[" + std::to_string(i) + "] = " + segment_text(s);
+            if (s.nrows > 0 && (s.k0 != 0 || s.k1 != cols))
+                throw std::invalid_argument(at + " covers part of a row: every cache row (one position of one head) "
+                                                 "must lie whole on one node (columns [0, " + std::to_string(cols) +
+                                            "))");
+            if (s.nrows > 1 && result.period == rows) result.period = s.row_stride;
+            if (s.nrows > 1 && s.row_stride != result.period)
+                throw std::invalid_argument(at + " repeats every " + std::to_string(s.row_stride) +
+                                            " rows, another segment every " + std::to_string(result.period) +
+                                            ": not one periodic table");
+        }
+    }
+    const int64_t period = result.period;
+    result.node_of_class.assign(static_cast<size_t>(period), -1);
+    for (size_t n = 0; n < node_segments.size(); ++n) {
+        for (size_t i = 0; i < node_segments[n].size(); ++i) {
+            const Segment& s = node_segments[n][i];
+            if (s.nrows == 0) continue;
+            const std::string at = what + " of node " + std::to_string(n) + "[" + std::to_string(i) + "] = " +
+                                   segment_text(s);
+            const int64_t class_rows = (rows - s.row0 + period - 1) / period;
+            if (s.row0 >= period || s.nrows != class_rows)
+                throw std::invalid_argument(at + " does not cover every row of its class modulo the period " +
+                                            std::to_string(period));
+            if (result.node_of_class[s.row0] >= 0)
+                throw std::invalid_argument(at + ": row " + std::to_string(s.row0) + " is covered twice (also by node " +
+                                            std::to_string(result.node_of_class[s.row0]) + ")");
+            result.node_of_class[s.row0] = static_cast<int>(n);
+        }
+    }
+    for (int64_t c = 0; c < period; ++c)
+        if (result.node_of_class[c] < 0)
+            throw std::invalid_argument(what + ": row " + std::to_string(c) + " is not covered by any node");
+    result.run.assign(static_cast<size_t>(period), 1);
+    for (int64_t c = period - 2; c >= 0; --c)
+        if (result.node_of_class[c] == result.node_of_class[c + 1]) result.run[c] = result.run[c + 1] + 1;
+    return result;
+}
+
+}  // namespace numa_moe

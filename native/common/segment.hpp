@@ -41,3 +41,24 @@ void check_partition(const std::vector<std::vector<Segment>>& node_segments, int
                      const std::string& what);
 
 }  // namespace numa_moe
+
+namespace numa_moe {
+
+// Which node holds each row of a matrix whose rows each lie on one node (a KV cache of
+// d-element rows in interleaved pages), from per-node segment lists in the canonical
+// periodic form of numa_moe.segments: row r lies on node_of_class[r % period]. run[c] is
+// the number of consecutive classes c, c + 1, ... < period on the same node.
+struct RowNodes {
+    int64_t period = 0;
+    std::vector<int> node_of_class;
+    std::vector<int64_t> run;
+};
+
+// Throws std::invalid_argument (naming `what`) unless every segment lies in the matrix,
+// covers whole rows (k0 = 0, k1 = cols), all repeating segments share one row stride (the
+// period; a table without repeats lists rows one by one), each segment covers every row of
+// its class, and every class is covered exactly once.
+RowNodes row_nodes(const std::vector<std::vector<Segment>>& node_segments, int64_t rows, int64_t cols,
+                   const std::string& what);
+
+}  // namespace numa_moe

@@ -7,6 +7,8 @@ list(APPEND NUMA_MOE_SOURCES
   native/kernels/ref.cpp
   native/kernels/ref_quant.cpp
   native/kernels/amx_model.cpp
+  native/kernels/attention_dispatch.cpp
+  native/kernels/attention_ref.cpp
 )
 list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/avx2.cpp
@@ -16,6 +18,10 @@ list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/amx_bf16.cpp
   native/kernels/amx_quant_model.cpp
   native/kernels/amx_quant.cpp
+  native/kernels/attention_avx2.cpp
+  native/kernels/attention_avx512.cpp
+  native/kernels/attention_amx_model.cpp
+  native/kernels/attention_amx.cpp
 )
 numa_moe_isa_source(native/kernels/avx2.cpp avx2 -mavx2 -mfma)
 numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
@@ -26,3 +32,8 @@ numa_moe_isa_source(native/kernels/amx_bf16.cpp amx ${NUMA_MOE_AVX512_FLAGS} -ma
 # The AMX integer kernels, no contraction either (their fp32 epilogue rounds as ref's).
 numa_moe_isa_source(native/kernels/amx_quant_model.cpp amx_quant_model ${NUMA_MOE_AVX512_FLAGS} -ffp-contract=off)
 numa_moe_isa_source(native/kernels/amx_quant.cpp amx_quant ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-int8 -ffp-contract=off)
+# Decode attention (attention_api.hpp): the same ISA rules, its own tables.
+numa_moe_isa_source(native/kernels/attention_avx2.cpp attn_avx2 -mavx2 -mfma)
+numa_moe_isa_source(native/kernels/attention_avx512.cpp attn_avx512 ${NUMA_MOE_AVX512_FLAGS})
+numa_moe_isa_source(native/kernels/attention_amx_model.cpp attn_amx_model ${NUMA_MOE_AVX512_FLAGS})
+numa_moe_isa_source(native/kernels/attention_amx.cpp attn_amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
