@@ -116,6 +116,25 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
             np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
 
 
+@pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
+def test_matmul_segments_with_subnormal_fp16_scales(rng, fmt, isa):
+    """Tiny weights: fp16 scales below 2^-14 are subnormal; kernels that convert fp16 with
+    integer operations (avx2) must take them exactly, as ref does."""
+    rows, cols, group = 24, 256, 32
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 1e-4
+    qm = quant.quantize(w, fmt, group, "fp16")
+    assert np.all(np.abs(qm.scales) < np.float16(2.0 ** -14)), "the scales must be fp16 subnormals"
+    x = rng.standard_normal((5, cols)).astype(BF16)
+    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
+    out, ref_out = (np.zeros((rows, 5), np.float32) for _ in range(2))
+    kernels.matmul_segments(qm, segments, x, out, isa=isa)
+    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
+    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
+    expected = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
+    assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5
+    np.testing.assert_array_equal(out, ref_out)
+
+
 def ffn_reference(x, qms, index):
     """float64 FFN on the same quantized operands: tokens quantized for gate/up, silu(g) * u
     (fp32, as the kernels compute it) quantized again for down."""

@@ -49,13 +49,74 @@ const float* token_scales(const void* packed, int64_t m, int64_t k) {
                                           (static_cast<size_t>(m * k) + 63) / 64 * 64);
 }
 
-inline float weight_scale(ScaleType type, const void* row_scales, int64_t g) {
-    switch (type) {
-        case ScaleType::fp32: return static_cast<const float*>(row_scales)[g];
-        case ScaleType::fp16: return fp16_to_float(static_cast<const uint16_t*>(row_scales)[g]);
-        case ScaleType::bf16: return bf16_to_float(static_cast<const uint16_t*>(row_scales)[g]);
+// n (<= 8) consecutive scales of one row from group g0 as fp32, lanes past n zero. fp16
+// is converted exactly with integer operations (no F16C in the flags): normal numbers
+// rebias the exponent, subnormals are mantissa * 2^-24, infinities and NaNs (which the
+// bindings refuse anyway) keep their class, as fp16_to_float does.
+inline __m256 row_scales(ScaleType type, const void* row_scales, int64_t g0, int64_t n) {
+    if (type == ScaleType::fp32) {
+        const float* p = static_cast<const float*>(row_scales) + g0;
+        if (n == 8) return _mm256_loadu_ps(p);
+        alignas(32) float part[8] = {};
+        for (int64_t i = 0; i < n; ++i) part[i] = p[i];
+        return _mm256_load_ps(part);
     }
-    return 0.0f;
+    const uint16_t* p = static_cast<const uint16_t*>(row_scales) + g0;
+    __m128i raw;
+    if (n == 8) {
+        raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    } else {
+        alignas(16) uint16_t part[8] = {};
+        for (int64_t i = 0; i < n; ++i) part[i] = p[i];
+        raw = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+    }
+    const __m256i h = _mm256_cvtepu16_epi32(raw);
+    if (type == ScaleType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi32(0x7fff));
+    const __m256i shifted = _mm256_slli_epi32(magnitude, 13);
+    const __m256i normal = _mm256_add_epi32(shifted, _mm256_set1_epi32(112 << 23));
+    const __m256i special = _mm256_or_si256(shifted, _mm256_set1_epi32(0x7f800000));
+    const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-24f));
+    const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x400), magnitude);
+    const __m256i is_special = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7bff));
+    __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal), is_subnormal);
+    bits = _mm256_blendv_epi8(bits, special, is_special);
+    return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+
+inline void transpose8(__m256 v[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// tile[i] lane p = s_w(row r, group g0 + i) * s_x(token t, group g0 + i), pair p = r * T + t
+// (pairs past R * T: 0), for the n <= 8 groups from g0: per row and token a vector over
+// the groups, their products, transposed.
+template <int R, int T>
+inline void scale_tile(const void* const* scales, ScaleType scale_type, const float* x_scales, int64_t x_groups,
+                       int64_t g0, int64_t n, __m256 tile[kPairs]) {
+    __m256 sx[T];
+    for (int t = 0; t < T; ++t) sx[t] = row_scales(ScaleType::fp32, x_scales + t * x_groups, g0, n);
+    for (int p = 0; p < kPairs; ++p) tile[p] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+        const __m256 sw = row_scales(scale_type, scales[r], g0, n);
+        for (int t = 0; t < T; ++t) tile[r * T + t] = _mm256_mul_ps(sw, sx[t]);
+    }
+    transpose8(tile);
 }
 
 // 32 columns of a weight row from `p` (int4: p points at the byte of the first column):
@@ -139,17 +200,15 @@ void block_sums(const uint8_t* const* w, const void* const* scales, ScaleType sc
     static_assert(R * T <= kPairs, "a register block holds at most kPairs pairs");
     const int64_t x_groups = k / G;
     __m256 total = _mm256_setzero_ps();
-    for (int64_t c0 = k0; c0 < k1; c0 += G) {
-        __m256i dot[kPairs];
-        group_dots<F, G, R, T>(w, x, k, c0, dot);
-        const int64_t g = c0 / G;
-        alignas(32) float factor[kPairs] = {};
-        for (int r = 0; r < R; ++r) {
-            const float sw = weight_scale(scale_type, scales[r], g);
-            for (int t = 0; t < T; ++t) factor[r * T + t] = sw * x_scales[t * x_groups + g];
+    for (int64_t g0 = k0 / G; g0 < k1 / G; g0 += kPairs) {
+        const int64_t n = k1 / G - g0 < kPairs ? k1 / G - g0 : kPairs;
+        __m256 tile[kPairs];
+        scale_tile<R, T>(scales, scale_type, x_scales, x_groups, g0, n, tile);
+        for (int64_t i = 0; i < n; ++i) {
+            __m256i dot[kPairs];
+            group_dots<F, G, R, T>(w, x, k, (g0 + i) * G, dot);
+            total = _mm256_add_ps(total, _mm256_mul_ps(_mm256_cvtepi32_ps(reduce_pairs(dot)), tile[i]));
         }
-        const __m256 products = _mm256_mul_ps(_mm256_cvtepi32_ps(reduce_pairs(dot)), _mm256_load_ps(factor));
-        total = _mm256_add_ps(total, products);
     }
     _mm256_storeu_ps(sums, total);
 }
