@@ -25,14 +25,16 @@
 //         vpmaddwd with ones then widens each step's pairs to int32.
 //   int4: the nibble biased to u = q + 8 in [0, 15]: |pair| <= 2 * 15 * 127 = 3810, and
 //         dot(u, x) = dot(q, x) + 8 * sum(x). A group has G / 32 <= 4 steps, so the int16
-//         sums of a group stay below 4 * 3810 = 15240 (the u products) and 4 * 2032 = 8128
-//         (the 8 * x products, and the true q products): accumulated in int16, corrected
-//         once per group, widened once per group.
+//         sums of a group's u products stay below 4 * 3810 = 15240: accumulated in int16,
+//         widened once per group; 8 * sum(x) of each token and group is taken once per
+//         call and subtracted from the group totals.
 // Register block: R rows x T tokens = up to 8 (row, token) pairs (T = 1, 2, 3, 4 tokens;
 // R = 8, 4, 2, 2 rows), one int32 vector each, so each weight vector loaded serves T tokens.
 // Per group the 8 pair vectors reduce (vphaddd tree) to one vector of group totals, lane
 // p = pair p, and the fp32 scale-and-add runs on the 8 pairs at once.
 #include <immintrin.h>
+
+#include "common/util.hpp"
 
 #include "kernels/bf16.hpp"
 #include "kernels/isa_tables.hpp"
@@ -43,6 +45,7 @@ namespace {
 constexpr int kPairs = 8;          // (row, token) pairs of a register block: the lanes of a vector
 constexpr int kBlockRows = 8;      // rows collected per block, split into R = kPairs / T per token block
 constexpr int64_t kStepColumns = 32;  // columns of one step (a vector of int8 weights)
+constexpr int kOffsetsSlot = 0;       // thread_scratch slot of the int4 token offsets
 
 const float* token_scales(const void* packed, int64_t m, int64_t k) {
     return reinterpret_cast<const float*>(static_cast<const uint8_t*>(packed) +
@@ -169,45 +172,85 @@ inline void group_dots(const uint8_t* const* w, const int8_t* x, int64_t k, int6
             }
         }
     } else {
-        const __m256i bias = _mm256_set1_epi8(8);
-        __m256i correction[T], sums[R * T];
-        for (int t = 0; t < T; ++t) correction[t] = _mm256_setzero_si256();
+        __m256i sums[R * T];
         for (int p = 0; p < R * T; ++p) sums[p] = _mm256_setzero_si256();
         for (int64_t c = c0; c < c0 + G; c += kStepColumns) {
             __m256i xv[T];
-            for (int t = 0; t < T; ++t) {
-                xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * k + c));
-                correction[t] = _mm256_add_epi16(correction[t], _mm256_maddubs_epi16(bias, xv[t]));
-            }
+            for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * k + c));
             for (int r = 0; r < R; ++r) {
                 const __m256i uv = load_weights<F>(w[r] + c / 2);
                 for (int t = 0; t < T; ++t)
                     sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
             }
         }
-        for (int r = 0; r < R; ++r)
-            for (int t = 0; t < T; ++t)
-                dot[r * T + t] = _mm256_madd_epi16(_mm256_sub_epi16(sums[r * T + t], correction[t]), ones);
+        for (int p = 0; p < R * T; ++p) dot[p] = _mm256_madd_epi16(sums[p], ones);
     }
 }
 
+// int4: the weights' bias times each token's group sums, 8 * sum(x[t][group g]), at
+// offsets[g * m_pad + t] (m_pad = m rounded up to 4, padding 0): subtracted from the
+// biased dots once per group, for all pairs at once.
+int64_t offsets_stride(int64_t m) { return (m + 3) / 4 * 4; }
+
+template <int64_t G>
+void token_offsets(const int8_t* q, int64_t m, int64_t k, int32_t* offsets) {
+    const int64_t m_pad = offsets_stride(m);
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < k / G; ++g) {
+        for (int64_t t = 0; t < m_pad; ++t) {
+            if (t >= m) {
+                offsets[g * m_pad + t] = 0;
+                continue;
+            }
+            __m256i pairs = _mm256_setzero_si256();  // at most 4 steps x 2 x 127: int16 holds it
+            for (int64_t c = g * G; c < (g + 1) * G; c += kStepColumns)
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(
+                                                    ones8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * k + c))));
+            const __m256i quads = _mm256_madd_epi16(pairs, ones16);
+            const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+            const __m128i two = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+            offsets[g * m_pad + t] = 8 * _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
+        }
+    }
+}
+
+// The offsets of group g for the pairs, lane p = token p % T of the block.
+template <int T>
+inline __m256i pair_offsets(const int32_t* offsets_t0, int64_t m_pad, int64_t g) {
+    const __m256i four = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets_t0 + g * m_pad)));
+    return _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(0 % T, 1 % T, 2 % T, 3 % T, 4 % T, 5 % T, 6 % T, 7 % T));
+}
+
+// The token operand of a block of T tokens from t0.
+struct TokenBlock {
+    const int8_t* x;          // token t0, column 0
+    const float* scales;      // token t0's first scale
+    const int32_t* offsets;   // int4: offsets + t0 (stride m_pad per group)
+    int64_t k;
+    int64_t m_pad;
+};
+
 // One register block over columns [k0, k1) of a segment: sums[p] = sum over its groups of
 // float(dot) * (s_w * s_x), pair p = r * T + t, in increasing group order from 0.
-// w[r]: column 0 of row r; scales[r]: its first scale; x: token 0 of the block.
+// w[r]: column 0 of row r; scales[r]: its first scale.
 template <Format F, int64_t G, int R, int T>
-void block_sums(const uint8_t* const* w, const void* const* scales, ScaleType scale_type, const int8_t* x,
-                const float* x_scales, int64_t k, int64_t k0, int64_t k1, float sums[kPairs]) {
+void block_sums(const uint8_t* const* w, const void* const* scales, ScaleType scale_type, const TokenBlock& tokens,
+                int64_t k0, int64_t k1, float sums[kPairs]) {
     static_assert(R * T <= kPairs, "a register block holds at most kPairs pairs");
-    const int64_t x_groups = k / G;
+    const int64_t x_groups = tokens.k / G;
     __m256 total = _mm256_setzero_ps();
     for (int64_t g0 = k0 / G; g0 < k1 / G; g0 += kPairs) {
         const int64_t n = k1 / G - g0 < kPairs ? k1 / G - g0 : kPairs;
         __m256 tile[kPairs];
-        scale_tile<R, T>(scales, scale_type, x_scales, x_groups, g0, n, tile);
+        scale_tile<R, T>(scales, scale_type, tokens.scales, x_groups, g0, n, tile);
         for (int64_t i = 0; i < n; ++i) {
             __m256i dot[kPairs];
-            group_dots<F, G, R, T>(w, x, k, (g0 + i) * G, dot);
-            total = _mm256_add_ps(total, _mm256_mul_ps(_mm256_cvtepi32_ps(reduce_pairs(dot)), tile[i]));
+            group_dots<F, G, R, T>(w, tokens.x, tokens.k, (g0 + i) * G, dot);
+            __m256i totals = reduce_pairs(dot);
+            if constexpr (F == Format::int4)
+                totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m_pad, g0 + i));
+            total = _mm256_add_ps(total, _mm256_mul_ps(_mm256_cvtepi32_ps(totals), tile[i]));
         }
     }
     _mm256_storeu_ps(sums, total);
@@ -224,8 +267,8 @@ struct Rows {
 // Rows r0 .. r0 + R of the block against tokens t0 .. t0 + T; rows past the block's end
 // repeat row r0 (valid memory), their sums dropped.
 template <Format F, int64_t G, int R, int T>
-void run_block(const Rows& rows, ScaleType scale_type, const int8_t* q, const float* x_scales, int64_t k,
-               int64_t k0, int64_t k1, int64_t t0) {
+void run_block(const Rows& rows, ScaleType scale_type, const TokenBlock& tokens, int64_t k0, int64_t k1,
+               int64_t t0) {
     for (int r0 = 0; r0 < rows.n; r0 += R) {
         const uint8_t* w[R];
         const void* scales[R];
@@ -235,7 +278,7 @@ void run_block(const Rows& rows, ScaleType scale_type, const int8_t* q, const fl
             scales[r] = rows.scales[row];
         }
         float sums[kPairs];
-        block_sums<F, G, R, T>(w, scales, scale_type, q + t0 * k, x_scales + t0 * (k / G), k, k0, k1, sums);
+        block_sums<F, G, R, T>(w, scales, scale_type, tokens, k0, k1, sums);
         for (int r = 0; r < R && r0 + r < rows.n; ++r)
             for (int t = 0; t < T; ++t) rows.out[r0 + r][t0 + t] += sums[r * T + t];
     }
@@ -249,6 +292,12 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
     const int64_t row_bytes = column_bytes<F>(w.ld);
     const int64_t scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
+    const int64_t m_pad = offsets_stride(m);
+    int32_t* offsets = nullptr;
+    if constexpr (F == Format::int4) {
+        offsets = static_cast<int32_t*>(thread_scratch(kOffsetsSlot, static_cast<size_t>(m_pad * (k / G)) * sizeof(int32_t)));
+        token_offsets<G>(q, m, k, offsets);
+    }
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         if (seg.k1 <= seg.k0) continue;
@@ -267,11 +316,12 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             if (rows.n == 0) break;
             for (int64_t t0 = 0; t0 < m;) {
                 const int64_t nt = m - t0 < 4 ? m - t0 : 4;
+                const TokenBlock tokens{q + t0 * k, x_scales + t0 * (k / G), offsets ? offsets + t0 : nullptr, k, m_pad};
                 switch (nt) {
-                    case 1: run_block<F, G, 8, 1>(rows, w.scale_type, q, x_scales, k, seg.k0, seg.k1, t0); break;
-                    case 2: run_block<F, G, 4, 2>(rows, w.scale_type, q, x_scales, k, seg.k0, seg.k1, t0); break;
-                    case 3: run_block<F, G, 2, 3>(rows, w.scale_type, q, x_scales, k, seg.k0, seg.k1, t0); break;
-                    default: run_block<F, G, 2, 4>(rows, w.scale_type, q, x_scales, k, seg.k0, seg.k1, t0); break;
+                    case 1: run_block<F, G, 8, 1>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
+                    case 2: run_block<F, G, 4, 2>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
+                    case 3: run_block<F, G, 2, 3>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
+                    default: run_block<F, G, 2, 4>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
                 }
                 t0 += nt;
             }
