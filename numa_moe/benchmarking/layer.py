@@ -97,7 +97,7 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
             step_bytes = {fmt: [] for fmt in ("bf16", *quantized)}
             quantized_times = {fmt: [] for fmt in quantized}
             quantized_out = {}
-            error = 0.0
+            error, format_errors = 0.0, {}
             for i in range(repeats):
                 x = rng.standard_normal((n_tokens, hidden)).astype(ml_dtypes.bfloat16)
                 ids, weights = random_routing(rng, n_tokens, n_experts, top_k)
