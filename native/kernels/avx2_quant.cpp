@@ -35,8 +35,6 @@
 #include <immintrin.h>
 
 #include "common/util.hpp"
-
-#include "kernels/bf16.hpp"
 #include "kernels/isa_tables.hpp"
 
 namespace numa_moe::kernels {
@@ -55,7 +53,7 @@ const float* token_scales(const void* packed, int64_t m, int64_t k) {
 // n (<= 8) consecutive scales of one row from group g0 as fp32, lanes past n zero. fp16
 // is converted exactly with integer operations (no F16C in the flags): normal numbers
 // rebias the exponent, subnormals are mantissa * 2^-24, infinities and NaNs (which the
-// bindings refuse anyway) keep their class, as fp16_to_float does.
+// bindings refuse anyway) keep their class, as ref_quant.cpp's fp16_to_float does.
 inline __m256 row_scales(ScaleType type, const void* row_scales, int64_t g0, int64_t n) {
     if (type == ScaleType::fp32) {
         const float* p = static_cast<const float*>(row_scales) + g0;
@@ -334,10 +332,8 @@ const KernelOps& table() {
     // The token layout is the reference's plain one, and the epilogues touch rows x tokens
     // floats, nothing next to the weights: the reference versions serve.
     static const KernelOps& ref = *ref_integer_ops(F, G);
-    static const KernelOps ops{Isa::avx2,         "avx2",           F,
-                               G,                 plain_layout,     ref.packed_bytes,
-                               ref.gather,        matmul_segments<F, G>, ref.silu_mul_pack,
-                               ref.combine_down,  ref.store_down};
+    static const KernelOps ops{Isa::avx2, "avx2", F, G, plain_layout, ref.packed_bytes, ref.gather,
+                               matmul_segments<F, G>, ref.silu_mul_pack, ref.combine_down, ref.store_down};
     return ops;
 }
 

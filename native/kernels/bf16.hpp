@@ -1,5 +1,4 @@
-// bf16 <-> fp32 conversions (round to nearest even, NaN kept quiet), fp16 -> fp32 (exact;
-// the integer formats' scales) and the activation,
+// bf16 <-> fp32 conversions (round to nearest even, NaN kept quiet) and the activation,
 // shared by every kernel translation unit; each ISA gets its own copies (isa_namespace.hpp).
 #pragma once
 
@@ -14,26 +13,6 @@ inline namespace NUMA_MOE_ISA_NS {
 
 inline float bf16_to_float(uint16_t value) {
     const uint32_t bits = static_cast<uint32_t>(value) << 16;
-    float result;
-    std::memcpy(&result, &bits, sizeof(result));
-    return result;
-}
-
-// Exact: normal numbers rebias the exponent, subnormals (mantissa * 2^-24) are exact
-// products in fp32, infinities and NaNs keep their class.
-inline float fp16_to_float(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0) {
-        const float value = static_cast<float>(mantissa) * 0x1p-24f;
-        std::memcpy(&bits, &value, sizeof(bits));
-    } else if (exponent == 31) {
-        bits = 0x7f800000u | (mantissa << 13) | (mantissa ? 0x00400000u : 0u);
-    } else {
-        bits = ((exponent + 112) << 23) | (mantissa << 13);
-    }
-    bits |= sign;
     float result;
     std::memcpy(&result, &bits, sizeof(result));
     return result;
