@@ -135,6 +135,28 @@ def test_matmul_segments_with_subnormal_fp16_scales(rng, fmt, isa):
     np.testing.assert_array_equal(out, ref_out)
 
 
+@pytest.mark.parametrize("isa", kernels.available_isas("int8"))
+def test_int8_weights_at_minus_128(rng, isa):
+    """quant.quantize writes [-127, 127], but an imported int8 block may hold -128: every
+    kernel takes the full int8 range exactly (avx2's |w| * sign(x, w) pairs reach
+    2 * 128 * 127 = 32512, still below the int16 limit; tokens at +-127 make the largest)."""
+    rows, cols, group, m = 24, 256, 64, 6
+    q = rng.integers(-128, 128, size=(rows, cols)).astype(np.int8)
+    q[:, ::2] = -128  # every pair of products at its extreme
+    scales = (rng.random((rows, cols // group)) + 0.5).astype(np.float16)
+    qm = quant.QuantizedMatrix("int8", group, q, scales)
+    x = rng.standard_normal((m, cols)).astype(BF16)
+    x[0] = np.where(np.arange(cols) % 2 == 0, -1.0, 1.0)  # token 0: every value +-127
+    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
+    out, ref_out = (np.zeros((rows, m), np.float32) for _ in range(2))
+    kernels.matmul_segments(qm, segments, x, out, isa=isa)
+    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
+    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
+    expected = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
+    assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5
+    np.testing.assert_array_equal(out, ref_out)
+
+
 def ffn_reference(x, qms, index):
     """float64 FFN on the same quantized operands: tokens quantized for gate/up, silu(g) * u
     (fp32, as the kernels compute it) quantized again for down."""
