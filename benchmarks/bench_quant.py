@@ -5,7 +5,8 @@ streaming-read ceiling of the same bytes (numa_moe._bench.stream_read). The call
 over enough weight copies to exceed the last-level cache, so every call reads DRAM.
 With --hot: the compute cost alone, one matmul_segments call on one thread over weights
 that stay in L2 (256 x 2048), the minimum of many calls (the least disturbed by other
-work on a shared machine), each format against bf16.
+work on a shared machine), each format against bf16; --isa runs every format on one ISA
+(e.g. avx2: its integer kernels against its bf16 kernel) instead of each format's fastest.
 A measurement, not a test: nothing here asserts a speed."""
 
 from __future__ import annotations
@@ -58,14 +59,18 @@ def median_seconds(fn, copies, calls):
     return statistics.median(times)
 
 
-def hot(m_values, group: int, scale_dtype: str, calls: int) -> None:
+def hot(m_values, group: int, scale_dtype: str, calls: int, isa: str | None = None) -> None:
     rng = np.random.default_rng(0)
     rows, cols = 256, 2048
     w = rng.standard_normal((rows, cols), dtype=np.float32) * cols ** -0.5
     mats = {"bf16": w.astype(BF16)}
     mats.update({fmt: quant.quantize(w, fmt, group, scale_dtype) for fmt in ("int8", "int4")})
     segments = np.array([[0, 1, rows, 0, cols]], np.int64)
-    isas = {fmt: kernels.fastest_isa(fmt) for fmt in mats}
+    for fmt in mats:
+        if isa is not None and isa not in kernels.available_isas(fmt):
+            raise SystemExit(f"--isa {isa}: not available for {fmt} here (available: "
+                             f"{', '.join(kernels.available_isas(fmt))})")
+    isas = {fmt: isa or kernels.fastest_isa(fmt) for fmt in mats}
     print(f"hot: {rows} x {cols} weights, one thread, min of {calls} calls; ISA {isas}")
     print(f"{'M':>5}" + "".join(f"{fmt + ' us':>10}" for fmt in mats) + f"{'bf16/int8':>11}{'bf16/int4':>11}")
     for m in m_values:
@@ -93,12 +98,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="calls per point (median; at least 20)")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--scale-dtype", default="fp16")
+    parser.add_argument("--isa", default=None, help="--hot: run every format on this ISA (default: each one's fastest)")
     parser.add_argument("--cache-mib", type=int, default=32, help="last-level cache the copies must exceed")
     args = parser.parse_args()
     calls = max(20, args.calls)
     if args.hot:
-        hot([int(v) for v in args.m.split(",")], args.group, args.scale_dtype, max(calls, 200))
+        hot([int(v) for v in args.m.split(",")], args.group, args.scale_dtype, max(calls, 200), args.isa)
         return
+    if args.isa is not None:
+        parser.error("--isa applies to --hot only")
     rng = np.random.default_rng(0)
     print(f"threads={args.threads} group={args.group} scales={args.scale_dtype} calls={calls} (median) "
           f"int ISA={kernels.fastest_isa('int8')} bf16 ISA={kernels.default_isa()}")

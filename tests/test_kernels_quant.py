@@ -116,6 +116,47 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
             np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
 
 
+@pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
+def test_matmul_segments_with_subnormal_fp16_scales(rng, fmt, isa):
+    """Tiny weights: fp16 scales below 2^-14 are subnormal; kernels that convert fp16 with
+    integer operations (avx2) must take them exactly, as ref does."""
+    rows, cols, group = 24, 256, 32
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 1e-4
+    qm = quant.quantize(w, fmt, group, "fp16")
+    assert np.all(np.abs(qm.scales) < np.float16(2.0 ** -14)), "the scales must be fp16 subnormals"
+    x = rng.standard_normal((5, cols)).astype(BF16)
+    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
+    out, ref_out = (np.zeros((rows, 5), np.float32) for _ in range(2))
+    kernels.matmul_segments(qm, segments, x, out, isa=isa)
+    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
+    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
+    expected = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
+    assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5
+    np.testing.assert_array_equal(out, ref_out)
+
+
+@pytest.mark.parametrize("isa", kernels.available_isas("int8"))
+def test_int8_weights_at_minus_128(rng, isa):
+    """quant.quantize writes [-127, 127], but an imported int8 block may hold -128: every
+    kernel takes the full int8 range exactly (avx2's |w| * sign(x, w) pairs reach
+    2 * 128 * 127 = 32512, still below the int16 limit; tokens at +-127 make the largest)."""
+    rows, cols, group, m = 24, 256, 64, 6
+    q = rng.integers(-128, 128, size=(rows, cols)).astype(np.int8)
+    q[:, ::2] = -128  # every pair of products at its extreme
+    scales = (rng.random((rows, cols // group)) + 0.5).astype(np.float16)
+    qm = quant.QuantizedMatrix("int8", group, q, scales)
+    x = rng.standard_normal((m, cols)).astype(BF16)
+    x[0] = np.where(np.arange(cols) % 2 == 0, -1.0, 1.0)  # token 0: every value +-127
+    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
+    out, ref_out = (np.zeros((rows, m), np.float32) for _ in range(2))
+    kernels.matmul_segments(qm, segments, x, out, isa=isa)
+    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
+    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
+    expected = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
+    assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5
+    np.testing.assert_array_equal(out, ref_out)
+
+
 def ffn_reference(x, qms, index):
     """float64 FFN on the same quantized operands: tokens quantized for gate/up, silu(g) * u
     (fp32, as the kernels compute it) quantized again for down."""
@@ -161,8 +202,10 @@ def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt
 def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_never(fmt):
     available = kernels.available_isas(fmt)
     assert "amx_model" in available or "avx512" not in kernels.available_isas(), "the model runs wherever avx512 does"
-    expected = next(isa for isa in ("amx", "avx512", "ref") if isa in available)
+    expected = next(isa for isa in ("amx", "avx512", "avx2", "ref") if isa in available)
     assert kernels.fastest_isa(fmt) == expected
+    # every ISA with bf16 kernels here has integer ones: avx2 covers CPUs without VNNI
+    assert set(kernels.available_isas()) - {"avx512", "amx"} <= set(available)
     assert kernels.fastest_isa("bf16") == next(isa for isa in ("amx", "avx512", "avx2", "ref")
                                                if isa in kernels.available_isas())
 
@@ -229,9 +272,9 @@ def test_integer_weights_get_clear_errors(rng):
             call(qm.q, scales)
     with pytest.raises(ValueError, match="cuts a 32-column block"):
         call(qm.q, qm.scales, np.array([[0, 1, 32, 0, 48]], np.int64))
-    if "avx2" in kernels.available_isas():
-        with pytest.raises(ValueError, match="isa 'avx2' is not available for int8 weights: it has no int8 kernels"):
-            _native.matmul_segments("avx2", qm.q, seg, x, out, scales=qm.scales)
+    for isa in sorted({"ref", "avx2", "avx512", "amx_model", "amx"} - set(kernels.available_isas("int8"))):
+        with pytest.raises(ValueError, match=f"isa '{isa}' is not available for int8 weights: .+"):
+            _native.matmul_segments(isa, qm.q, seg, x, out, scales=qm.scales)
 
 
 

@@ -107,6 +107,38 @@ def test_bench_layer_small_shapes(monkeypatch):
         assert r["measurement_problem"] == (r["ceiling_ms"] > r["1 node ms"])
 
 
+def test_bench_layer_cli_with_integer_formats(monkeypatch, tmp_path):
+    """--format int8 --format int4: one line per format under each bf16 line, the same
+    run; integer experts read fewer bytes (values + scales) than bf16, int4 fewest."""
+    from numa_moe.benchmarking import layer as layer_bench
+
+    monkeypatch.setitem(layer_bench.BENCH_MODELS, "qwen3-30b-a3b", (6, 2, 256, 128))
+    out = tmp_path / "rows.json"
+    result = CliRunner().invoke(cli, ["bench", "layer", "--model", "qwen3-30b-a3b", "-t", "1", "-t", "3", "-r", "2",
+                                      "--format", "int8", "--format", "int4", "--group", "64", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = [line.split() for line in result.output.splitlines() if " T=" in line and not line.startswith("warning")]
+    assert [(words[0], words[1]) for words in lines] == [("qwen3-30b-a3b", "T=1"), ("int8", "T=1"), ("int4", "T=1"),
+                                                         ("qwen3-30b-a3b", "T=3"), ("int8", "T=3"), ("int4", "T=3")]
+    assert all("the bf16 step (group 64)" in " ".join(words) for words in lines if words[0] != "qwen3-30b-a3b")
+    rows = json.loads(out.read_text())
+    for row in rows:
+        formats = row["formats"]
+        assert list(formats) == ["bf16", "int8", "int4"]
+        bf16, int8, int4 = (formats[f] for f in ("bf16", "int8", "int4"))
+        assert bf16["read_mb"] == pytest.approx(row["touched_mb"])
+        assert int4["read_mb"] < int8["read_mb"] < 0.6 * bf16["read_mb"]
+        for entry in formats.values():
+            assert entry["step_ms"] > 0 and entry["ceiling_ms"] > 0
+            assert entry["bf16_step_ratio"] == pytest.approx(row["1 node ms"] / entry["step_ms"])
+        # the quantized layers compute the same layer: errors of their formats, not garbage
+        assert int8["rel_error_vs_fp32"] < 0.05 and int4["rel_error_vs_fp32"] < 0.4
+    result = CliRunner().invoke(cli, ["bench", "layer", "--app", "--format", "int8"])
+    assert result.exit_code != 0 and "--app runs bf16 experts only" in result.output
+    with pytest.raises(ValueError, match="unknown weight format 'fp8': expected bf16, int8, int4"):
+        layer_bench.bench_layer(models=("qwen3-30b-a3b",), formats=("int8", "fp8"), echo=lambda s: None)
+
+
 def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):
     # the store loads F32 experts, the MoE layer runs bf16 only: one line, not a traceback
     import json as json_module

@@ -23,15 +23,23 @@ from numa_moe_cli.options import check_output, isa_option, write_output, wrote
               help="Call the layer as an application does: after torch work (a router and an attention-sized "
                    "matmul) before every call, against back-to-back calls; then the HF-patched Qwen3-MoE block "
                    "and the fixed cost of a tiny layer and expert_ffn call (token counts default to 1, 4, 16).")
+@click.option("--format", "weight_formats", type=click.Choice(["bf16", "int8", "int4"]), multiple=True,
+              help="Expert weight formats to run (repeatable): int8 / int4 quantize the random experts once "
+                   "(fp16 scales; docs/quantization.md) and add their 1-node step, bytes read and ratio to the "
+                   "bf16 step to each case. bf16 always runs, as the baseline (and the torch loop is bf16 only).")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="columns per scale of the int8 / int4 experts")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows as JSON to this file.")
-def layer_command(models, tokens, repeats, virtual_nodes, isa, app, json_path):
+def layer_command(models, tokens, repeats, virtual_nodes, isa, app, weight_formats, group, json_path):
     """ms per MoE layer: ours on 1 node and on a virtual N-node topology, the torch loop,
     and the read ceiling of the weights touched, all in one run (--app: the layer as an
     application calls it)."""
     models = models or ("qwen3-30b-a3b", "mixtral-8x7b")
     if json_path:
         check_output(json_path, "--json")  # before the benchmark, not after it
+    if app and weight_formats and set(weight_formats) != {"bf16"}:
+        raise click.UsageError("--app runs bf16 experts only: give --format without --app")
     if app:
         from numa_moe.benchmarking.app import bench_app
 
@@ -40,7 +48,7 @@ def layer_command(models, tokens, repeats, virtual_nodes, isa, app, json_path):
         from numa_moe.benchmarking.layer import bench_layer
 
         rows = bench_layer(models, tokens or (1, 16), repeats=repeats, virtual_nodes=virtual_nodes, isa=isa,
-                           echo=click.echo)
+                           echo=click.echo, formats=weight_formats or ("bf16",), group=int(group))
     if json_path:
         write_output(json_path, json.dumps(rows, indent=2), "--json")
         wrote(json_path)

@@ -16,8 +16,9 @@ from numa_moe.pages import PAGE_CHOICES
 # (tests/test_cli_options.py checks the two agree).
 ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
 
-ISA_HELP = ("Kernel instruction set: ref (portable C++), avx2, avx512 (AVX-512 BF16 vdpbf16ps; VNNI "
-            "vpdpbusd for int8/int4), amx (AMX tiles: tdpbf16ps, tdpbssd for int8/int4), amx_model (the AMX kernel source run on a software model of the AMX "
+ISA_HELP = ("Kernel instruction set: ref (portable C++), avx2 (FMA; vpmaddubsw for int8/int4), avx512 "
+            "(AVX-512 BF16 vdpbf16ps; VNNI vpdpbusd for int8/int4), amx (AMX tiles: tdpbf16ps, tdpbssd for "
+            "int8/int4), amx_model (the AMX kernel source run on a software model of the AMX "
             "instructions, for testing; slow).")
 
 PAGES = PAGE_CHOICES

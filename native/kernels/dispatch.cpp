@@ -52,7 +52,7 @@ bool parse_format(const char* name, Format* format) {
 
 namespace {
 
-// The integer formats: reference kernels, AVX-512-VNNI ones, and AMX-INT8 ones (real, or
+// The integer formats: reference kernels, AVX2 ones, AVX-512-VNNI ones, and AMX-INT8 ones (real, or
 // over the AMX model; their epilogues and token packing are AVX-512 code).
 bool has_amx_int8_kernels() {
     return has_avx512_bf16_kernels() && cpu_features().amx_int8 && request_amx_permission();
@@ -61,11 +61,12 @@ bool has_amx_int8_kernels() {
 const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
     switch (isa) {
         case Isa::ref: return ref_integer_ops(format, group);
+        case Isa::avx2: return has_avx2_kernels() ? avx2_integer_ops(format, group) : nullptr;
         case Isa::avx512: return has_avx512_vnni_kernels() ? avx512_integer_ops(format, group) : nullptr;
         case Isa::amx_model: return has_avx512_bf16_kernels() ? amx_model_integer_ops(format, group) : nullptr;
         case Isa::amx: return has_amx_int8_kernels() ? amx_integer_ops(format, group) : nullptr;
-        default: return nullptr;
     }
+    return nullptr;
 }
 
 }  // namespace
@@ -88,7 +89,7 @@ std::string unavailable_reason(Isa isa, Format format) {
     if (format != Format::bf16 && kernel_ops(isa)) {
         if (isa == Isa::avx512) return "this CPU (or OS) lacks AVX-512 VNNI";
         if (isa == Isa::amx) return "this CPU has AMX-BF16 but no AMX-INT8";
-        return std::string("it has no ") + format_name(format) + " kernels (ref, avx512, amx_model and amx have)";
+        return std::string("it has no ") + format_name(format) + " kernels (ref, avx2, avx512, amx_model and amx have)";
     }
     switch (isa) {
         case Isa::ref: return "";

@@ -11,6 +11,8 @@
 namespace numa_moe::kernels {
 
 const KernelOps& avx2_ops();       // avx2.cpp        (-mavx2 -mfma)
+// avx2_quant.cpp (-mavx2 -mfma): int8 / int4, nullptr for a group outside kIntegerGroups.
+const KernelOps* avx2_integer_ops(Format format, int64_t group);
 const KernelOps& avx512_ops();     // avx512_bf16.cpp (-mavx512f/bw/vl/bf16 -mfma)
 // avx512_quant.cpp (... and -mavx512vnni): int8 / int4, nullptr for a group outside
 // kIntegerGroups.

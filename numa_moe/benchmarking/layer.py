@@ -7,6 +7,12 @@ torch loop, and a streaming read of exactly the expert bytes that repetition's r
 touched (same buffers, so the same page size; as many pinned threads as the layer's
 workers). Times are medians; the ceiling is the best read rate of the repetitions (a
 Yardstick: another tenant can only slow a read), applied to the median touched bytes.
+
+``formats`` adds layers of quantized experts (int8, int4: the same random experts,
+quantized once per format with numa_moe.quant, scales in fp16) to the same repetitions:
+same routing, same threads, 1 node. Their bytes read (values + scales, as the layer
+reports them) are set against the same read rate, and their step against the BF16 one.
+The torch loop stays BF16 (it has no integer experts).
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ def _stream_read_seconds(buffers, threads: int) -> float:
 
 
 def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeats: int = 20, virtual_nodes: int = 2,
-                isa: str | None = None, seed: int = 0, echo=print) -> list[dict]:
+                isa: str | None = None, seed: int = 0, echo=print, formats=("bf16",), group: int = 128) -> list[dict]:
     """ms per layer step: ours (1 node), ours (``virtual_nodes`` virtual nodes, same
     weights), the transformers-style torch loop (bf16, all CPUs), and the streaming read
-    of the touched expert bytes; medians over ``repeats`` random routings."""
+    of the touched expert bytes; medians over ``repeats`` random routings. Each integer
+    format in ``formats`` (quantized with ``group`` columns per scale) adds its 1-node
+    step to the same repetitions; BF16 always runs, as their baseline."""
     import ml_dtypes
     import torch
 
@@ -59,6 +67,7 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
     from numa_moe.segments import SegmentTable
     from numa_moe.topology import Topology, current_topology
 
+    int_formats = _integer_formats(formats)
     threads = len(os.sched_getaffinity(0))  # torch's, and the layer's workers: one per allowed CPU
     torch.set_num_threads(threads)
     rng = np.random.default_rng(seed)
@@ -77,13 +86,18 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
             table_gate_up = SegmentTable.theoretical(n_experts * 2 * inter, hidden, "bf16", 4096, topo.node_ids)
             table_down = SegmentTable.theoretical(n_experts * hidden, inter, "bf16", 4096, topo.node_ids)
             layers[label] = MoELayer.from_stacked(gate_up, down, table_gate_up, table_down, topology=topo, isa=isa)
+        quantized = {fmt: MoELayer.from_tensors(gate_up, down, topology=one_node, tables="theoretical",
+                                                weight_format=fmt, group=group, isa=isa) for fmt in int_formats}
         gate_up_t, down_t = memory.as_torch(gate_up), memory.as_torch(down)
         for n_tokens in tokens:
             times = {label: [] for label in layers}
             times["torch loop"] = []
             read_gbps = []
             touched = []
-            error = 0.0
+            step_bytes = {fmt: [] for fmt in ("bf16", *quantized)}
+            quantized_times = {fmt: [] for fmt in quantized}
+            quantized_out = {}
+            error, format_errors = 0.0, {}
             for i in range(repeats):
                 x = rng.standard_normal((n_tokens, hidden)).astype(ml_dtypes.bfloat16)
                 ids, weights = random_routing(rng, n_tokens, n_experts, top_k)
@@ -92,6 +106,13 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
                     start = time.perf_counter()
                     y = layer.forward_numpy(x, ids, weights)
                     times[label].append(time.perf_counter() - start)
+                step_bytes["bf16"].append(sum(layers["1 node"].last_stats()["node_bytes"]))
+                for fmt, layer in quantized.items():
+                    settle()
+                    start = time.perf_counter()
+                    quantized_out[fmt] = layer.forward_numpy(x, ids, weights)
+                    quantized_times[fmt].append(time.perf_counter() - start)
+                    step_bytes[fmt].append(sum(layer.last_stats()["node_bytes"]))
                 active = np.unique(ids)
                 touched.append(touched_bytes(layers["1 node"], ids))
                 settle()
@@ -108,7 +129,8 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
                     ref32 = torch_moe_loop(xt, ids_t, torch.from_numpy(weights), gate_up_t, down_t,
                                            compute_dtype=torch.float32)
                     ref64 = ref32.numpy().astype(np.float64)
-                    error = float(np.linalg.norm(y.astype(np.float64) - ref64) / np.linalg.norm(ref64))
+                    error = _relative_error(y, ref64)
+                    format_errors = {fmt: _relative_error(out, ref64) for fmt, out in quantized_out.items()}
             ceiling = Yardstick.from_samples(read_gbps)
             touched_median = statistics.median(touched)
             row = {"model": name, "tokens": n_tokens, "experts": n_experts, "top_k": top_k, "hidden": hidden,
@@ -120,13 +142,46 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
             for label, samples in times.items():
                 row[f"{label} ms"] = statistics.median(samples) * 1e3
             row["measurement_problem"] = row["ceiling_ms"] > row["1 node ms"]
+            row["formats"] = {}
+            for fmt, samples in step_bytes.items():
+                step_ms = row["1 node ms"] if fmt == "bf16" else statistics.median(quantized_times[fmt]) * 1e3
+                read_mb = statistics.median(samples) / 1e6
+                row["formats"][fmt] = {
+                    "step_ms": step_ms, "read_mb": read_mb, "ceiling_ms": read_mb / ceiling.best,
+                    "bf16_step_ratio": row["1 node ms"] / step_ms,
+                    "rel_error_vs_fp32": error if fmt == "bf16" else format_errors[fmt],
+                    "group": None if fmt == "bf16" else group}
             rows.append(row)
             echo(format_bench_row(row, virtual_nodes))
+            for fmt in quantized:
+                echo(format_format_row(row, fmt))
             warning = busy_warning(f"read ceiling ({name}, T={n_tokens})", ceiling, "GB/s")
             if warning:
                 echo(warning)
-        del layers, gate_up, down, gate_up_t, down_t
+        del layers, quantized, gate_up, down, gate_up_t, down_t
     return rows
+
+
+def _integer_formats(formats) -> list[str]:
+    from numa_moe import quant
+
+    unknown = [f for f in formats if f != "bf16" and f not in quant.QUANT_FORMATS]
+    if unknown:
+        raise ValueError(f"unknown weight format {unknown[0]!r}: expected bf16, {', '.join(quant.QUANT_FORMATS)}")
+    return list(dict.fromkeys(f for f in formats if f != "bf16"))
+
+
+def _relative_error(y: np.ndarray, ref64: np.ndarray) -> float:
+    return float(np.linalg.norm(y.astype(np.float64) - ref64) / np.linalg.norm(ref64))
+
+
+def format_format_row(row: dict, fmt: str) -> str:
+    """The line of one weight format's 1-node step, under the BF16 row of the same case."""
+    entry = row["formats"][fmt]
+    return (f"{fmt:>14s} T={row['tokens']:<3d} read    {entry['read_mb']:7.1f} MB | ours {entry['step_ms']:8.3f} ms | "
+            f"{entry['bf16_step_ratio']:.2f}x the bf16 step (group {entry['group']}) | read {entry['ceiling_ms']:7.3f} ms "
+            f"(ours {percent_of(entry['ceiling_ms'] / entry['step_ms'], 'the read')}) | "
+            f"err {entry['rel_error_vs_fp32']:.1e}")
 
 
 def format_bench_row(row: dict, virtual_nodes: int) -> str:
