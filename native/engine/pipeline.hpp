@@ -62,7 +62,7 @@ int64_t weight_bytes(const MatrixPart& part, int64_t elements);
 int64_t row_align(const MatrixPart& part);
 
 // Checks the matrix's segments (each inside the matrix, integer formats on whole
-// activation blocks; with verify_partition, all nodes' segments together cover it exactly
+// groups; with verify_partition, all nodes' segments together cover it exactly
 // once) and splits each node's rows over that node's participants by weight bytes.
 // std::invalid_argument names `what`.
 void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants, const std::string& what,
