@@ -128,8 +128,9 @@ def worker_topology(environ=os.environ, base=None):
     return base.restricted_to_cpus(cpus)
 
 
-def unsupported_reason(moe_config) -> str | None:
-    """Why numa-moe cannot compute this vLLM FusedMoEConfig's experts, or None."""
+def unsupported_reason(moe_config, weight_format: str = "bf16", group: int = 128) -> str | None:
+    """Why numa-moe cannot compute this vLLM FusedMoEConfig's experts in
+    ``weight_format``, or None."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     if moe_config.activation != MoEActivation.SILU:
@@ -144,6 +145,12 @@ def unsupported_reason(moe_config) -> str | None:
         return "clamped/scaled SwiGLU parameters"
     if getattr(moe_config, "is_lora_enabled", False):
         return "LoRA on the experts"
+    if weight_format != "bf16":
+        sizes = {"hidden size": moe_config.hidden_dim, "intermediate size": moe_config.intermediate_size_per_partition}
+        for what, size in sizes.items():
+            if size % group:
+                return (f"{what} {size} not a multiple of the {weight_format} group {group} "
+                        f"(set {GROUP_ENV} to 32 or 64)")
     return None
 
 
@@ -196,7 +203,7 @@ def _define_classes():
 
         def __init__(self, moe):
             super().__init__(moe)
-            self.numa_moe_reason = unsupported_reason(moe)
+            self.numa_moe_reason = unsupported_reason(moe, *weight_format_from_env())
             if self.numa_moe_reason is None:
                 self.experts_cls = NumaMoEExperts
             else:

@@ -1,0 +1,129 @@
+"""The vLLM tier: tiny generated Qwen3-MoE and Mixtral models served by vLLM's CPU build
+with and without the numa-moe plugin (numa_moe.integrations.vllm). Runs in .venv-vllm
+(tools/run-vllm-tests.sh); each vLLM run is a child process (vLLM loads its plugins once
+per process). Most runs keep vLLM's engine and worker in the child process itself
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: 35 s less a run on 2 cores); the first plugin run uses
+vLLM's own worker process, with the OpenMP binding vLLM gives it."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv: the vLLM tier runs in .venv-vllm "
+                                   "(bash tools/run-vllm-tests.sh)")
+
+from numa_moe import quant  # noqa: E402
+from numa_moe.integrations import vllm_check as vc  # noqa: E402
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+MAX_TOKENS = 8
+N_PROMPTS = 4
+SHAPE = vc.TinyShape()
+# Where both runs chose the same token, its logprob may differ by bf16 rounding of the
+# expert sums in another order (vLLM's grouped GEMM against numa-moe's kernels).
+LOGPROB_TOLERANCE = 0.02
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {family: vc.make_model(root / family, family, SHAPE, seed=11) for family in vc.FAMILIES}
+
+
+def expert_weights(model_dir, prefix):
+    """float64 gate, up [E, I, H] and down [E, H, I] of the checkpoint's layer ``prefix``."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        def stack(name):
+            return np.stack([f.get_tensor(f"{prefix}.{e}.{name}.weight").double().numpy() for e in range(SHAPE.experts)])
+
+        return stack("gate_proj"), stack("up_proj"), stack("down_proj")
+
+
+def moe_reference(hidden, ids, weights, gates, ups, downs):
+    """y[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), float64."""
+    out = np.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for e, w in zip(ids[t], weights[t]):
+            g, u = gates[e] @ hidden[t], ups[e] @ hidden[t]
+            out[t] += w * (downs[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+def check_probe(probe, model_dir, weight_format, tolerance):
+    """The worker applied the layer's NumaMoEExperts to random tokens: its output against
+    float64 on the checkpoint's weights (dequantized from numa-moe's own quantization
+    for int8, whose activations are quantized too: hence its looser tolerance)."""
+    assert probe["ran"] == 1, "the probe's apply() did not run numa-moe's layer"
+    assert probe["weight_format"] == weight_format
+    gates, ups, downs = expert_weights(model_dir, probe["prefix"])
+    if weight_format != "bf16":
+        gates, ups, downs = (np.stack([quant.dequantize(quant.quantize(m.astype(ml_dtypes.bfloat16), weight_format))
+                                       .astype(np.float64) for m in mats]) for mats in (gates, ups, downs))
+    hidden = np.array(probe["hidden"])
+    expected = moe_reference(hidden, np.array(probe["ids"]), np.array(probe["weights"]), gates, ups, downs)
+    actual = np.array(probe["output"])
+    error = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert error < tolerance, f"{weight_format} experts in vLLM: relative error {error:.3g} against float64"
+
+
+@pytest.mark.parametrize("family, mode, worker_process", [
+    ("qwen3_moe", "eager", True),
+    ("mixtral", "eager", False),
+    ("qwen3_moe", "compiled", False),
+])
+def test_greedy_tokens_equal_stock_vllm(models, family, mode, worker_process):
+    prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
+    stock = vc.generate(models[family], prompt_list, plugin=False, mode=mode, max_tokens=MAX_TOKENS,
+                        extra_env=IN_PROCESS)
+    probe = {"probe_tokens": 5} if family == "qwen3_moe" and mode == "eager" else {}
+    ours = vc.generate(models[family], prompt_list, plugin=True, mode=mode, max_tokens=MAX_TOKENS,
+                       extra_env=None if worker_process else IN_PROCESS, **probe)
+
+    # whose kernels ran: vLLM's in the stock run (the plugin is installed; NUMA_MOE_VLLM=0,
+    # which generate(plugin=False) sets, switched it off), numa-moe's in every MoE layer of ours
+    assert [w["experts"] for w in stock.workers] == [["CPUUnquantizedExperts"]]
+    assert all(w["calls"] == [] for w in stock.workers)
+    assert [w["experts"] for w in ours.workers] == [["NumaMoEExperts"]]
+    calls = ours.workers[0]["calls"]
+    assert len(calls) == SHAPE.layers and min(calls) >= MAX_TOKENS, f"numa-moe layer calls: {calls}"
+
+    comparison = vc.compare(stock, ours)
+    assert comparison.equal or comparison.ties_only, (
+        f"greedy tokens differ away from a near-tie: matched {comparison.matched} of {comparison.total}, "
+        f"stock top-2 gaps there {comparison.gaps}\nstock {stock.tokens}\nours  {ours.tokens}")
+    assert sum(comparison.matched) >= N_PROMPTS * MAX_TOKENS // 2, f"too few tokens compared: {comparison.matched}"
+    assert vc.max_logprob_difference(stock, ours, comparison) < LOGPROB_TOLERANCE
+    if probe:
+        assert ours.probe[0]["shares_weights"], "vLLM's w13_weight is not numa-moe's buffer"
+        check_probe(ours.probe[0], models[family], "bf16", 1e-2)
+
+
+def test_int8_experts_quantized_at_load(models):
+    """NUMA_MOE_VLLM_WEIGHT_FORMAT=int8: the layer holds int8 experts, vLLM's bf16 copies
+    are released, the outputs follow float64 on the dequantized weights, and generation
+    starts with stock vLLM's first tokens where the stock run's choice was clear."""
+    prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
+    stock = vc.generate(models["qwen3_moe"], prompt_list, plugin=False, mode="eager", max_tokens=MAX_TOKENS,
+                        extra_env=IN_PROCESS)
+    ours = vc.generate(models["qwen3_moe"], prompt_list, plugin=True, mode="eager", max_tokens=MAX_TOKENS,
+                       extra_env={**IN_PROCESS, "NUMA_MOE_VLLM_WEIGHT_FORMAT": "int8"}, name="plugin-int8",
+                       probe_tokens=5)
+    probe = ours.probe[0]
+    assert probe["vllm_w13_numel"] == 0, "vLLM's bf16 expert weights were kept beside the int8 ones"
+    check_probe(probe, models["qwen3_moe"], "int8", 3e-2)
+    for s_tokens, o_tokens, s_lps in zip(stock.tokens, ours.tokens, stock.logprobs):
+        if s_lps[0][0] - s_lps[0][1] > 0.2:
+            assert o_tokens[0] == s_tokens[0]
+
+
+def test_unsupported_layer_falls_back_with_one_log_line(models):
+    """float32 activations: numa-moe computes bf16 only, so vLLM's experts run and the
+    plugin says why, once."""
+    prompt_list = vc.prompts(2, vocab=SHAPE.vocab)
+    run = vc.generate(models["mixtral"], prompt_list, plugin=True, mode="eager", max_tokens=2,
+                      extra_env=IN_PROCESS, name="plugin-fp32", dtype="float32")
+    assert [w["experts"] for w in run.workers] == [["CPUUnquantizedExperts"]]
+    lines = [line for line in run.log.splitlines() if "numa-moe: vLLM's own experts run" in line]
+    assert len(lines) == 1 and "activation dtype torch.float32" in lines[0], run.log[-2000:]
