@@ -253,7 +253,9 @@ def release_weights(layer: torch.nn.Module, fmt: str) -> None:
 
     for name in ("w13_weight", "w2_weight"):
         param = getattr(layer, name)
-        param.data = torch.empty(0, dtype=param.dtype)
+        # vLLM's modular kernel still reads the shapes (moe_problem_size): a view of one
+        # element with the old shape and zero strides keeps them and holds no memory
+        param.data = torch.zeros(1, dtype=param.dtype).expand(param.shape)
         param.weight_loader = refuse
 
 

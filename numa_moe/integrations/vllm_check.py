@@ -103,16 +103,21 @@ def prompts(count: int, length: int = 8, vocab: int = 512, seed: int = 1) -> lis
 def _count_numa_moe_calls(model) -> dict:
     """Runs in vLLM's worker (LLM.apply_model): the numa-moe layers of the model and
     how often each ran; the experts class of every MoE layer."""
-    calls, experts = [], []
+    from numa_moe.integrations.vllm import openmp_bound_cpus
+
+    calls, experts, threads = [], [], set()
     for module in model.modules():
         moe_layer = getattr(module, "numa_moe_layer", None)
         if moe_layer is not None:
             calls.append(int(moe_layer.forward_calls))
+            threads.add(moe_layer.pool.n_threads)
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         if kernel is not None:
             experts.append(type(kernel.fused_experts).__name__)
-    return {"calls": calls, "experts": sorted(set(experts))}
+    bound = openmp_bound_cpus()
+    return {"calls": calls, "experts": sorted(set(experts)), "pool_threads": sorted(threads),
+            "openmp_bound_cpus": list(bound) if bound else None, "cpu_count": os.cpu_count()}
 
 
 def _probe_first_layer(model, tokens: int, seed: int) -> dict:
@@ -140,7 +145,7 @@ def _probe_first_layer(model, tokens: int, seed: int) -> dict:
     stacked = moe_layer.stacked_weights()
     return {"prefix": getattr(module, "layer_name", ""), "hidden": hidden.float().tolist(), "ids": ids.tolist(),
             "weights": weights.tolist(), "output": output.float().tolist(), "ran": moe_layer.forward_calls - calls,
-            "weight_format": moe_layer.weight_format, "vllm_w13_numel": module.w13_weight.numel(),
+            "weight_format": moe_layer.weight_format, "vllm_w13_bytes": module.w13_weight.untyped_storage().nbytes(),
             "shares_weights": stacked is not None and module.w13_weight.data_ptr()
             == torch.from_numpy(stacked[0].view("int16")).data_ptr()}
 

@@ -30,6 +30,20 @@ def models(tmp_path_factory):
     return {family: vc.make_model(root / family, family, SHAPE, seed=11) for family in vc.FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def stock_run(models):
+    """stock_run(family, mode): stock vLLM's run of the prompts, made once per module."""
+    runs = {}
+
+    def run(family, mode):
+        if (family, mode) not in runs:
+            runs[family, mode] = vc.generate(models[family], vc.prompts(N_PROMPTS, vocab=SHAPE.vocab), plugin=False,
+                                             mode=mode, max_tokens=MAX_TOKENS, extra_env=IN_PROCESS)
+        return runs[family, mode]
+
+    return run
+
+
 def expert_weights(model_dir, prefix):
     """float64 gate, up [E, I, H] and down [E, H, I] of the checkpoint's layer ``prefix``."""
     from safetensors import safe_open
@@ -51,7 +65,7 @@ def moe_reference(hidden, ids, weights, gates, ups, downs):
     return out
 
 
-def check_probe(probe, model_dir, weight_format, tolerance):
+def check_probe(probe, model_dir, weight_format, tolerance, group=128):
     """The worker applied the layer's NumaMoEExperts to random tokens: its output against
     float64 on the checkpoint's weights (dequantized from numa-moe's own quantization
     for int8, whose activations are quantized too: hence its looser tolerance)."""
@@ -59,7 +73,7 @@ def check_probe(probe, model_dir, weight_format, tolerance):
     assert probe["weight_format"] == weight_format
     gates, ups, downs = expert_weights(model_dir, probe["prefix"])
     if weight_format != "bf16":
-        gates, ups, downs = (np.stack([quant.dequantize(quant.quantize(m.astype(ml_dtypes.bfloat16), weight_format))
+        gates, ups, downs = (np.stack([quant.dequantize(quant.quantize(m.astype(ml_dtypes.bfloat16), weight_format, group))
                                        .astype(np.float64) for m in mats]) for mats in (gates, ups, downs))
     hidden = np.array(probe["hidden"])
     expected = moe_reference(hidden, np.array(probe["ids"]), np.array(probe["weights"]), gates, ups, downs)
@@ -73,10 +87,9 @@ def check_probe(probe, model_dir, weight_format, tolerance):
     ("mixtral", "eager", False),
     ("qwen3_moe", "compiled", False),
 ])
-def test_greedy_tokens_equal_stock_vllm(models, family, mode, worker_process):
+def test_greedy_tokens_equal_stock_vllm(models, stock_run, family, mode, worker_process):
     prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
-    stock = vc.generate(models[family], prompt_list, plugin=False, mode=mode, max_tokens=MAX_TOKENS,
-                        extra_env=IN_PROCESS)
+    stock = stock_run(family, mode)
     probe = {"probe_tokens": 5} if family == "qwen3_moe" and mode == "eager" else {}
     ours = vc.generate(models[family], prompt_list, plugin=True, mode=mode, max_tokens=MAX_TOKENS,
                        extra_env=None if worker_process else IN_PROCESS, **probe)
@@ -95,24 +108,30 @@ def test_greedy_tokens_equal_stock_vllm(models, family, mode, worker_process):
         f"stock top-2 gaps there {comparison.gaps}\nstock {stock.tokens}\nours  {ours.tokens}")
     assert sum(comparison.matched) >= N_PROMPTS * MAX_TOKENS // 2, f"too few tokens compared: {comparison.matched}"
     assert vc.max_logprob_difference(stock, ours, comparison) < LOGPROB_TOLERANCE
+    if worker_process:
+        # vLLM bound its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND=auto leaves a
+        # CPU to the front end): the layer's pool is that CPU set, not the whole node
+        worker = ours.workers[0]
+        assert worker["openmp_bound_cpus"], "vLLM set no OpenMP binding for its worker"
+        assert worker["pool_threads"] == [len(worker["openmp_bound_cpus"])]
     if probe:
         assert ours.probe[0]["shares_weights"], "vLLM's w13_weight is not numa-moe's buffer"
         check_probe(ours.probe[0], models[family], "bf16", 1e-2)
 
 
-def test_int8_experts_quantized_at_load(models):
+def test_int8_experts_quantized_at_load(models, stock_run):
     """NUMA_MOE_VLLM_WEIGHT_FORMAT=int8: the layer holds int8 experts, vLLM's bf16 copies
     are released, the outputs follow float64 on the dequantized weights, and generation
     starts with stock vLLM's first tokens where the stock run's choice was clear."""
     prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
-    stock = vc.generate(models["qwen3_moe"], prompt_list, plugin=False, mode="eager", max_tokens=MAX_TOKENS,
-                        extra_env=IN_PROCESS)
+    stock = stock_run("qwen3_moe", "eager")
+    # the tiny model's intermediate size is 64: groups of 32 columns per scale
     ours = vc.generate(models["qwen3_moe"], prompt_list, plugin=True, mode="eager", max_tokens=MAX_TOKENS,
-                       extra_env={**IN_PROCESS, "NUMA_MOE_VLLM_WEIGHT_FORMAT": "int8"}, name="plugin-int8",
-                       probe_tokens=5)
+                       extra_env={**IN_PROCESS, "NUMA_MOE_VLLM_WEIGHT_FORMAT": "int8", "NUMA_MOE_VLLM_GROUP": "32"},
+                       name="plugin-int8", probe_tokens=5)
     probe = ours.probe[0]
-    assert probe["vllm_w13_numel"] == 0, "vLLM's bf16 expert weights were kept beside the int8 ones"
-    check_probe(probe, models["qwen3_moe"], "int8", 3e-2)
+    assert probe["vllm_w13_bytes"] <= 2, "vLLM's bf16 expert weights were kept beside the int8 ones"
+    check_probe(probe, models["qwen3_moe"], "int8", 3e-2, group=32)
     for s_tokens, o_tokens, s_lps in zip(stock.tokens, ours.tokens, stock.logprobs):
         if s_lps[0][0] - s_lps[0][1] > 0.2:
             assert o_tokens[0] == s_tokens[0]
