@@ -28,6 +28,7 @@ _COMMANDS = {
     "bench": ("bench", "bench"),
     "run": ("run", "run_command"),
     "simulate": ("simulate", "simulate_command"),
+    "serve-check": ("serve_check", "serve_check_command"),
 }
 
 

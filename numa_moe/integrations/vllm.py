@@ -79,16 +79,14 @@ def weight_format_from_env(environ=os.environ) -> tuple[str, int]:
     return fmt, group
 
 
-def _parse_cpu_items(text: str) -> tuple[int, ...]:
-    cpus = set()
-    for item in re.split(r"[,\s]+", text.strip()):
-        if not item:
-            continue
-        lo, _, hi = item.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"bad CPU item {item!r}")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return tuple(sorted(cpus))
+def _parse_cpu_items(text: str, what: str) -> tuple[int, ...]:
+    """A CPU list separated by commas or blanks ("0-3,8" or "0 1 2")."""
+    from numa_moe.topology import parse_cpulist
+
+    try:
+        return parse_cpulist(",".join(text.split()))
+    except ValueError as err:
+        raise ValueError(f"{what}={text!r}: cannot read the CPU list ({err})") from None
 
 
 def openmp_bound_cpus(environ=os.environ) -> tuple[int, ...] | None:
@@ -100,10 +98,10 @@ def openmp_bound_cpus(environ=os.environ) -> tuple[int, ...] | None:
     kmp = environ.get("KMP_AFFINITY", "")
     match = re.search(r"proclist=\[([^\]]*)\]", kmp)
     if match:
-        return _parse_cpu_items(match.group(1)) or None
+        return _parse_cpu_items(match.group(1), "KMP_AFFINITY proclist") or None
     gomp = environ.get("GOMP_CPU_AFFINITY", "").strip()
     if gomp:
-        return _parse_cpu_items(gomp) or None
+        return _parse_cpu_items(gomp, "GOMP_CPU_AFFINITY") or None
     places = environ.get("OMP_PLACES", "").strip()
     if places.startswith("{"):
         cpus = set()
