@@ -15,7 +15,8 @@ import click
               help="Model families to build and serve (default: both).")
 @click.option("--mode", "modes", type=click.Choice(["eager", "compiled"]), multiple=True,
               help="vLLM execution modes (default: eager). 'compiled' is vLLM's torch.compile mode.")
-@click.option("--prompts", "n_prompts", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--prompts", "n_prompts", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Random prompts (8 words each) per run.")
 @click.option("--tokens", "max_tokens", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Greedy tokens generated per prompt.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,

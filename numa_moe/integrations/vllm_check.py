@@ -84,8 +84,12 @@ def make_model(out_dir, family: str = "qwen3_moe", shape: TinyShape = TinyShape(
                                             num_local_experts=shape.experts, **common)
         model_cls = transformers.MixtralForCausalLM
     torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = model_cls(config).to(torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialised in bf16: no fp32 copy of a large model
+    try:
+        model = model_cls(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.save_pretrained(os.fspath(out), safe_serialization=True)
     make_tokenizer(out, shape.vocab)
     return out
@@ -175,24 +179,64 @@ def _child_main(request_path: str) -> None:
     Path(request["out"]).write_text(json.dumps(result))
 
 
+_expert_seconds = [0.0]
+
+
+def _time_experts(model) -> int:
+    """Runs in vLLM's worker: wraps every MoE layer's experts apply() to add its wall time
+    to _expert_seconds (eager mode: a compiled graph would not call the wrapper); returns
+    how many layers it wrapped."""
+    import time
+
+    wrapped = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is None or "apply" in vars(kernel.fused_experts):
+            continue
+        experts = kernel.fused_experts
+        inner = experts.apply
+
+        def timed(*args, _inner=inner, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                _expert_seconds[0] += time.perf_counter() - start
+
+        experts.apply = timed
+        wrapped += 1
+    return wrapped
+
+
+def _take_expert_seconds(model) -> float:
+    seconds, _expert_seconds[0] = _expert_seconds[0], 0.0
+    return seconds
+
+
 def _timed_decode(llm, request) -> dict:
-    """Decode tokens/s per batch size: the median of repeats of one generate() of
-    ``max_tokens`` new tokens per sequence (prefill included, short prompts)."""
+    """Per batch size: decode tokens/s (the median of ``repeats`` generate() calls of
+    ``timed_tokens`` new tokens per sequence after 8-word prompts, prefill included) and
+    the share of that time spent in the experts' apply()."""
     import statistics
     import time
 
     from vllm import SamplingParams
 
+    llm.apply_model(_time_experts)
     timings = {}
     params = SamplingParams(temperature=0.0, max_tokens=request["timed_tokens"], ignore_eos=True)
     for batch in request["timed_batches"]:
         batch_prompts = prompts(batch, vocab=request["vocab"], seed=7)
-        seconds = []
+        llm.generate(batch_prompts, params, use_tqdm=False)  # warm-up
+        llm.apply_model(_take_expert_seconds)
+        seconds, shares = [], []
         for _ in range(request.get("repeats", 3)):
             start = time.perf_counter()
             llm.generate(batch_prompts, params, use_tqdm=False)
             seconds.append(time.perf_counter() - start)
-        timings[str(batch)] = batch * request["timed_tokens"] / statistics.median(seconds)
+            shares.append(sum(llm.apply_model(_take_expert_seconds)) / seconds[-1])
+        timings[str(batch)] = {"tokens_per_s": batch * request["timed_tokens"] / statistics.median(seconds),
+                               "expert_share": statistics.median(shares), "seconds": seconds}
     return timings
 
 
