@@ -154,6 +154,24 @@ def _probe_first_layer(model, tokens: int, seed: int) -> dict:
             == torch.from_numpy(stacked[0].view("int16")).data_ptr()}
 
 
+def _zero_numa_moe_weights(model) -> int:
+    """Runs in vLLM's worker: zeroes the bf16 expert buffers of every numa-moe layer (a
+    reload must bring the values back); returns how many layers shared their buffers
+    with vLLM's parameters."""
+    import torch
+
+    shared = 0
+    for module in model.modules():
+        moe_layer = getattr(module, "numa_moe_layer", None)
+        if moe_layer is None or moe_layer.stacked_weights() is None:
+            continue
+        gate_up = moe_layer.stacked_weights()[0]
+        shared += module.w13_weight.data_ptr() == torch.from_numpy(gate_up.view("int16")).data_ptr()
+        for buffer in moe_layer.stacked_weights():
+            buffer.view("uint16")[...] = 0
+    return shared
+
+
 def _child_main(request_path: str) -> None:
     request = json.loads(Path(request_path).read_text())
     from vllm import LLM, SamplingParams
@@ -169,6 +187,14 @@ def _child_main(request_path: str) -> None:
         result["tokens"].append(list(completion.token_ids))
         result["logprobs"].append([sorted((lp.logprob for lp in step.values()), reverse=True)
                                    for step in completion.logprobs])
+    if request.get("reload"):
+        result["shared_before_reload"] = llm.apply_model(_zero_numa_moe_weights)
+        zeroed = llm.generate(request["prompts"], params, use_tqdm=False)
+        result["tokens_zeroed"] = [list(out.outputs[0].token_ids) for out in zeroed]
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": request["model"]})
+        reloaded = llm.generate(request["prompts"], params, use_tqdm=False)
+        result["tokens_after_reload"] = [list(out.outputs[0].token_ids) for out in reloaded]
+        result["shared_after_reload"] = llm.apply_model(_zero_numa_moe_weights)
     if request.get("timed_batches"):
         result["timings"] = _timed_decode(llm, request)
     result["workers"] = llm.apply_model(_count_numa_moe_calls)
@@ -247,6 +273,7 @@ class RunResult:
     workers: list
     timings: dict = field(default_factory=dict)
     probe: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # the child's other results (reload checks)
     log: str = ""  # the child's whole output
 
 
@@ -284,7 +311,8 @@ def generate(model_dir, prompt_list, *, plugin: bool, mode: str = "eager", max_t
         raise RuntimeError(f"vLLM run ({tag}) failed with exit code {proc.returncode}; last output:\n{log[-6000:]}")
     data = json.loads(out_path.read_text())
     return RunResult(data["tokens"], data["logprobs"], data["workers"], data.get("timings", {}),
-                     data.get("probe", []), log)
+                     data.get("probe", []), {k: v for k, v in data.items() if k.endswith("reload") or
+                                             k == "tokens_zeroed"}, log)
 
 
 @dataclass

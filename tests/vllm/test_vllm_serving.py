@@ -137,6 +137,18 @@ def test_int8_experts_quantized_at_load(models, stock_run):
             assert o_tokens[0] == s_tokens[0]
 
 
+def test_weight_reload_lands_in_numa_moe_buffers(models, stock_run):
+    """bf16: vLLM's w13/w2 parameters are numa-moe's buffers; zeroing them changes the
+    output, and vLLM's reload_weights brings the checkpoint's values back into them."""
+    prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
+    ours = vc.generate(models["qwen3_moe"], prompt_list, plugin=True, mode="eager", max_tokens=MAX_TOKENS,
+                       extra_env=IN_PROCESS, name="plugin-reload", reload=True)
+    assert ours.extra["shared_before_reload"] == [SHAPE.layers]
+    assert ours.extra["tokens_zeroed"] != ours.tokens, "zeroing the experts changed nothing: not the buffers used"
+    assert ours.extra["tokens_after_reload"] == ours.tokens == stock_run("qwen3_moe", "eager").tokens
+    assert ours.extra["shared_after_reload"] == [SHAPE.layers]
+
+
 def test_unsupported_layer_falls_back_with_one_log_line(models):
     """float32 activations: numa-moe computes bf16 only, so vLLM's experts run and the
     plugin says why, once."""
