@@ -158,3 +158,31 @@ def test_unsupported_layer_falls_back_with_one_log_line(models):
     assert [w["experts"] for w in run.workers] == [["CPUUnquantizedExperts"]]
     lines = [line for line in run.log.splitlines() if "numa-moe: vLLM's own experts run" in line]
     assert len(lines) == 1 and "activation dtype torch.float32" in lines[0], run.log[-2000:]
+
+
+def test_unsupported_reasons_name_the_problem():
+    """The reasons the plugin logs when it leaves a layer to vLLM, on stand-ins of vLLM's
+    FusedMoEConfig with one property changed at a time."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from numa_moe.integrations.vllm import unsupported_reason
+
+    def config(**changes):
+        fields = dict(activation=MoEActivation.SILU, in_dtype=torch.bfloat16, has_bias=False, use_ep=False,
+                      swiglu_limit=None, swiglu_alpha=None, swiglu_beta=None, is_lora_enabled=False,
+                      hidden_dim=2048, intermediate_size_per_partition=768)
+        return SimpleNamespace(**{**fields, **changes})
+
+    assert unsupported_reason(config()) is None
+    assert unsupported_reason(config(), "int8", 128) is None
+    assert "activation gelu" in unsupported_reason(config(activation=MoEActivation.GELU))
+    assert "torch.float16" in unsupported_reason(config(in_dtype=torch.float16))
+    assert "bias" in unsupported_reason(config(has_bias=True))
+    assert "expert parallelism" in unsupported_reason(config(use_ep=True))
+    assert "SwiGLU" in unsupported_reason(config(swiglu_limit=7.0))
+    assert "LoRA" in unsupported_reason(config(is_lora_enabled=True))
+    assert "intermediate size 96 not a multiple of the int4 group 64" in unsupported_reason(
+        config(intermediate_size_per_partition=96), "int4", 64)
