@@ -189,10 +189,13 @@ def _define_classes():
             moe_layer = self.numa_moe_layer
             if apply_router_weight_on_input:  # vLLM's prepare() already scaled hidden_states
                 topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
+            hidden_states = hidden_states.contiguous()
             if torch.compiler.is_compiling():
+                # Dynamo traces this method (vLLM's CPU runner calls the experts inside the
+                # compiled graph): the op, with its fake implementation, is what it records
                 y = torch.ops.numa_moe.moe_forward(hidden_states, topk_ids, topk_weights, moe_layer.layer_id)
             else:
-                y = moe_layer._forward_torch(hidden_states, topk_ids, topk_weights)
+                y = moe_layer.forward(hidden_states, topk_ids, topk_weights)
             output.copy_(y)
 
     class NumaMoEUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
