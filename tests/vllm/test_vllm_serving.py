@@ -82,17 +82,33 @@ def check_probe(probe, model_dir, weight_format, tolerance, group=128):
     assert error < tolerance, f"{weight_format} experts in vLLM: relative error {error:.3g} against float64"
 
 
-@pytest.mark.parametrize("family, mode, worker_process", [
-    ("qwen3_moe", "eager", True),
-    ("mixtral", "eager", False),
-    ("qwen3_moe", "compiled", False),
-])
-def test_greedy_tokens_equal_stock_vllm(models, stock_run, family, mode, worker_process):
-    prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
-    stock = stock_run(family, mode)
-    probe = {"probe_tokens": 5} if family == "qwen3_moe" and mode == "eager" else {}
-    ours = vc.generate(models[family], prompt_list, plugin=True, mode=mode, max_tokens=MAX_TOKENS,
-                       extra_env=None if worker_process else IN_PROCESS, **probe)
+# (family, mode): the plugin run's extra checks. The Qwen3-MoE eager run uses vLLM's own
+# worker process and probes a layer; the Mixtral one also zeroes and reloads the weights
+# afterwards (test_weight_reload_lands_in_numa_moe_buffers), so no run starts an engine
+# only for that.
+PLUGIN_RUNS = {
+    ("qwen3_moe", "eager"): dict(extra_env=None, probe_tokens=5),
+    ("mixtral", "eager"): dict(extra_env=IN_PROCESS, reload=True),
+    ("qwen3_moe", "compiled"): dict(extra_env=IN_PROCESS),
+}
+
+
+@pytest.fixture(scope="module")
+def plugin_run(models):
+    runs = {}
+
+    def run(family, mode):
+        if (family, mode) not in runs:
+            runs[family, mode] = vc.generate(models[family], vc.prompts(N_PROMPTS, vocab=SHAPE.vocab), plugin=True,
+                                             mode=mode, max_tokens=MAX_TOKENS, **PLUGIN_RUNS[family, mode])
+        return runs[family, mode]
+
+    return run
+
+
+@pytest.mark.parametrize("family, mode", list(PLUGIN_RUNS))
+def test_greedy_tokens_equal_stock_vllm(models, stock_run, plugin_run, family, mode):
+    stock, ours = stock_run(family, mode), plugin_run(family, mode)
 
     # whose kernels ran: vLLM's in the stock run (the plugin is installed; NUMA_MOE_VLLM=0,
     # which generate(plugin=False) sets, switched it off), numa-moe's in every MoE layer of ours
@@ -108,13 +124,13 @@ def test_greedy_tokens_equal_stock_vllm(models, stock_run, family, mode, worker_
         f"stock top-2 gaps there {comparison.gaps}\nstock {stock.tokens}\nours  {ours.tokens}")
     assert sum(comparison.matched) >= N_PROMPTS * MAX_TOKENS // 2, f"too few tokens compared: {comparison.matched}"
     assert vc.max_logprob_difference(stock, ours, comparison) < LOGPROB_TOLERANCE
-    if worker_process:
+    if PLUGIN_RUNS[family, mode]["extra_env"] is None:
         # vLLM bound its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND=auto leaves a
         # CPU to the front end): the layer's pool is that CPU set, not the whole node
         worker = ours.workers[0]
         assert worker["openmp_bound_cpus"], "vLLM set no OpenMP binding for its worker"
         assert worker["pool_threads"] == [len(worker["openmp_bound_cpus"])]
-    if probe:
+    if ours.probe:
         assert ours.probe[0]["shares_weights"], "vLLM's w13_weight is not numa-moe's buffer"
         check_probe(ours.probe[0], models[family], "bf16", 1e-2)
 
@@ -137,15 +153,13 @@ def test_int8_experts_quantized_at_load(models, stock_run):
             assert o_tokens[0] == s_tokens[0]
 
 
-def test_weight_reload_lands_in_numa_moe_buffers(models, stock_run):
+def test_weight_reload_lands_in_numa_moe_buffers(stock_run, plugin_run):
     """bf16: vLLM's w13/w2 parameters are numa-moe's buffers; zeroing them changes the
     output, and vLLM's reload_weights brings the checkpoint's values back into them."""
-    prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
-    ours = vc.generate(models["qwen3_moe"], prompt_list, plugin=True, mode="eager", max_tokens=MAX_TOKENS,
-                       extra_env=IN_PROCESS, name="plugin-reload", reload=True)
+    ours = plugin_run("mixtral", "eager")
     assert ours.extra["shared_before_reload"] == [SHAPE.layers]
     assert ours.extra["tokens_zeroed"] != ours.tokens, "zeroing the experts changed nothing: not the buffers used"
-    assert ours.extra["tokens_after_reload"] == ours.tokens == stock_run("qwen3_moe", "eager").tokens
+    assert ours.extra["tokens_after_reload"] == ours.tokens == stock_run("mixtral", "eager").tokens
     assert ours.extra["shared_after_reload"] == [SHAPE.layers]
 
 
