@@ -1,6 +1,6 @@
 """The parts of the vLLM plugin (numa_moe.integrations.vllm) that need no vLLM: its
 settings, the worker CPU set it reads from vLLM's OpenMP variables, and the topology cut
-down to those CPUs. The plugin inside a running vLLM is tests/vllm (its own venv)."""
+down to those CPUs. The plugin inside a running vLLM is tests/vllm_tier (its own venv)."""
 
 import os
 

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+# (this folder is not named "vllm": on sys.path it would pass for the package)
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv: the vLLM tier runs in .venv-vllm "
                                    "(bash tools/run-vllm-tests.sh)")
 
