@@ -22,7 +22,7 @@ N_PROMPTS = 4
 SHAPE = vc.TinyShape()
 # Where both runs chose the same token, its logprob may differ by bf16 rounding of the
 # expert sums in another order (vLLM's grouped GEMM against numa-moe's kernels).
-LOGPROB_TOLERANCE = 0.02
+LOGPROB_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
