@@ -88,3 +88,23 @@ def test_worker_topology_follows_the_binding():
     # no binding: the process's own affinity (on this machine, its real CPUs)
     real = Topology.detect()
     assert plugin.worker_topology({}, base=real).allowed_cpus == tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_serve_check_comparison():
+    """vllm_check.compare: equal runs, a divergence at a near-tie of the stock run, and one
+    away from a tie (the verdict serve-check and the vLLM tier rely on)."""
+    from numa_moe.integrations.vllm_check import TIE_LOGPROB, RunResult, compare, max_logprob_difference
+
+    def run(tokens, logprobs):
+        return RunResult(tokens=tokens, logprobs=logprobs, workers=[])
+
+    steps = [[-1.0, -3.0], [-0.5, -0.5 - TIE_LOGPROB / 2], [-2.0, -4.0]]
+    stock = run([[5, 6, 7]], [steps])
+    same = compare(stock, run([[5, 6, 7]], [[[-1.01, -3.0], [-0.5, -0.6], [-2.0, -4.0]]]))
+    assert same.equal and same.matched == [3] and same.gaps == [None]
+    # chosen-token logprobs -1.01 at every step against -1.0, -0.5, -2.0
+    assert abs(max_logprob_difference(stock, run([[5, 6, 7]], [[[-1.01, -3.0]] * 3]), same) - 0.99) < 1e-9
+    at_tie = compare(stock, run([[5, 9, 7]], [steps]))
+    assert not at_tie.equal and at_tie.ties_only and at_tie.matched == [1]
+    away = compare(stock, run([[8, 6, 7]], [steps]))
+    assert not away.equal and not away.ties_only and away.gaps == [2.0]
