@@ -109,18 +109,20 @@ def _count_numa_moe_calls(model) -> dict:
     how often each ran; the experts class of every MoE layer."""
     from numa_moe.integrations.vllm import openmp_bound_cpus
 
-    calls, experts, threads = [], [], set()
+    calls, experts, threads, shapes = [], [], set(), set()
     for module in model.modules():
         moe_layer = getattr(module, "numa_moe_layer", None)
         if moe_layer is not None:
             calls.append(int(moe_layer.forward_calls))
             threads.add(moe_layer.pool.n_threads)
+            shapes.add((moe_layer.n_experts, moe_layer.intermediate, moe_layer.hidden))
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         if kernel is not None:
             experts.append(type(kernel.fused_experts).__name__)
     bound = openmp_bound_cpus()
     return {"calls": calls, "experts": sorted(set(experts)), "pool_threads": sorted(threads),
+            "layer_shapes": sorted(shapes),
             "openmp_bound_cpus": list(bound) if bound else None, "cpu_count": os.cpu_count()}
 
 
@@ -178,7 +180,7 @@ def _child_main(request_path: str) -> None:
 
     llm = LLM(model=request["model"], dtype=request.get("dtype", "bfloat16"), enforce_eager=request["mode"] == "eager",
               max_model_len=request.get("max_model_len", 256), max_num_seqs=request.get("max_num_seqs", 8),
-              seed=0, trust_remote_code=False)
+              tensor_parallel_size=request.get("tensor_parallel_size", 1), seed=0, trust_remote_code=False)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], logprobs=2, ignore_eos=True)
     outputs = llm.generate(request["prompts"], params, use_tqdm=False)
     result = {"tokens": [], "logprobs": []}
