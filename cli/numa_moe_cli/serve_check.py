@@ -1,4 +1,4 @@
-"""`numa-moe serve-check`: tiny Qwen3-MoE and Mixtral models through vLLM with and
+"""`numa-moe serve-check`: tiny Qwen3-MoE, Mixtral and DeepSeek-V2 models through vLLM with and
 without the numa-moe plugin, greedy tokens and logprobs compared (numa_moe.integrations.vllm_check).
 Runs in the vLLM venv (tools/setup-vllm.sh)."""
 
@@ -11,8 +11,8 @@ import click
 
 
 @click.command("serve-check")
-@click.option("--family", "families", type=click.Choice(["qwen3_moe", "mixtral"]), multiple=True,
-              help="Model families to build and serve (default: both).")
+@click.option("--family", "families", type=click.Choice(["qwen3_moe", "mixtral", "deepseek_v2"]),
+              multiple=True, help="Model families to build and serve (default: all three).")
 @click.option("--mode", "modes", type=click.Choice(["eager", "compiled"]), multiple=True,
               help="vLLM execution modes (default: eager). 'compiled' is vLLM's torch.compile mode.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(1, 64), default=4, show_default=True,

@@ -1,8 +1,8 @@
 """Serve check: tiny MoE models through vLLM with and without the numa-moe plugin.
 
 ``make_tokenizer`` and ``make_model`` write a model directory vLLM loads offline (no hub):
-a word-level tokenizer built with the ``tokenizers`` library, and a Qwen3-MoE or Mixtral
-config with seeded random bf16 weights (transformers' own initialisation, scaled up so
+a word-level tokenizer built with the ``tokenizers`` library, and a Qwen3-MoE, Mixtral or
+DeepSeek-V2 config with seeded random bf16 weights (transformers' own initialisation, scaled up so
 that greedy choices are not near-ties). ``generate`` runs vLLM's offline ``LLM`` on it in
 a child process (vLLM loads its plugins once per process, so "with" and "without" need a
 process each) and returns the greedy tokens, the top logprobs at each step and the
@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v2")
 MODES = ("eager", "compiled")
 # Two runs whose top-2 logprobs at a step lie closer than this are at a tie there: bf16
 # rounding in another kernel may pick either token, and the sequences part after it.
@@ -79,10 +79,19 @@ def make_model(out_dir, family: str = "qwen3_moe", shape: TinyShape = TinyShape(
                                              intermediate_size=4 * shape.hidden, norm_topk_prob=True,
                                              decoder_sparse_step=1, mlp_only_layers=[], **common)
         model_cls = transformers.Qwen3MoeForCausalLM
-    else:
+    elif family == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=shape.intermediate,
                                             num_local_experts=shape.experts, **common)
         model_cls = transformers.MixtralForCausalLM
+    else:  # DeepSeek-V2: MLA attention, one shared expert beside the routed ones
+        common.pop("head_dim")
+        config = transformers.DeepseekV2Config(
+            moe_intermediate_size=shape.intermediate, n_routed_experts=shape.experts, n_shared_experts=1,
+            intermediate_size=4 * shape.hidden, first_k_dense_replace=0, kv_lora_rank=512, q_lora_rank=None,
+            qk_nope_head_dim=shape.head_dim, qk_rope_head_dim=64, v_head_dim=shape.head_dim,
+            topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+            **common)
+        model_cls = transformers.DeepseekV2ForCausalLM
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialised in bf16: no fp32 copy of a large model

@@ -1,4 +1,4 @@
-"""The vLLM tier: tiny generated Qwen3-MoE and Mixtral models served by vLLM's CPU build
+"""The vLLM tier: tiny generated Qwen3-MoE, Mixtral and DeepSeek-V2 models served by vLLM's CPU build
 with and without the numa-moe plugin (numa_moe.integrations.vllm). Runs in .venv-vllm
 (tools/run-vllm-tests.sh); each vLLM run is a child process (vLLM loads its plugins once
 per process). Most runs keep vLLM's engine and worker in the child process itself
@@ -91,6 +91,7 @@ PLUGIN_RUNS = {
     ("qwen3_moe", "eager"): dict(extra_env=None, probe_tokens=5),
     ("mixtral", "eager"): dict(extra_env=IN_PROCESS, reload=True),
     ("qwen3_moe", "compiled"): dict(extra_env=IN_PROCESS),
+    ("deepseek_v2", "eager"): dict(extra_env=IN_PROCESS),  # MLA, a shared expert beside the routed ones
 }
 
 
