@@ -33,6 +33,7 @@ See docs/serving.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -126,6 +127,12 @@ def worker_topology(environ=os.environ, base=None):
     return base.restricted_to_cpus(cpus)
 
 
+@functools.lru_cache(maxsize=1)
+def _this_worker_topology():
+    """worker_topology() of this process, detected once for all its MoE layers."""
+    return worker_topology()
+
+
 def unsupported_reason(moe_config, weight_format: str = "bf16", group: int = 128) -> str | None:
     """Why numa-moe cannot compute this vLLM FusedMoEConfig's experts in
     ``weight_format``, or None."""
@@ -172,7 +179,7 @@ def _define_classes():
             fmt, group = weight_format_from_env()
             w13, w2 = layer.w13_weight, layer.w2_weight
             moe_layer = MoELayer.from_tensors(gate_up=w13.detach(), down=w2.detach(),
-                                              topology=worker_topology(), weight_format=fmt, group=group)
+                                              topology=_this_worker_topology(), weight_format=fmt, group=group)
             self.numa_moe_layer = moe_layer
             layer.numa_moe_layer = moe_layer  # for callers and tests: the layer's call counter
             if fmt == "bf16":
