@@ -204,6 +204,8 @@ class MoELayer:
         self._core.set_isa(self.isa)
         self._core.set_amx_min_tokens(int(amx_min_tokens))
         self.layer_id = next(_layer_ids)
+        self.forward_calls = 0  # forwards run, whichever front end called (eager, the op, numpy)
+        self._stacked = None
         _layers[self.layer_id] = self
 
     # ---- construction helpers -------------------------------------------------------
@@ -242,7 +244,9 @@ class MoELayer:
                 "down": tables_down.slice_rows(e * H, (e + 1) * H),
             })
         kwargs.setdefault("keep_alive", (gate_up, down))
-        return cls(experts, tables, **kwargs)
+        layer = cls(experts, tables, **kwargs)
+        layer._stacked = (gate_up, down)
+        return layer
 
     @classmethod
     def from_tensors(cls, gate_up=None, down=None, *, gate=None, up=None, topology=None, page: str = "4k",
@@ -427,8 +431,16 @@ class MoELayer:
             _check_thread_backend()
         with self._lock:
             self._core.forward(x_bits, ids, weights, out)
+            self.forward_calls += 1
 
     # ---- introspection ---------------------------------------------------------------
+
+    def stacked_weights(self):
+        """(gate_up [E, 2I, H], down [E, H, I]), the bf16 buffers the layer computes from
+        when it was built by from_stacked or from_tensors in bf16, else None. Writing new
+        values into them changes the layer's weights in place: the segment tables say
+        where the pages lie, not what they hold."""
+        return self._stacked
 
     def last_stats(self) -> dict:
         """Measurements of the last forward: wall_ns, node_bytes (weight bytes read per

@@ -84,6 +84,22 @@ class Topology:
     def virtual(cls, n_nodes: int, base: Topology | None = None) -> Topology:
         return _virtual(n_nodes, base if base is not None else cls.detect())
 
+    def restricted_to_cpus(self, cpus) -> Topology:
+        """This topology cut down to the nodes that hold some of ``cpus``, each with only
+        those CPUs: what a process bound to ``cpus`` by someone else (a serving engine's
+        worker) may use. Raises ValueError when no node holds any of them."""
+        wanted = {int(c) for c in cpus}
+        keep = [i for i, n in enumerate(self.nodes) if wanted & set(n.cpus)]
+        if not keep:
+            raise ValueError(f"none of CPUs {sorted(wanted)} belongs to a node of this topology "
+                             f"(nodes {list(self.node_ids)})")
+        nodes = tuple(replace(self.nodes[i], cpus=tuple(c for c in self.nodes[i].cpus if c in wanted),
+                              distances=tuple(self.nodes[i].distances[j] for j in keep)) for i in keep)
+        node_ids = {n.node_id for n in nodes}
+        return replace(self, nodes=nodes,
+                       allowed_cpus=tuple(sorted(c for n in nodes for c in n.cpus)),
+                       allowed_nodes=tuple(n for n in self.allowed_nodes if n in node_ids) or tuple(sorted(node_ids)))
+
     def warnings(self) -> tuple[str, ...]:
         """What a user placing weights must know about this machine."""
         out = []

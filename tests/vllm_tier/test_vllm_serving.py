@@ -1,0 +1,225 @@
+"""The vLLM tier: tiny generated Qwen3-MoE, Mixtral and DeepSeek-V2 models served by vLLM's CPU build
+with and without the numa-moe plugin (numa_moe.integrations.vllm). Runs in .venv-vllm
+(tools/run-vllm-tests.sh); each vLLM run is a child process (vLLM loads its plugins once
+per process). Most runs keep vLLM's engine and worker in the child process itself
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: 35 s less a run on 2 cores); the first plugin run uses
+vLLM's own worker process, with the OpenMP binding vLLM gives it."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+# (this folder is not named "vllm": on sys.path it would pass for the package)
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv: the vLLM tier runs in .venv-vllm "
+                                   "(bash tools/run-vllm-tests.sh)")
+
+from numa_moe import quant  # noqa: E402
+from numa_moe.integrations import vllm_check as vc  # noqa: E402
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+MAX_TOKENS = 8
+N_PROMPTS = 4
+SHAPE = vc.TinyShape()
+# Where both runs chose the same token, its logprob may differ by bf16 rounding of the
+# expert sums in another order (vLLM's grouped GEMM against numa-moe's kernels).
+LOGPROB_TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {family: vc.make_model(root / family, family, SHAPE, seed=11) for family in vc.FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def stock_run(models):
+    """stock_run(family, mode): stock vLLM's run of the prompts, made once per module."""
+    runs = {}
+
+    def run(family, mode):
+        if (family, mode) not in runs:
+            runs[family, mode] = vc.generate(models[family], vc.prompts(N_PROMPTS, vocab=SHAPE.vocab), plugin=False,
+                                             mode=mode, max_tokens=MAX_TOKENS, extra_env=IN_PROCESS)
+        return runs[family, mode]
+
+    return run
+
+
+def expert_weights(model_dir, prefix):
+    """float64 gate, up [E, I, H] and down [E, H, I] of the checkpoint's layer ``prefix``."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        def stack(name):
+            return np.stack([f.get_tensor(f"{prefix}.{e}.{name}.weight").double().numpy() for e in range(SHAPE.experts)])
+
+        return stack("gate_proj"), stack("up_proj"), stack("down_proj")
+
+
+def moe_reference(hidden, ids, weights, gates, ups, downs):
+    """y[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), float64."""
+    out = np.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for e, w in zip(ids[t], weights[t]):
+            g, u = gates[e] @ hidden[t], ups[e] @ hidden[t]
+            out[t] += w * (downs[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+def check_probe(probe, model_dir, weight_format, tolerance, group=128):
+    """The worker applied the layer's NumaMoEExperts to random tokens: its output against
+    float64 on the checkpoint's weights (dequantized from numa-moe's own quantization
+    for int8, whose activations are quantized too: hence its looser tolerance)."""
+    assert probe["ran"] == 1, "the probe's apply() did not run numa-moe's layer"
+    assert probe["weight_format"] == weight_format
+    gates, ups, downs = expert_weights(model_dir, probe["prefix"])
+    if weight_format != "bf16":
+        gates, ups, downs = (np.stack([quant.dequantize(quant.quantize(m.astype(ml_dtypes.bfloat16), weight_format, group))
+                                       .astype(np.float64) for m in mats]) for mats in (gates, ups, downs))
+    hidden = np.array(probe["hidden"])
+    expected = moe_reference(hidden, np.array(probe["ids"]), np.array(probe["weights"]), gates, ups, downs)
+    actual = np.array(probe["output"])
+    error = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert error < tolerance, f"{weight_format} experts in vLLM: relative error {error:.3g} against float64"
+
+
+# (family, mode): the plugin run's extra checks. The Qwen3-MoE eager run uses vLLM's own
+# worker process and probes a layer; the Mixtral one also zeroes and reloads the weights
+# afterwards (test_weight_reload_lands_in_numa_moe_buffers), so no run starts an engine
+# only for that.
+PLUGIN_RUNS = {
+    ("qwen3_moe", "eager"): dict(extra_env=None, probe_tokens=5),
+    ("mixtral", "eager"): dict(extra_env=IN_PROCESS, reload=True),
+    ("qwen3_moe", "compiled"): dict(extra_env=IN_PROCESS),
+    ("deepseek_v2", "eager"): dict(extra_env=IN_PROCESS),  # MLA, a shared expert beside the routed ones
+}
+
+
+@pytest.fixture(scope="module")
+def plugin_run(models):
+    runs = {}
+
+    def run(family, mode):
+        if (family, mode) not in runs:
+            runs[family, mode] = vc.generate(models[family], vc.prompts(N_PROMPTS, vocab=SHAPE.vocab), plugin=True,
+                                             mode=mode, max_tokens=MAX_TOKENS, **PLUGIN_RUNS[family, mode])
+        return runs[family, mode]
+
+    return run
+
+
+@pytest.mark.parametrize("family, mode", list(PLUGIN_RUNS))
+def test_greedy_tokens_equal_stock_vllm(models, stock_run, plugin_run, family, mode):
+    stock, ours = stock_run(family, mode), plugin_run(family, mode)
+
+    # whose kernels ran: vLLM's in the stock run (the plugin is installed; NUMA_MOE_VLLM=0,
+    # which generate(plugin=False) sets, switched it off), numa-moe's in every MoE layer of ours
+    assert [w["experts"] for w in stock.workers] == [["CPUUnquantizedExperts"]]
+    assert all(w["calls"] == [] for w in stock.workers)
+    assert [w["experts"] for w in ours.workers] == [["NumaMoEExperts"]]
+    calls = ours.workers[0]["calls"]
+    assert len(calls) == SHAPE.layers and min(calls) >= MAX_TOKENS, f"numa-moe layer calls: {calls}"
+
+    comparison = vc.compare(stock, ours)
+    assert comparison.equal or comparison.ties_only, (
+        f"greedy tokens differ away from a near-tie: matched {comparison.matched} of {comparison.total}, "
+        f"stock top-2 gaps there {comparison.gaps}\nstock {stock.tokens}\nours  {ours.tokens}")
+    assert sum(comparison.matched) >= N_PROMPTS * MAX_TOKENS // 2, f"too few tokens compared: {comparison.matched}"
+    assert vc.max_logprob_difference(stock, ours, comparison) < LOGPROB_TOLERANCE
+    if PLUGIN_RUNS[family, mode]["extra_env"] is None:
+        # vLLM bound its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND=auto leaves a
+        # CPU to the front end): the layer's pool is that CPU set, not the whole node
+        worker = ours.workers[0]
+        assert worker["openmp_bound_cpus"], "vLLM set no OpenMP binding for its worker"
+        assert worker["pool_threads"] == [len(worker["openmp_bound_cpus"])]
+    if ours.probe:
+        assert ours.probe[0]["shares_weights"], "vLLM's w13_weight is not numa-moe's buffer"
+        check_probe(ours.probe[0], models[family], "bf16", 1e-2)
+
+
+@pytest.mark.parametrize("weight_format", ["int8", "int4"])
+def test_quantized_experts_at_load(models, stock_run, weight_format):
+    """NUMA_MOE_VLLM_WEIGHT_FORMAT=int8|int4: the layer holds integer experts, vLLM's bf16
+    copies are released, the outputs follow float64 on the dequantized weights, and
+    generation starts with stock vLLM's first tokens where the stock run's choice was clear."""
+    prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
+    stock = stock_run("qwen3_moe", "eager")
+    # the tiny model's intermediate size is 64: groups of 32 columns per scale
+    ours = vc.generate(models["qwen3_moe"], prompt_list, plugin=True, mode="eager", max_tokens=MAX_TOKENS,
+                       extra_env={**IN_PROCESS, "NUMA_MOE_VLLM_WEIGHT_FORMAT": weight_format,
+                                  "NUMA_MOE_VLLM_GROUP": "32"},
+                       name=f"plugin-{weight_format}", probe_tokens=5)
+    probe = ours.probe[0]
+    assert probe["vllm_w13_bytes"] <= 2, "vLLM's bf16 expert weights were kept beside the int8 ones"
+    check_probe(probe, models["qwen3_moe"], weight_format, 3e-2, group=32)
+    if weight_format == "int8":  # int4's weight error moves the logits too far for this
+        for s_tokens, o_tokens, s_lps in zip(stock.tokens, ours.tokens, stock.logprobs):
+            if s_lps[0][0] - s_lps[0][1] > 0.2:
+                assert o_tokens[0] == s_tokens[0]
+
+
+def test_tensor_parallel_two_ranks(models, stock_run):
+    """TP = 2 (vLLM's simulated two-node binding, VLLM_CPU_SIM_MULTI_NUMA=1, one CPU per
+    rank here): each rank's layer holds half of every expert's intermediate rows and runs
+    on its own rank's CPU; vLLM all-reduces; the tokens are stock vLLM's at TP = 1."""
+    ours = vc.generate(models["qwen3_moe"], vc.prompts(N_PROMPTS, vocab=SHAPE.vocab), plugin=True, mode="eager",
+                       max_tokens=MAX_TOKENS, name="plugin-tp2", tensor_parallel_size=2,
+                       extra_env={"VLLM_CPU_SIM_MULTI_NUMA": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    assert len(ours.workers) == 2
+    ranks_cpus = [tuple(w["openmp_bound_cpus"]) for w in ours.workers]
+    assert len(set(ranks_cpus)) == 2, f"the ranks share CPUs: {ranks_cpus}"
+    for worker in ours.workers:
+        assert worker["experts"] == ["NumaMoEExperts"] and min(worker["calls"]) >= MAX_TOKENS
+        assert worker["layer_shapes"] == [[SHAPE.experts, SHAPE.intermediate // 2, SHAPE.hidden]]
+        assert worker["pool_threads"] == [len(worker["openmp_bound_cpus"])]
+    comparison = vc.compare(stock_run("qwen3_moe", "eager"), ours)
+    assert comparison.equal or comparison.ties_only, f"TP = 2 tokens {ours.tokens} (matched {comparison.matched})"
+
+
+def test_weight_reload_lands_in_numa_moe_buffers(stock_run, plugin_run):
+    """bf16: vLLM's w13/w2 parameters are numa-moe's buffers; zeroing them changes the
+    output, and vLLM's reload_weights brings the checkpoint's values back into them."""
+    ours = plugin_run("mixtral", "eager")
+    assert ours.extra["shared_before_reload"] == [SHAPE.layers]
+    assert ours.extra["tokens_zeroed"] != ours.tokens, "zeroing the experts changed nothing: not the buffers used"
+    assert ours.extra["tokens_after_reload"] == ours.tokens == stock_run("mixtral", "eager").tokens
+    assert ours.extra["shared_after_reload"] == [SHAPE.layers]
+
+
+def test_unsupported_layer_falls_back_with_one_log_line(models):
+    """float32 activations: numa-moe computes bf16 only, so vLLM's experts run and the
+    plugin says why, once."""
+    prompt_list = vc.prompts(2, vocab=SHAPE.vocab)
+    run = vc.generate(models["mixtral"], prompt_list, plugin=True, mode="eager", max_tokens=2,
+                      extra_env=IN_PROCESS, name="plugin-fp32", dtype="float32")
+    assert [w["experts"] for w in run.workers] == [["CPUUnquantizedExperts"]]
+    lines = [line for line in run.log.splitlines() if "numa-moe: vLLM's own experts run" in line]
+    assert len(lines) == 1 and "activation dtype torch.float32" in lines[0], run.log[-2000:]
+
+
+def test_unsupported_reasons_name_the_problem():
+    """The reasons the plugin logs when it leaves a layer to vLLM, on stand-ins of vLLM's
+    FusedMoEConfig with one property changed at a time."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from numa_moe.integrations.vllm import unsupported_reason
+
+    def config(**changes):
+        fields = dict(activation=MoEActivation.SILU, in_dtype=torch.bfloat16, has_bias=False, use_ep=False,
+                      swiglu_limit=None, swiglu_alpha=None, swiglu_beta=None, is_lora_enabled=False,
+                      hidden_dim=2048, intermediate_size_per_partition=768)
+        return SimpleNamespace(**{**fields, **changes})
+
+    assert unsupported_reason(config()) is None
+    assert unsupported_reason(config(), "int8", 128) is None
+    assert "activation gelu" in unsupported_reason(config(activation=MoEActivation.GELU))
+    assert "torch.float16" in unsupported_reason(config(in_dtype=torch.float16))
+    assert "bias" in unsupported_reason(config(has_bias=True))
+    assert "expert parallelism" in unsupported_reason(config(use_ep=True))
+    assert "SwiGLU" in unsupported_reason(config(swiglu_limit=7.0))
+    assert "LoRA" in unsupported_reason(config(is_lora_enabled=True))
+    assert "intermediate size 96 not a multiple of the int4 group 64" in unsupported_reason(
+        config(intermediate_size_per_partition=96), "int4", 64)
