@@ -196,6 +196,12 @@ def _define_classes():
             moe_layer = self.numa_moe_layer
             if apply_router_weight_on_input:  # vLLM's prepare() already scaled hidden_states
                 topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
+            else:
+                # A compiled graph runs on the batch padded to a captured size; the padding
+                # rows' router weights come from uninitialised hidden states and can be NaN
+                # (seen in CI: row 8 of a 8-token batch). Their outputs are discarded, and
+                # MoELayer refuses non-finite weights, so they become 0 here.
+                topk_weights = torch.nan_to_num(topk_weights, nan=0.0, posinf=0.0, neginf=0.0)
             hidden_states = hidden_states.contiguous()
             if torch.compiler.is_compiling():
                 # Dynamo traces this method (vLLM's CPU runner calls the experts inside the
