@@ -27,51 +27,43 @@ uint64_t stream_read_avx512(const void* data, size_t bytes) {
     return sum;
 }
 
+// `n` rounds of 24 independent `insn zmm30, zmm31, zmmI` (I = 0..23) on zero operands, in
+// assembly: with intrinsics gcc kept the 24 accumulators in memory. 24 chains hide the
+// instruction latency.
+#define NUMA_MOE_STEP(insn, i) insn " %%zmm30, %%zmm31, %%zmm" #i "\n\t"
+#define NUMA_MOE_REGISTER_LOOP(insn, n)                                                                              \
+    __asm__ volatile(                                                                                              \
+        "vpxord %%zmm30, %%zmm30, %%zmm30\n\t"                                                                     \
+        "vpxord %%zmm31, %%zmm31, %%zmm31\n\t"                                                                     \
+        "1:\n\t" NUMA_MOE_STEP(insn, 0) NUMA_MOE_STEP(insn, 1) NUMA_MOE_STEP(insn, 2) NUMA_MOE_STEP(insn, 3)     \
+        NUMA_MOE_STEP(insn, 4) NUMA_MOE_STEP(insn, 5) NUMA_MOE_STEP(insn, 6) NUMA_MOE_STEP(insn, 7)                \
+        NUMA_MOE_STEP(insn, 8) NUMA_MOE_STEP(insn, 9) NUMA_MOE_STEP(insn, 10) NUMA_MOE_STEP(insn, 11)              \
+        NUMA_MOE_STEP(insn, 12) NUMA_MOE_STEP(insn, 13) NUMA_MOE_STEP(insn, 14) NUMA_MOE_STEP(insn, 15)            \
+        NUMA_MOE_STEP(insn, 16) NUMA_MOE_STEP(insn, 17) NUMA_MOE_STEP(insn, 18) NUMA_MOE_STEP(insn, 19)            \
+        NUMA_MOE_STEP(insn, 20) NUMA_MOE_STEP(insn, 21) NUMA_MOE_STEP(insn, 22) NUMA_MOE_STEP(insn, 23)            \
+        "dec %0\n\t"                                                                                               \
+        "jnz 1b\n\t"                                                                                               \
+        : "+r"(n)                                                                                                  \
+        :                                                                                                          \
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",        \
+          "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22",       \
+          "xmm23", "xmm30", "xmm31", "cc")
+
 double vdpbf16ps_loop(int64_t iterations) {
-    // Written in assembly: with intrinsics gcc kept the 24 accumulators in memory.
-    // 24 independent chains hide the instruction latency; operands are zeros.
     if (iterations <= 0) return 0.0;
     int64_t n = iterations;
-#define NUMA_MOE_DP(i) "vdpbf16ps %%zmm30, %%zmm31, %%zmm" #i "\n\t"
-    __asm__ volatile(
-        "vpxord %%zmm30, %%zmm30, %%zmm30\n\t"
-        "vpxord %%zmm31, %%zmm31, %%zmm31\n\t"
-        "1:\n\t" NUMA_MOE_DP(0) NUMA_MOE_DP(1) NUMA_MOE_DP(2) NUMA_MOE_DP(3) NUMA_MOE_DP(4) NUMA_MOE_DP(5)
-        NUMA_MOE_DP(6) NUMA_MOE_DP(7) NUMA_MOE_DP(8) NUMA_MOE_DP(9) NUMA_MOE_DP(10) NUMA_MOE_DP(11) NUMA_MOE_DP(12)
-        NUMA_MOE_DP(13) NUMA_MOE_DP(14) NUMA_MOE_DP(15) NUMA_MOE_DP(16) NUMA_MOE_DP(17) NUMA_MOE_DP(18)
-        NUMA_MOE_DP(19) NUMA_MOE_DP(20) NUMA_MOE_DP(21) NUMA_MOE_DP(22) NUMA_MOE_DP(23)
-        "dec %0\n\t"
-        "jnz 1b\n\t"
-        : "+r"(n)
-        :
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm30",
-          "xmm31", "cc");
-#undef NUMA_MOE_DP
+    NUMA_MOE_REGISTER_LOOP("vdpbf16ps", n);
     return static_cast<double>(iterations) * 24.0 * 64.0;
 }
 
 double vpdpbusd_loop(int64_t iterations) {
-    // As vdpbf16ps_loop: assembly, 24 independent chains, zero operands.
     if (iterations <= 0) return 0.0;
     int64_t n = iterations;
-#define NUMA_MOE_DP(i) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #i "\n\t"
-    __asm__ volatile(
-        "vpxord %%zmm30, %%zmm30, %%zmm30\n\t"
-        "vpxord %%zmm31, %%zmm31, %%zmm31\n\t"
-        "1:\n\t" NUMA_MOE_DP(0) NUMA_MOE_DP(1) NUMA_MOE_DP(2) NUMA_MOE_DP(3) NUMA_MOE_DP(4) NUMA_MOE_DP(5)
-        NUMA_MOE_DP(6) NUMA_MOE_DP(7) NUMA_MOE_DP(8) NUMA_MOE_DP(9) NUMA_MOE_DP(10) NUMA_MOE_DP(11) NUMA_MOE_DP(12)
-        NUMA_MOE_DP(13) NUMA_MOE_DP(14) NUMA_MOE_DP(15) NUMA_MOE_DP(16) NUMA_MOE_DP(17) NUMA_MOE_DP(18)
-        NUMA_MOE_DP(19) NUMA_MOE_DP(20) NUMA_MOE_DP(21) NUMA_MOE_DP(22) NUMA_MOE_DP(23)
-        "dec %0\n\t"
-        "jnz 1b\n\t"
-        : "+r"(n)
-        :
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm30",
-          "xmm31", "cc");
-#undef NUMA_MOE_DP
+    NUMA_MOE_REGISTER_LOOP("vpdpbusd", n);
     return static_cast<double>(iterations) * 24.0 * 128.0;
 }
+
+#undef NUMA_MOE_REGISTER_LOOP
+#undef NUMA_MOE_STEP
 
 }  // namespace numa_moe::bench

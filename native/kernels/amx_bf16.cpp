@@ -25,21 +25,10 @@
 #include "kernels/bf16.hpp"
 #include "kernels/isa_tables.hpp"
 
+#include "kernels/amx_tiles.hpp"
 #ifdef NUMA_MOE_AMX_MODEL
-#include "kernels/amx_model.hpp"
-#define TILE_LOADCONFIG(cfg) ::numa_moe::amx_model::_tile_loadconfig(cfg)
-#define TILE_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_loadd(t, base, stride)
-#define TILE_STREAM_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_stream_loadd(t, base, stride)
-#define TILE_STORED(t, base, stride) ::numa_moe::amx_model::_tile_stored(t, base, stride)
-#define TILE_DPBF16PS(c, a, b) ::numa_moe::amx_model::_tile_dpbf16ps(c, a, b)
 #define AMX_NAMESPACE amx_model_build
 #else
-#include <immintrin.h>
-#define TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
-#define TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
-#define TILE_STREAM_LOADD(t, base, stride) _tile_stream_loadd(t, base, stride)
-#define TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
-#define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #define AMX_NAMESPACE amx_real_build
 #endif
 
@@ -47,14 +36,7 @@ namespace numa_moe::kernels {
 namespace AMX_NAMESPACE {
 namespace {
 
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+using amx_tiles::TileConfig;
 
 // Tile register numbers: macros, because gcc's intrinsics paste them into the assembly
 // text ("%%tmm" #n) and so need literal digits.

@@ -37,25 +37,13 @@
 #include "common/cpu_features.hpp"
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
 
+#include "kernels/amx_tiles.hpp"
 #ifdef NUMA_MOE_AMX_MODEL
-#include "kernels/amx_model.hpp"
-#define TILE_LOADCONFIG(cfg) ::numa_moe::amx_model::_tile_loadconfig(cfg)
-#define TILE_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_loadd(t, base, stride)
-#define TILE_STREAM_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_stream_loadd(t, base, stride)
-#define TILE_STORED(t, base, stride) ::numa_moe::amx_model::_tile_stored(t, base, stride)
-#define TILE_ZERO(t) ::numa_moe::amx_model::_tile_zero(t)
-#define TILE_DPBSSD(c, a, b) ::numa_moe::amx_model::_tile_dpbssd(c, a, b)
 #define AMX_NAMESPACE amx_quant_model_build
 #else
-#include <immintrin.h>
-#define TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
-#define TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
-#define TILE_STREAM_LOADD(t, base, stride) _tile_stream_loadd(t, base, stride)
-#define TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
-#define TILE_ZERO(t) _tile_zero(t)
-#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #define AMX_NAMESPACE amx_quant_real_build
 #endif
 
@@ -67,14 +55,7 @@ constexpr int64_t kBlock = 32;                             // columns per tdpbss
 constexpr int kQuadRows = static_cast<int>(kBlock / 4);  // B tile rows per block
 constexpr int kChunkGroups = 16;                           // groups per transposed scale table
 
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+using amx_tiles::TileConfig;
 
 // Tile register numbers: macros, because gcc's intrinsics paste them into the assembly
 // text ("%%tmm" #n) and so need literal digits.
@@ -489,22 +470,10 @@ const KernelOps& table() {
     return ops;
 }
 
-template <Format F>
-const KernelOps* table_for_group(int64_t group) {
-    switch (group) {
-        case 32: return &table<F, 32>();
-        case 64: return &table<F, 64>();
-        case 128: return &table<F, 128>();
-        default: return nullptr;
-    }
-}
-
 const KernelOps* integer_ops(Format format, int64_t group) {
-    switch (format) {
-        case Format::int8: return table_for_group<Format::int8>(group);
-        case Format::int4: return table_for_group<Format::int4>(group);
-        default: return nullptr;
-    }
+    return integer_table(format, group, [](auto f, auto g) -> const KernelOps& {
+        return table<decltype(f)::value, decltype(g)::value>();
+    });
 }
 
 }  // namespace

@@ -25,20 +25,10 @@
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
 
+#include "kernels/amx_tiles.hpp"
 #ifdef NUMA_MOE_AMX_MODEL
-#include "kernels/amx_model.hpp"
-#define TILE_LOADCONFIG(cfg) ::numa_moe::amx_model::_tile_loadconfig(cfg)
-#define TILE_LOADD(t, base, stride) ::numa_moe::amx_model::_tile_loadd(t, base, stride)
-#define TILE_STORED(t, base, stride) ::numa_moe::amx_model::_tile_stored(t, base, stride)
-#define TILE_ZERO(t) ::numa_moe::amx_model::_tile_zero(t)
-#define TILE_DPBF16PS(c, a, b) ::numa_moe::amx_model::_tile_dpbf16ps(c, a, b)
 #define ATTN_AMX_NAMESPACE attention_amx_model_build
 #else
-#define TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
-#define TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
-#define TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
-#define TILE_ZERO(t) _tile_zero(t)
-#define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #define ATTN_AMX_NAMESPACE attention_amx_real_build
 #endif
 
@@ -46,14 +36,7 @@ namespace numa_moe::kernels {
 namespace ATTN_AMX_NAMESPACE {
 namespace {
 
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+using amx_tiles::TileConfig;
 
 // Scratch layout (bytes): S^T [64][16] fp32, the K tail tile [16][d] bf16, P [16][64] bf16,
 // V pairs [4][16][32] bf16.

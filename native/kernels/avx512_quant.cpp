@@ -49,6 +49,7 @@
 
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
 
 namespace numa_moe::kernels {
@@ -674,24 +675,12 @@ const KernelOps& table() {
     return ops;
 }
 
-template <Format F>
-const KernelOps* table_for_group(int64_t group) {
-    switch (group) {
-        case 32: return &table<F, 32>();
-        case 64: return &table<F, 64>();
-        case 128: return &table<F, 128>();
-        default: return nullptr;
-    }
-}
-
 }  // namespace
 
 const KernelOps* avx512_integer_ops(Format format, int64_t group) {
-    switch (format) {
-        case Format::int8: return table_for_group<Format::int8>(group);
-        case Format::int4: return table_for_group<Format::int4>(group);
-        default: return nullptr;
-    }
+    return integer_table(format, group, [](auto f, auto g) -> const KernelOps& {
+        return table<decltype(f)::value, decltype(g)::value>();
+    });
 }
 
 }  // namespace numa_moe::kernels
