@@ -36,6 +36,17 @@ void check_segments(const Segment* segments, int64_t n_segments, int64_t rows, i
     }
 }
 
+void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
+    *j_lo = *j_hi = 0;
+    if (seg.nrows <= 0 || row_end <= row_begin) return;
+    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    int64_t lo = 0, hi = seg.nrows;
+    if (seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
+    if (seg.row0 + (hi - 1) * stride >= row_end) hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
+    *j_lo = lo;
+    *j_hi = hi > lo ? hi : lo;
+}
+
 void check_block_edges(const Segment* segments, int64_t n_segments, int64_t cols, int64_t block,
                        const std::string& what) {
     for (int64_t i = 0; i < n_segments; ++i) {

@@ -25,6 +25,10 @@ static_assert(sizeof(Segment) == 5 * sizeof(int64_t), "Segment must match the [n
 // "(row0=…, row_stride=…, nrows=…, k0=…, k1=…)", for error messages.
 std::string segment_text(const Segment& s);
 
+// The j range [*j_lo, *j_hi) of the segment's rows r = row0 + j * row_stride that lie in
+// [row_begin, row_end) (empty when none do). Pure; the kernels' one row-range rule.
+void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi);
+
 // Throws std::invalid_argument unless every segment lies inside a rows x cols matrix:
 // row_stride >= 1, nrows >= 0, all its rows in [0, rows), 0 <= k0 <= k1 <= cols. `what`
 // names the list in the message ("gate segments of node 1").

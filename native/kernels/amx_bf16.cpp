@@ -96,17 +96,6 @@ void add_single_column(const bf16* w, int64_t ldw, const Segment& seg, int64_t j
     }
 }
 
-void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
-    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-    int64_t lo = 0, hi = seg.nrows;
-    if (seg.nrows <= 0 || row_end <= row_begin) hi = 0;
-    if (hi > 0 && seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
-    if (hi > 0 && seg.row0 + (hi - 1) * stride >= row_end)
-        hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
-    *j_lo = lo;
-    *j_hi = hi > lo ? hi : lo;
-}
-
 // One block of up to 32 rows x 32 tokens over the pair range [p0, p1) in steps of
 // shape.pairs: C loaded from out, accumulated, stored back.
 void run_block(const BlockShape& shape, const bf16* w_block, int64_t w_stride_bytes, int64_t w_tile1_offset,

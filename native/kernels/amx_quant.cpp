@@ -254,18 +254,6 @@ inline void unpack_int4(const uint8_t* src, bool two_blocks, int8_t* dst) {
     _mm512_store_si512(dst, _mm512_sub_epi8(_mm512_xor_si512(nibbles, eight), eight));
 }
 
-// j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
-void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
-    *j_lo = *j_hi = 0;
-    if (seg.nrows <= 0 || row_end <= row_begin) return;
-    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-    int64_t lo = 0, hi = seg.nrows;
-    if (seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
-    if (seg.row0 + (hi - 1) * stride >= row_end) hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
-    *j_lo = lo;
-    *j_hi = hi > lo ? hi : lo;
-}
-
 // Where one block of up to 32 rows x 32 tokens of a segment reads and writes.
 struct Block {
     const uint8_t* w;           // weight row r, column 0

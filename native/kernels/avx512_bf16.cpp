@@ -51,20 +51,6 @@ int64_t k_block(int64_t span, int64_t m) {
     return ((span + blocks - 1) / blocks + 31) / 32 * 32;
 }
 
-// j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
-void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
-    if (seg.nrows <= 0 || row_end <= row_begin) {
-        *j_lo = *j_hi = 0;
-        return;
-    }
-    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-    int64_t lo = 0, hi = seg.nrows;
-    if (seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
-    if (seg.row0 + (hi - 1) * stride >= row_end) hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
-    *j_lo = lo;
-    *j_hi = hi > lo ? hi : lo;
-}
-
 // Calls fn(seg, j_lo, j_hi, stride) for every segment with rows in [row_begin, row_end) and
 // a non-empty column range.
 template <class Fn>

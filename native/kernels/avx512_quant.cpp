@@ -614,18 +614,6 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 // ---------------------------------------------------------------------------------------
 // Segments.
 
-// j range of segment rows r = row0 + j * stride inside [row_begin, row_end).
-void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi) {
-    *j_lo = *j_hi = 0;
-    if (seg.nrows <= 0 || row_end <= row_begin) return;
-    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-    int64_t lo = 0, hi = seg.nrows;
-    if (seg.row0 < row_begin) lo = (row_begin - seg.row0 + stride - 1) / stride;
-    if (seg.row0 + (hi - 1) * stride >= row_end) hi = row_end <= seg.row0 ? 0 : (row_end - seg.row0 + stride - 1) / stride;
-    *j_lo = lo;
-    *j_hi = hi > lo ? hi : lo;
-}
-
 // Few tokens: token blocks of 4 (4 rows x 4 tokens), the last one 1-3 tokens with more
 // rows; many: blocks of lane_rows(m) rows over every lane group. Each row block passes over all token
 // blocks before the next rows, so its weights stay in cache.
