@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from numa_moe import _native
-from numa_moe.kernels import ISA_ENV, _bf16_view, _is_bf16_dtype, _is_torch, as_index_array
+from numa_moe.kernels import ISA_ENV, _bf16_view, _is_bf16_dtype, _is_torch, _out_view, as_index_array
 
 __all__ = ["gqa_decode", "available_isas", "default_isa", "merge_states", "KVCache", "HEAD_DIMS"]
 
@@ -49,20 +49,6 @@ def merge_states(m, l, o) -> np.ndarray:
     cross-node merge uses). m, l: float32 ``[P]``; o: float32 ``[P, D]``."""
     return _native.merge_attention_states(np.ascontiguousarray(m, np.float32), np.ascontiguousarray(l, np.float32),
                                           np.ascontiguousarray(o, np.float32))
-
-
-def _out_view(out: Any) -> np.ndarray:
-    if _is_torch(out):
-        import torch
-
-        if out.dtype == torch.float32:
-            if not out.is_contiguous():
-                raise ValueError("out: tensor must be contiguous")
-            return out.detach().numpy()
-        return _bf16_view("out", out, 3)
-    if isinstance(out, np.ndarray) and out.dtype == np.float32:
-        return out
-    return _bf16_view("out", out, 3)
 
 
 def gqa_decode(q: Any, k_cache: Any, v_cache: Any, lengths: Any, *, scale: float | None = None, window: int = 0,
@@ -107,7 +93,7 @@ def gqa_decode(q: Any, k_cache: Any, v_cache: Any, lengths: Any, *, scale: float
     segments = None
     if node_segments is not None:
         segments = [as_index_array(f"node_segments[{n}]", s) for n, s in enumerate(node_segments)]
-    _native.gqa_decode(isa if isa is not None else default_isa(), q_u16, k_u16, v_u16, lengths_i64, _out_view(out),
+    _native.gqa_decode(isa if isa is not None else default_isa(), q_u16, k_u16, v_u16, lengths_i64, _out_view(out, 3),
                        float(scale), int(window), block_table=table, node_segments=segments, pool=pool,
                        threads=int(threads))
     return out

@@ -240,7 +240,7 @@ def _is_bf16_dtype(dtype: Any) -> bool:
     raise ValueError(f"out_dtype: {dtype}, expected float32 or bfloat16")
 
 
-def _out_view(out: Any) -> np.ndarray:
+def _out_view(out: Any, ndim: int = 2) -> np.ndarray:
     """The numpy view the native code writes into (float32 or uint16 bf16 bits)."""
     if _is_torch(out):
         import torch
@@ -249,10 +249,10 @@ def _out_view(out: Any) -> np.ndarray:
             if not out.is_contiguous():
                 raise ValueError("out: tensor must be contiguous")
             return out.detach().numpy()
-        return _bf16_view("out", out, 2)
+        return _bf16_view("out", out, ndim)
     if isinstance(out, np.ndarray) and out.dtype == np.float32:
         return out
-    return _bf16_view("out", out, 2)
+    return _bf16_view("out", out, ndim)
 
 
 def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *, isa: str | None = None,
