@@ -18,7 +18,15 @@ import time
 import ml_dtypes
 import numpy as np
 
-from numa_moe import _bench, kernels, quant
+from numa_moe import _bench, _native, kernels, quant
+
+try:
+    # As in an application: once torch is loaded the calls run on its OpenMP team. Without
+    # it they run on numa-moe's own threads, whose wake-ups cost about 40 us a 2-thread
+    # call on this VM: a third of a qwen3 int4 expert's time at one token.
+    import torch  # noqa: F401
+except ImportError:
+    pass
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}  # hidden, intermediate
@@ -109,7 +117,8 @@ def main() -> None:
         parser.error("--isa applies to --hot only")
     rng = np.random.default_rng(0)
     print(f"threads={args.threads} group={args.group} scales={args.scale_dtype} calls={calls} (median) "
-          f"int ISA={kernels.fastest_isa('int8')} bf16 ISA={kernels.default_isa()}")
+          f"int ISA={kernels.fastest_isa('int8')} bf16 ISA={kernels.default_isa()} "
+          f"workers={_native.thread_backend()}")
     print(f"{'shape':<15}{'fmt':<6}{'M':>4}{'MB/call':>9}{'copies':>7}{'us/call':>10}{'GB/s':>8}"
           f"{'read GB/s':>11}{'of read':>9}")
     for shape in args.shapes.split(","):
