@@ -38,17 +38,6 @@ namespace {
 
 using amx_tiles::TileConfig;
 
-// Tile register numbers: macros, because gcc's intrinsics paste them into the assembly
-// text ("%%tmm" #n) and so need literal digits.
-#define kC00 0
-#define kC01 1
-#define kC10 2
-#define kC11 3
-#define kA0 4
-#define kA1 5
-#define kB0 6
-#define kB1 7
-
 struct BlockShape {
     int rows0, rows1;  // weight rows in A0 / A1 (rows1 may be 0)
     int n0, n1;        // tokens in B0 / B1 (n1 may be 0)

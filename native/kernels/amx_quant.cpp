@@ -57,17 +57,6 @@ constexpr int kChunkGroups = 16;                           // groups per transpo
 
 using amx_tiles::TileConfig;
 
-// Tile register numbers: macros, because gcc's intrinsics paste them into the assembly
-// text ("%%tmm" #n) and so need literal digits.
-#define kC00 0
-#define kC01 1
-#define kC10 2
-#define kC11 3
-#define kA0 4
-#define kA1 5
-#define kB0 6
-#define kB1 7
-
 struct TileShape {
     int rows[2];    // weight rows in A0 / A1 (rows[1] may be 0)
     int tokens[2];  // tokens in B0 / B1 (tokens[1] may be 0)

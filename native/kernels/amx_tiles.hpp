@@ -26,6 +26,18 @@
 #define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #endif
 
+// The expert matmuls' tiles: a 2 x 2 block of C (tmm0..3), A in tmm4/5, B in tmm6/7.
+// Register numbers are macros because gcc's intrinsics paste them into the assembly text
+// ("%%tmm" #n) and so need literal digits.
+#define kC00 0
+#define kC01 1
+#define kC10 2
+#define kC11 3
+#define kA0 4
+#define kA1 5
+#define kB0 6
+#define kB1 7
+
 namespace numa_moe::kernels::amx_tiles {
 
 // The 64-byte operand of LDTILECFG (palette 1): rows and bytes per row of tmm0..7.

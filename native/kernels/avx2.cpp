@@ -73,20 +73,18 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
         const Segment& seg = segments[s];
         if (seg.k1 <= seg.k0) continue;
         const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-        int64_t j = 0;
-        while (j < seg.nrows) {
-            // Collect up to 2 rows of this segment that lie in [row_begin, row_end).
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        for (int64_t j0 = j_lo; j0 < j_hi; j0 += 2) {  // 2 rows at a time
             const bf16* w_rows[2];
             float* out_base[2];
             int rows = 0;
-            for (; j < seg.nrows && rows < 2; ++j) {
+            for (int64_t j = j0; j < j_hi && rows < 2; ++j) {
                 const int64_t r = seg.row0 + j * stride;
-                if (r < row_begin || r >= row_end) continue;
                 w_rows[rows] = w + r * ldw;
                 out_base[rows] = out + r * ldo;
                 ++rows;
             }
-            if (rows == 0) break;
             for (int64_t t0 = 0; t0 < m; t0 += 4) {
                 const int64_t nt = m - t0 < 4 ? m - t0 : 4;
                 float* out_rows[2] = {out_base[0] + t0, rows > 1 ? out_base[1] + t0 : nullptr};

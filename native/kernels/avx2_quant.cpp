@@ -301,18 +301,17 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
         const Segment& seg = segments[s];
         if (seg.k1 <= seg.k0) continue;
         const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-        int64_t j = 0;
-        while (j < seg.nrows) {
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {
             Rows rows;
-            for (; j < seg.nrows && rows.n < kBlockRows; ++j) {
+            for (int64_t j = j0; j < j_hi && rows.n < kBlockRows; ++j) {
                 const int64_t r = seg.row0 + j * stride;
-                if (r < row_begin || r >= row_end) continue;
                 rows.w[rows.n] = data + r * row_bytes;
                 rows.scales[rows.n] = static_cast<const uint8_t*>(w.scales) + r * w.scales_ld * scale_bytes;
                 rows.out[rows.n] = out + r * ldo;
                 ++rows.n;
             }
-            if (rows.n == 0) break;
             for (int64_t t0 = 0; t0 < m;) {
                 const int64_t nt = m - t0 < 4 ? m - t0 : 4;
                 const TokenBlock tokens{q + t0 * k, x_scales + t0 * (k / G), offsets ? offsets + t0 : nullptr, k, m_pad};
