@@ -253,6 +253,27 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
         np.testing.assert_array_equal(y, y_avx512)
 
 
+def test_an_expert_with_two_group_sizes_is_refused(rng):
+    """Tokens are quantized per group of the weights they meet, and the down projection's
+    tokens come out of gate/up's epilogue: one group for all three matrices."""
+    hidden, inter = 256, 128
+    gate, up = (random_qm(rng, inter, hidden, "int8", 32)[1] for _ in range(2))
+    down = random_qm(rng, hidden, inter, "int8", 64)[1]
+    x = rng.standard_normal((2, hidden)).astype(BF16)
+    out = np.full((2, hidden), np.nan, np.float32)
+    with pytest.raises(ValueError, match="one group for all three, got 32, 32 and 64"):
+        kernels.expert_ffn(x, gate, up, down, out=out)
+    assert np.all(np.isnan(out))
+    from numa_moe.segments import SegmentTable
+    from numa_moe.topology import Topology
+
+    topo = Topology.virtual(1)
+    tables = {kind: SegmentTable.theoretical(*m.shape, "int8", 4096, topo.node_ids)
+              for kind, m in zip(("gate", "up", "down"), (gate, up, down))}
+    with pytest.raises(ValueError, match="expert 0: gate, up and down must share one group, got 32, 32 and 64"):
+        MoELayer([(gate, up, down)], [tables], topology=topo)
+
+
 def test_integer_weights_get_clear_errors(rng):
     _, qm = random_qm(rng, 32, 128, "int8", 32)
     x = rng.standard_normal((2, 128)).astype(BF16).view(np.uint16)
