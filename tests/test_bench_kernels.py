@@ -69,6 +69,23 @@ def test_a_row_measures_against_the_fastest_read():
     assert row.fraction_of_read == pytest.approx(0.8) and not row.measurement_problem
 
 
+def test_the_roofline_is_the_slower_of_the_read_and_the_flops_at_the_peak():
+    # M = 1: the read decides; M = 256 at 500 GFLOP/s: 2 * 256 * 3 * 2048 * 768 flops take
+    # 4.83 ms against a 1 ms read, so the compute time decides
+    row = _row(1, [1.25, 1.25], [1.0, 1.2], 500.0)
+    assert row.fraction_of_roofline == pytest.approx(0.8)
+    flops = 2.0 * 256 * 3 * 2048 * 768
+    row = _row(256, [0.01, 0.01], [0.001], 500.0)
+    assert row.fraction_of_roofline == pytest.approx(flops / 500e9 / 0.01)
+    assert row.fraction_of_roofline == pytest.approx(row.fraction_of_peak)
+    line = kernel_bench.format_row(row)
+    assert f"{row.fraction_of_roofline:.2f}" in line.split()
+    assert "/roof" in kernel_bench._HEADER
+    # no peak loop: the memory time alone
+    row = _row(256, [0.01], [0.001], None)
+    assert row.fraction_of_roofline == pytest.approx(0.1)
+
+
 def test_a_fraction_above_one_is_marked_as_a_measurement_problem():
     row = _row(2, [1.0, 1.0, 1.0], [1.08, 1.1, 1.2], 500.0)
     assert row.fraction_of_read == pytest.approx(1.08) and row.measurement_problem

@@ -83,6 +83,11 @@ def test_bench_layer_row_flags_ours_above_the_read():
            "torch loop ms": 7.0, "ceiling_ms": 2.9, "ceiling_gbps": 26.0, "rel_error_vs_fp32": 2e-3}
     line = format_bench_row(row, 2)
     assert "measurement problem, not a result" in line and "116% of it" not in line
+    assert "roofline -" in line
+    row.update(compute_ms=2.0, roofline_ms=2.9)
+    assert "roofline   2.900 ms (memory), ours 1.16! of it" in format_bench_row(row, 2)
+    row.update(compute_ms=3.2, roofline_ms=3.2)
+    assert "(compute)" in format_bench_row(row, 2)
     row["ceiling_ms"] = 2.4
     assert "ours at 96% of the read" in format_bench_row(row, 2)
 
@@ -105,6 +110,14 @@ def test_bench_layer_small_shapes(monkeypatch):
         assert r["1 node ms"] > 0 and r["2 virtual nodes ms"] > 0 and r["torch loop ms"] > 0
         assert r["ceiling_ms"] > 0 and np.isfinite(r["ceiling_gbps"])
         assert r["measurement_problem"] == (r["ceiling_ms"] > r["1 node ms"])
+        # the roofline: the slower of the read and the routed flops at the in-run peak
+        (peak,) = [p for p in r["peaks_gflop_s"].values()]
+        if peak is None:
+            assert r["compute_ms"] is None and r["roofline_ms"] == pytest.approx(r["ceiling_ms"])
+        else:
+            assert r["compute_ms"] == pytest.approx(2 * 3 * 256 * 128 * 2 * r["tokens"] / (peak * 1e9) * 1e3)
+            assert r["roofline_ms"] == pytest.approx(max(r["ceiling_ms"], r["compute_ms"]))
+        assert r["of_roofline"] == pytest.approx(r["roofline_ms"] / r["1 node ms"])
 
 
 def test_bench_layer_cli_with_integer_formats(monkeypatch, tmp_path):

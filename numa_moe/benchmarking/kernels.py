@@ -68,6 +68,9 @@ class Row:
     fraction_of_read: float = 0.0
     gflop_s: float = 0.0
     fraction_of_peak: float | None = None  # None: no peak loop for this ISA
+    # roofline time / ours: roofline = max(bytes / in-run read ceiling, flops / in-run
+    # peak of the ISA that ran); without a peak loop the memory time alone
+    fraction_of_roofline: float = 0.0
     speedup_vs_torch: float | None = None
     # The issue's target metric for this M: read fraction (M <= 8), fraction of
     # max(memory time, compute time) (M = 16), fraction of peak (M >= 128); M = 32 has
@@ -371,6 +374,7 @@ def make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, t
     # without a peak loop the compute time is unknown: the memory time alone stands in
     compute_s = flops / (peak * 1e9) if peak else 0.0
     bound = max(read_best, compute_s) / ours_s
+    row.fraction_of_roofline = bound
     if m <= 8:
         row.target_metric, row.target_value = "read", row.fraction_of_read
         row.target = 0.90 if weight_format == "bf16" else 0.85
@@ -380,13 +384,13 @@ def make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, t
         row.target_metric, row.target_value, row.target = "peak", row.fraction_of_peak, 0.70
     else:
         row.target_metric, row.target_value, row.target = "max(mem,compute)", bound, 0.0
-    row.measurement_problem = any(is_measurement_problem(v)
-                                  for v in (row.fraction_of_read, row.fraction_of_peak, row.target_value))
+    row.measurement_problem = any(is_measurement_problem(v) for v in (row.fraction_of_read, row.fraction_of_peak,
+                                                                        row.fraction_of_roofline, row.target_value))
     return row
 
 
 _HEADER = (f"{'shape':<14} {'M':>4} {'ours ms':>9} {'GB/s':>6} {'/read':>6} {'GFLOP/s':>8} {'/peak':>6} "
-           f"{'read ms':>8} {'torch ms':>9} {'speedup':>8} {'target':>34}")
+           f"{'/roof':>6} {'read ms':>8} {'torch ms':>9} {'speedup':>8} {'target':>34}")
 
 
 def target_cell(row: Row) -> str:
@@ -404,7 +408,8 @@ def format_row(row: Row) -> str:
     torch_ms = f"{row.torch_ms:9.3f}" if row.torch_ms is not None else f"{'-':>9}"
     speedup = f"{row.speedup_vs_torch:7.2f}x" if row.speedup_vs_torch is not None else f"{'-':>8}"
     return (f"{row.shape:<14} {row.m:>4} {row.ours_ms:9.3f} {row.ours_gb_s:6.1f} {ratio_cell(row.fraction_of_read)} "
-            f"{row.gflop_s:8.1f} {ratio_cell(row.fraction_of_peak)} {row.read_ms:8.3f} {torch_ms} {speedup} "
+            f"{row.gflop_s:8.1f} {ratio_cell(row.fraction_of_peak)} "
+            f"{ratio_cell(row.fraction_of_roofline)} {row.read_ms:8.3f} {torch_ms} {speedup} "
             f"{target_cell(row):>34}")
 
 
@@ -414,7 +419,8 @@ def table_header(result: Result) -> list[str]:
     weights = result.weight_format + (f" (group {result.group})" if result.group else "")
     return [f"isa={result.isa} threads={result.threads} repeats={result.repeats} pages={result.page} "
             f"weights={weights} {peak} torch={result.torch_version}",
-            "ours ms: median call; read ms: fastest read of a same-size copy, interleaved (the ceiling)",
+            "ours ms: median call; read ms: fastest read of a same-size copy, interleaved (the ceiling); "
+            "/roof: max(read ms, flops / peak) over ours ms",
             _HEADER]
 
 

@@ -1,5 +1,6 @@
 """``numa-moe bench layer``: one MoE layer step, ours against the transformers-style torch
-loop and against the read ceiling of the weights that step touches, all in one run.
+loop and against its roofline, all in one run: max(the touched bytes over the read
+ceiling, the step's flops over the in-run peak of the ISA each expert runs with).
 
 The machine's memory bandwidth drifts (other tenants share it), so the ceiling is not a
 number taken once: every repetition runs the layer (1 node, then N virtual nodes), the
@@ -24,7 +25,7 @@ import time
 import numpy as np
 
 from numa_moe.benchmarking import native_loops
-from numa_moe.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, settle
+from numa_moe.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
 from numa_moe.moe import MoELayer
 from numa_moe.moe_run import random_routing, torch_moe_loop, touched_bytes
 
@@ -89,11 +90,13 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
         quantized = {fmt: MoELayer.from_tensors(gate_up, down, topology=one_node, tables="theoretical",
                                                 weight_format=fmt, group=group, isa=isa) for fmt in int_formats}
         gate_up_t, down_t = memory.as_torch(gate_up), memory.as_torch(down)
+        peaks = {}  # isa -> Yardstick of its peak on the layer's threads, measured when first used
         for n_tokens in tokens:
             times = {label: [] for label in layers}
             times["torch loop"] = []
             read_gbps = []
             touched = []
+            compute_s = []
             step_bytes = {fmt: [] for fmt in ("bf16", *quantized)}
             quantized_times = {fmt: [] for fmt in quantized}
             quantized_out = {}
@@ -114,6 +117,7 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
                     quantized_times[fmt].append(time.perf_counter() - start)
                     step_bytes[fmt].append(sum(layer.last_stats()["node_bytes"]))
                 active = np.unique(ids)
+                compute_s.append(_compute_seconds(layers["1 node"], ids, hidden, inter, peaks))
                 touched.append(touched_bytes(layers["1 node"], ids))
                 settle()
                 read_s = _stream_read_seconds([gate_up[e] for e in active] + [down[e] for e in active],
@@ -133,14 +137,20 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
                     format_errors = {fmt: _relative_error(out, ref64) for fmt, out in quantized_out.items()}
             ceiling = Yardstick.from_samples(read_gbps)
             touched_median = statistics.median(touched)
+            compute_ms = statistics.median(compute_s) * 1e3 if all(c is not None for c in compute_s) else None
+            memory_ms = touched_median / (ceiling.best * 1e9) * 1e3
+            roofline_ms = max(memory_ms, compute_ms or 0.0)
             row = {"model": name, "tokens": n_tokens, "experts": n_experts, "top_k": top_k, "hidden": hidden,
                    "intermediate": inter, "threads": threads, "repeats": repeats,
                    "ceiling_ms": touched_median / (ceiling.best * 1e9) * 1e3, "ceiling_gbps": ceiling.best,
                    "ceiling_spread": ceiling.spread, "ceiling_busy": ceiling.busy,
                    "ceiling_source": "native streaming read of the touched experts, each repetition; best rate",
-                   "rel_error_vs_fp32": error, "touched_mb": touched_median / 1e6}
+                   "rel_error_vs_fp32": error, "touched_mb": touched_median / 1e6,
+                   "compute_ms": compute_ms, "roofline_ms": roofline_ms,
+                   "peaks_gflop_s": {isa: (p.best if p else None) for isa, p in peaks.items()}}
             for label, samples in times.items():
                 row[f"{label} ms"] = statistics.median(samples) * 1e3
+            row["of_roofline"] = roofline_ms / row["1 node ms"]
             row["measurement_problem"] = row["ceiling_ms"] > row["1 node ms"]
             row["formats"] = {}
             for fmt, samples in step_bytes.items():
@@ -160,6 +170,27 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
                 echo(warning)
         del layers, quantized, gate_up, down, gate_up_t, down_t
     return rows
+
+
+def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dict) -> float | None:
+    """The step's compute floor: each active expert's flops (2 x 3 x H x I per routed token)
+    at the in-run peak of the ISA the layer runs it with (kernels.measure_peak_gflop_s on the
+    layer's threads, measured once per ISA and model, before the expert is timed). None when
+    one of those ISAs has no peak loop (ref, avx2, amx_model): the memory time alone is then
+    the roofline."""
+    from numa_moe.benchmarking.kernels import measure_peak_gflop_s
+
+    total = 0.0
+    for m in np.bincount(ids.reshape(-1)):
+        if m == 0:
+            continue
+        isa = layer.isa_for_tokens(int(m))
+        if isa not in peaks:
+            peaks[isa] = measure_peak_gflop_s(isa, layer.pool.n_threads)
+        if peaks[isa] is None:
+            return None
+        total += 2.0 * 3 * hidden * inter * int(m) / (peaks[isa].best * 1e9)
+    return total
 
 
 def _integer_formats(formats) -> list[str]:
@@ -191,4 +222,16 @@ def format_bench_row(row: dict, virtual_nodes: int) -> str:
             f"{virtual_nodes}-node virtual {multi:8.3f} ms ({multi / ours - 1:+.1%}) | torch loop "
             f"{row['torch loop ms']:8.3f} ms ({row['torch loop ms'] / ours:.2f}x) | read {row['ceiling_ms']:7.3f} ms "
             f"({row['ceiling_gbps']:.1f} GB/s; ours {percent_of(row['ceiling_ms'] / ours, 'the read')}) | "
-            f"err {row['rel_error_vs_fp32']:.1e}")
+            f"{_roofline_cell(row)} | err {row['rel_error_vs_fp32']:.1e}")
+
+
+def _roofline_cell(row: dict) -> str:
+    """'roofline 1.234 ms (compute), ours 0.81 of it': max(touched bytes / in-run read
+    ceiling, flops / in-run peak) over our 1-node step."""
+    roofline = row.get("roofline_ms")
+    if roofline is None:
+        return "roofline -"
+    compute = row.get("compute_ms")
+    which = "memory" if compute is None or compute <= row["ceiling_ms"] else "compute"
+    return (f"roofline {roofline:7.3f} ms ({which}{'' if compute is not None else ', no peak loop'}), "
+            f"ours {ratio_cell(roofline / row['1 node ms'], 0)} of it")
