@@ -58,11 +58,7 @@ void MoELayerCore::set_isa(bool forced, Isa isa) {
 }
 
 const KernelOps* MoELayerCore::isa_for_tokens(int64_t m, kernels::Format format, int64_t group) const {
-    if (m >= amx_min_tokens_)
-        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx, format, group)) return ops;
-    for (Isa isa : {Isa::avx512, Isa::avx2, Isa::ref})
-        if (const KernelOps* ops = kernels::kernel_ops(isa, format, group)) return ops;
-    throw std::logic_error("no kernels for weight format " + std::string(kernels::format_name(format)));
+    return kernels_for_tokens(m, format, group, amx_min_tokens_);
 }
 
 const KernelOps* MoELayerCore::ops_for(int64_t m, const MatrixPart& matrix) const {

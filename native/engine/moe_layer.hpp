@@ -58,9 +58,8 @@ public:
     // into several pool runs.
     void set_group_budget_bytes(int64_t bytes) { group_budget_bytes_ = bytes; }
 
-    // The kernels an expert with m tokens of a weight format runs with (not forced): AMX
-    // (real, when this CPU and OS allow it) from amx_min_tokens tokens, else AVX-512,
-    // else AVX2, else ref, the first that has kernels for the format.
+    // The kernels an expert with m tokens of a weight format runs with (not forced):
+    // kernels_for_tokens (pipeline.hpp) with this layer's amx_min_tokens.
     const KernelOps* isa_for_tokens(int64_t m, kernels::Format format = kernels::Format::bf16,
                                     int64_t group = kernels::kDefaultGroup) const;
 

@@ -19,6 +19,11 @@ constexpr int64_t kRowsPerCall = 1024;
 // Token bytes up to which the calling thread gathers a group alone, before the run.
 constexpr int64_t kCallerGatherBytes = 256 * 1024;
 
+// Token ranges handed to threads by a token split are multiples of this: the widest
+// token vector of the AVX-512 lanes and the AMX tiles, so no thread's block pads more than
+// one vector.
+constexpr int64_t kTokenAlign = 16;
+
 bool is_whole_matrix(const std::vector<Segment>& segments, int64_t rows, int64_t cols) {
     return segments.size() == 1 && segments[0].row0 == 0 && segments[0].row_stride == 1 &&
            segments[0].nrows == rows && segments[0].k0 == 0 && segments[0].k1 == cols;
@@ -95,6 +100,20 @@ void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants,
         n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], row_align(part));
 }
 
+const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens) {
+    using kernels::Isa;
+    if (m >= amx_min_tokens)
+        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx, format, group)) return ops;
+    for (Isa isa : {Isa::avx512, Isa::avx2, Isa::ref})
+        if (const KernelOps* ops = kernels::kernel_ops(isa, format, group)) return ops;
+    throw std::logic_error("no kernels for weight format " + std::string(kernels::format_name(format)));
+}
+
+int64_t token_split_block(int64_t m, int participants, bool fused) {
+    if (!fused || m < token_split_min_tokens(participants)) return 0;
+    return kTokenBlock;
+}
+
 Team::Team(WorkerPool* pool) : pool_(pool) {
     if (!pool_) {
         node_participants_ = {1};
@@ -135,6 +154,7 @@ private:
     struct Placed {
         size_t packed_x, packed_act;  // bytes into arena.packed
         size_t partials;              // floats into each node's partial arena
+        int64_t token_block = 0;      // > 0: split by tokens (token_split_block), blocks of at most this
     };
     struct Group {
         size_t begin, end;
@@ -148,6 +168,10 @@ private:
     void gather(const ExpertTask& task, const Placed& p) const;
     void matmul(const ExpertTask& task, const MatrixPart& mp, const void* tokens, int64_t k, float* part,
                 const ThreadInfo& ti) const;
+    void matmul_rows(const ExpertTask& task, const MatrixPart& mp, const std::vector<Segment>& segs, Range rows,
+                     const void* tokens, int64_t m, int64_t k, float* out, int64_t ldo) const;
+    void token_split(size_t a, const ThreadInfo& ti);
+    void token_block(size_t a, Range tokens, const ThreadInfo& ti);
     void gate_up(const Group& g, const ThreadInfo& ti);
     void silu(const Group& g, Range rows, size_t a) const;
     void down(const Group& g, const ThreadInfo& ti);
@@ -167,6 +191,14 @@ private:
     std::vector<Placed> placed_;
     std::vector<Group> groups_;
     std::vector<const float*> part_ptrs_;  // [task][gate, up, down][node]
+    size_t token_work_stride_ = 0;         // bytes of arena.token_work per participant
+
+    // A token block's own operands: packed x, packed activation, gate, up and down partials.
+    size_t token_work_bytes(const ExpertTask& t, int64_t block) const {
+        return round_up(t.ops->packed_bytes(block, shape_.hidden), kAlign) +
+               round_up(t.ops->packed_bytes(block, shape_.intermediate), kAlign) +
+               round_up(sizeof(float) * static_cast<size_t>(block * (2 * shape_.intermediate + shape_.hidden)), kAlign);
+    }
 };
 
 bool even_split(const ExpertParts& p) { return p.gate.even_split && p.up.even_split && p.down.even_split; }
@@ -207,6 +239,15 @@ void StepRun::plan() {
     }
     groups_.front().first = true;
     groups_.back().last = true;
+    size_t work_bytes = 0;
+    for (const Group& g : groups_)
+        for (size_t a = g.begin; a < g.end; ++a) {
+            const ExpertTask& t = tasks_[a];
+            placed_[a].token_block = token_split_block(t.m, team_.participants(), g.fused);
+            if (placed_[a].token_block > 0) work_bytes = std::max(work_bytes, token_work_bytes(t, placed_[a].token_block));
+        }
+    grow(arena_.token_work, arena_.token_work_capacity, work_bytes * team_.participants());
+    token_work_stride_ = work_bytes;
     grow_arena(packed_total, max_part_floats);
     part_ptrs_.resize(tasks_.size() * 3 * n_nodes_);
     for (size_t a = 0; a < tasks_.size(); ++a)
@@ -247,9 +288,71 @@ void StepRun::matmul(const ExpertTask& task, const MatrixPart& mp, const void* t
                                   std::min(rows.end, r + kRowsPerCall), tokens, task.m, k, part, task.m);
 }
 
+// Rows `rows` of one matrix over the segments `segs`: out zeroed for tokens [0, m), then
+// accumulated, in calls of at most kRowsPerCall rows.
+void StepRun::matmul_rows(const ExpertTask& task, const MatrixPart& mp, const std::vector<Segment>& segs, Range rows,
+                          const void* tokens, int64_t m, int64_t k, float* out, int64_t ldo) const {
+    if (rows.empty()) return;
+    for (int64_t r = rows.begin; r < rows.end; ++r) std::memset(out + r * ldo, 0, sizeof(float) * m);
+    for (int64_t r = rows.begin; r < rows.end && !team_.aborted(); r += kRowsPerCall)
+        task.ops->matmul_segments(mp.weights, segs.data(), static_cast<int64_t>(segs.size()), r,
+                                  std::min(rows.end, r + kRowsPerCall), tokens, m, k, out, ldo);
+}
+
+// An expert split by tokens (one node, fused group): this thread's share of its tokens, in
+// blocks of at most placed.token_block, each run through the whole FFN on this thread.
+void StepRun::token_split(size_t a, const ThreadInfo& ti) {
+    const ExpertTask& t = tasks_[a];
+    const Range mine = split_even(t.m, team_.participants(), kTokenAlign)[ti.global];
+    const int64_t n = mine.end - mine.begin;
+    if (n <= 0) return;
+    const int64_t block = placed_[a].token_block;
+    const std::vector<Range> blocks = split_even(n, static_cast<int>((n + block - 1) / block), kTokenAlign);
+    for (const Range& b : blocks) {
+        if (team_.aborted()) return;
+        if (!b.empty()) token_block(a, Range{mine.begin + b.begin, mine.begin + b.end}, ti);
+    }
+}
+
+// Tokens [tb.begin, tb.end) of expert a through gate/up, silu and down while their operands
+// are in this thread's caches: the weights stream once per block, the activation is
+// consumed by the down projection right after it is written. The down partial goes to the
+// step's arena (the epilogue combines it) or, for a stored output, straight to out.
+void StepRun::token_block(size_t a, Range tb, const ThreadInfo& ti) {
+    const ExpertTask& t = tasks_[a];
+    const int64_t H = shape_.hidden, I = shape_.intermediate, mb = tb.end - tb.begin;
+    uint8_t* work = static_cast<uint8_t*>(arena_.token_work.get()) + token_work_stride_ * ti.global;
+    uint8_t* px = work;
+    uint8_t* pact = px + round_up(t.ops->packed_bytes(mb, H), kAlign);
+    float* gate = reinterpret_cast<float*>(pact + round_up(t.ops->packed_bytes(mb, I), kAlign));
+    float* up = gate + I * mb;
+    float* down = up + I * mb;
+    t.ops->gather(shape_.x, shape_.ldx, t.x_rows + tb.begin, mb, H, px);
+    const ExpertParts& p = *t.parts;
+    matmul_rows(t, p.gate, p.gate.node_segments[0], Range{0, I}, px, mb, H, gate, mb);
+    matmul_rows(t, p.up, p.up.node_segments[0], Range{0, I}, px, mb, H, up, mb);
+    if (team_.aborted()) return;
+    const float* g = gate;
+    const float* u = up;
+    t.ops->silu_mul_pack(&g, &u, 1, mb, 0, I, mb, I, pact);
+    if (output_.store) {
+        matmul_rows(t, p.down, p.down.node_segments[0], Range{0, H}, pact, mb, I, down, mb);
+        const size_t element = output_.out_bf16 ? sizeof(bf16) : sizeof(float);
+        const float* d = down;
+        t.ops->store_down(&d, 1, mb, 0, H, mb, static_cast<uint8_t*>(output_.out) + tb.begin * H * element, H,
+                          output_.out_bf16);
+        return;
+    }
+    matmul_rows(t, p.down, p.down.node_segments[0], Range{0, H}, pact, mb, I, partial(0, a, 2) + tb.begin, t.m);
+}
+
 void StepRun::gate_up(const Group& g, const ThreadInfo& ti) {
     for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
         const ExpertTask& t = tasks_[a];
+        if (placed_[a].token_block > 0) {
+            token_split(a, ti);
+            continue;
+        }
         const uint8_t* tokens = packed() + placed_[a].packed_x;
         matmul(t, t.parts->gate, tokens, shape_.hidden, partial(ti.node, a, 0), ti);
         matmul(t, t.parts->up, tokens, shape_.hidden, partial(ti.node, a, 1), ti);
@@ -267,6 +370,7 @@ void StepRun::silu(const Group&, Range rows, size_t a) const {
 void StepRun::down(const Group& g, const ThreadInfo& ti) {
     for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
         const ExpertTask& t = tasks_[a];
+        if (placed_[a].token_block > 0) continue;  // done in the gate/up phase
         matmul(t, t.parts->down, packed() + placed_[a].packed_act, shape_.intermediate, partial(ti.node, a, 2), ti);
     }
     // Fused: the down rows of every expert of the group are the same even split.
@@ -278,6 +382,7 @@ void StepRun::epilogue(const Group& g, Range h) const {
     if (h.empty()) return;
     const int64_t H = shape_.hidden, T = shape_.n_tokens;
     if (output_.store) {
+        if (placed_[g.begin].token_block > 0) return;  // stored by its token blocks
         const ExpertTask& t = tasks_[g.begin];
         t.ops->store_down(partial_ptrs(g.begin, 2), n_nodes_, t.m, h.begin, h.end, t.m, output_.out, H,
                           output_.out_bf16);
@@ -306,11 +411,13 @@ bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going)
     // run, which saves a phase and its barrier; a large one (prefill) is spread.
     std::vector<PhaseKind> phases;
     int64_t gather_bytes = 0;
-    for (size_t a = g.begin; a < g.end; ++a) gather_bytes += tasks_[a].m * shape_.hidden * 2;
+    for (size_t a = g.begin; a < g.end; ++a)
+        if (placed_[a].token_block == 0) gather_bytes += tasks_[a].m * shape_.hidden * 2;
     if (gather_bytes > kCallerGatherBytes) {
         phases.push_back(kGather);
     } else {
-        for (size_t a = g.begin; a < g.end; ++a) gather(tasks_[a], placed_[a]);
+        for (size_t a = g.begin; a < g.end; ++a)
+            if (placed_[a].token_block == 0) gather(tasks_[a], placed_[a]);
     }
     phases.push_back(kGateUp);
     if (!g.fused) phases.push_back(kSilu);
@@ -322,7 +429,8 @@ bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going)
         const PhaseKind kind = phases[phase];
         switch (kind) {
             case kGather:
-                for (size_t a = g.begin + ti.global; a < g.end; a += participants) gather(tasks_[a], placed_[a]);
+                for (size_t a = g.begin + ti.global; a < g.end; a += participants)
+                    if (placed_[a].token_block == 0) gather(tasks_[a], placed_[a]);
                 break;
             case kGateUp: gate_up(g, ti); break;
             case kSilu:

@@ -100,6 +100,8 @@ struct ExpertTask {
 struct StepArena {
     AlignedBuffer packed;
     size_t packed_capacity = 0;
+    AlignedBuffer token_work;  // per participant: the operands of one token block
+    size_t token_work_capacity = 0;
     std::vector<AlignedBuffer> node_partials;
     std::vector<size_t> node_partials_capacity;
     AlignedBuffer y;
@@ -131,6 +133,26 @@ struct StepShape {
     // into several pool runs.
     int64_t group_budget_bytes = int64_t(256) << 20;
 };
+
+// The rule that picks, from an expert's real token count m, how it runs (docs/kernels.md,
+// "The per-expert rule"); the MoE layer and expert_ffn both go through it.
+//
+// Kernels (not forced by the caller): AMX (real, when this CPU and OS allow it) from
+// amx_min_tokens tokens, else AVX-512, else AVX2, else ref, the first with kernels for the
+// format (and group). Within the table, the token layout and k blocking follow from m
+// (KernelOps.token_layout, the kernel files).
+const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens);
+//
+// Blocking: up to token_split_min_tokens(participants) tokens, and whenever the expert's
+// group is not fused (several nodes, uneven row splits), its rows are split over the
+// threads and every thread multiplies all m tokens. From there on its tokens are split over
+// the threads (split_even, multiples of 16) and each thread runs gate/up, silu and down over
+// all rows for blocks of at most kTokenBlock of its tokens, so the weights stream once per
+// block while the block's operands stay in its caches. Returns the block, 0 for a row split.
+constexpr int64_t kTokenBlock = 256;
+constexpr int64_t kTokenSplitPerThread = 256;
+inline int64_t token_split_min_tokens(int participants) { return kTokenSplitPerThread * participants; }
+int64_t token_split_block(int64_t m, int participants, bool fused);
 
 // Runs the pipeline over `tasks` (ascending expert order for a deterministic sum).
 // Returns false when keep_going aborted it (out is then unspecified).

@@ -8,6 +8,9 @@
 //            m >= 3: token lanes {2P, T}: column blocks of 2P columns, each holding every
 //            token's 2P columns in turn, tokens padded with zeros to a multiple of T = 16 / P
 //   partials out[r * ldo + t] fp32, accumulated (+=)
+// Above kLaneTokenBlock tokens the token-lane kernels take the token vectors in blocks
+// (whole passes over the weights each); the layer's pipeline hands large experts over in
+// such blocks already (engine/pipeline.hpp, token_split_block).
 //
 // Two formulations of out += W x^T, both vdpbf16ps (32 bf16 products into 16 fp32 lanes):
 //   dot product (1-2 tokens): a zmm holds 32 columns of one weight row or one token; a block
@@ -39,6 +42,11 @@ constexpr int64_t kLaneMinTokens = 3;
 constexpr int64_t kLaneUnblockedTokens = 32;
 constexpr int64_t kTokenBlockBytes = 512 * 1024;
 constexpr int64_t kKBlockMax = 2048;
+// Above this many tokens the token-lane kernels take the tokens in blocks of about this
+// many, each a whole pass over the weights: the k block of all m tokens would otherwise
+// shrink until each row block's partials are read and written back per few hundred
+// columns, from beyond L2 (docs/kernels.md, "Token blocking").
+constexpr int64_t kLaneTokenBlock = 256;
 
 // k block length: the whole span up to kLaneUnblockedTokens tokens; otherwise equal blocks
 // of at most kKBlockMax columns (multiples of 32), fewer still when the m x k token slice
@@ -369,13 +377,15 @@ int64_t lane_block_rows(int64_t rows_left, int64_t group_block) {
 
 // Columns of [c0, c1) outside whole 2P-column blocks (segment edges off the block grid):
 // added in scalar code, so that no column outside the segment is ever read.
+// Tokens [t0, t1); out points at token t0's column.
 void lane_edge_columns(const bf16* w, int64_t w_step, int64_t rows, const bf16* tokens, TokenLayout layout,
-                       int64_t m, int64_t k, int64_t c0, int64_t c1, float* out, int64_t out_step) {
+                       int64_t m, int64_t k, int64_t t0, int64_t t1, int64_t c0, int64_t c1, float* out,
+                       int64_t out_step) {
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = c0; c < c1; ++c) {
             const float wv = bf16_to_float(w[r * w_step + c]);
-            for (int64_t t = 0; t < m; ++t)
-                out[r * out_step + t] += wv * bf16_to_float(tokens[packed_index(layout, m, k, t, c)]);
+            for (int64_t t = t0; t < t1; ++t)
+                out[r * out_step + t - t0] += wv * bf16_to_float(tokens[packed_index(layout, m, k, t, c)]);
         }
 }
 
@@ -385,49 +395,61 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
     constexpr int64_t T = 16 / P, B = 2 * P;
     const TokenLayout layout{B, T};
     const int64_t m_pad = padded_tokens(layout, m);
-    const int64_t groups = m_pad / T;
-    const int64_t group_block = groups < kLaneMaxGroups ? groups : kLaneMaxGroups;
-    const int64_t n_group_blocks = (groups + group_block - 1) / group_block;
-    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
-                                                                      int64_t stride) {
-        const int64_t w_step = stride * ldw, out_step = stride * ldo;
-        const int64_t kc = k_block(seg.k1 - seg.k0, m);
-        for (int64_t kb = seg.k0; kb < seg.k1; kb += kc) {
-            const int64_t ke = std::min(kb + kc, seg.k1);
-            const int64_t q0 = (kb + B - 1) / B, q1 = ke / B;  // whole column blocks
-            for (int64_t j = j_lo; j < j_hi;) {
-                const int64_t rows = lane_block_rows(j_hi - j, group_block);
-                if (j == j_lo && kb == seg.k0 && j + rows < j_hi)
-                    prefetch_second_block(w + (seg.row0 + (j + rows) * stride) * ldw, w_step,
-                                          std::min(rows, j_hi - j - rows), kb, ke);
-                const PrefetchTarget next = prefetch_target(j, rows, 2, j_lo, j_hi, kb, ke, kc, seg.k1);
-                const PrefetchTarget near = prefetch_target(j, rows, 1, j_lo, j_hi, kb, ke, kc, seg.k1);
-                const bf16* w_block = w + (seg.row0 + j * stride) * ldw;
-                const bf16* w_next = w + (seg.row0 + next.j * stride) * ldw;
-                const bf16* w_near = w + (seg.row0 + near.j * stride) * ldw + near.k0 - next.k0;
-                float* out_block = out + (seg.row0 + j * stride) * ldo;
-                const int64_t lines = std::max<int64_t>(1, (q1 - q0) * B / 32);
-                const int64_t pf_len = next.k1 - next.k0;
-                for (int64_t gb = 0; q1 > q0 && gb < n_group_blocks; ++gb) {
-                    const int64_t g0 = gb * group_block;
-                    const int64_t ng = std::min(group_block, groups - g0);
-                    // Group block gb prefetches its share of the next block's columns.
-                    const int64_t share_begin = next.k0 + pf_len * gb / n_group_blocks;
-                    const int64_t share_len = next.k0 + pf_len * (gb + 1) / n_group_blocks - share_begin;
-                    const Block block{w_block, w_step, w_next + share_begin, w_near + share_begin,
-                                      (share_len << 16) / lines, out_block + g0 * T, out_step};
-                    lane_micro_for<P>(rows, ng)(block, LaneTokens{tokens + g0 * 32, B * m_pad, m - g0 * T}, q0, q1);
+    const int64_t all_groups = m_pad / T;
+    // Token blocks: equal numbers of token vectors, at most about kLaneTokenBlock tokens.
+    const int64_t n_token_blocks = (m_pad + kLaneTokenBlock - 1) / kLaneTokenBlock;
+    const int64_t block_groups = (all_groups + n_token_blocks - 1) / n_token_blocks;
+    for (int64_t tg0 = 0; tg0 < all_groups; tg0 += block_groups) {
+        const int64_t groups = std::min(block_groups, all_groups - tg0);
+        const int64_t block_m = std::min(m - tg0 * T, groups * T);
+        const bf16* block_tokens = tokens + tg0 * 32;
+        float* block_out = out + tg0 * T;
+        const int64_t group_block = groups < kLaneMaxGroups ? groups : kLaneMaxGroups;
+        const int64_t n_group_blocks = (groups + group_block - 1) / group_block;
+        for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                          int64_t stride) {
+            const int64_t w_step = stride * ldw, out_step = stride * ldo;
+            const int64_t kc = k_block(seg.k1 - seg.k0, block_m);
+            for (int64_t kb = seg.k0; kb < seg.k1; kb += kc) {
+                const int64_t ke = std::min(kb + kc, seg.k1);
+                const int64_t q0 = (kb + B - 1) / B, q1 = ke / B;  // whole column blocks
+                for (int64_t j = j_lo; j < j_hi;) {
+                    const int64_t rows = lane_block_rows(j_hi - j, group_block);
+                    if (j == j_lo && kb == seg.k0 && j + rows < j_hi)
+                        prefetch_second_block(w + (seg.row0 + (j + rows) * stride) * ldw, w_step,
+                                              std::min(rows, j_hi - j - rows), kb, ke);
+                    const PrefetchTarget next = prefetch_target(j, rows, 2, j_lo, j_hi, kb, ke, kc, seg.k1);
+                    const PrefetchTarget near = prefetch_target(j, rows, 1, j_lo, j_hi, kb, ke, kc, seg.k1);
+                    const bf16* w_block = w + (seg.row0 + j * stride) * ldw;
+                    const bf16* w_next = w + (seg.row0 + next.j * stride) * ldw;
+                    const bf16* w_near = w + (seg.row0 + near.j * stride) * ldw + near.k0 - next.k0;
+                    float* out_block = block_out + (seg.row0 + j * stride) * ldo;
+                    const int64_t lines = std::max<int64_t>(1, (q1 - q0) * B / 32);
+                    const int64_t pf_len = next.k1 - next.k0;
+                    for (int64_t gb = 0; q1 > q0 && gb < n_group_blocks; ++gb) {
+                        const int64_t g0 = gb * group_block;
+                        const int64_t ng = std::min(group_block, groups - g0);
+                        // Group block gb prefetches its share of the next block's columns.
+                        const int64_t share_begin = next.k0 + pf_len * gb / n_group_blocks;
+                        const int64_t share_len = next.k0 + pf_len * (gb + 1) / n_group_blocks - share_begin;
+                        const Block block{w_block, w_step, w_next + share_begin, w_near + share_begin,
+                                          (share_len << 16) / lines, out_block + g0 * T, out_step};
+                        const LaneTokens x_block{block_tokens + g0 * 32, B * m_pad, block_m - g0 * T};
+                        lane_micro_for<P>(rows, ng)(block, x_block, q0, q1);
+                    }
+                    // Columns outside whole blocks (segment edges off the 2P grid).
+                    const int64_t head_end = std::min(ke, q0 * B), tail_begin = std::max(kb, q1 * B);
+                    if (kb < head_end)
+                        lane_edge_columns(w_block, w_step, rows, tokens, layout, m, k, tg0 * T, tg0 * T + block_m, kb,
+                                          head_end, out_block, out_step);
+                    if (q1 >= q0 && tail_begin < ke)
+                        lane_edge_columns(w_block, w_step, rows, tokens, layout, m, k, tg0 * T, tg0 * T + block_m,
+                                          tail_begin, ke, out_block, out_step);
+                    j += rows;
                 }
-                // Columns outside whole blocks (segment edges off the 2P grid).
-                const int64_t head_end = std::min(ke, q0 * B), tail_begin = std::max(kb, q1 * B);
-                if (kb < head_end)
-                    lane_edge_columns(w_block, w_step, rows, tokens, layout, m, k, kb, head_end, out_block, out_step);
-                if (q1 >= q0 && tail_begin < ke)
-                    lane_edge_columns(w_block, w_step, rows, tokens, layout, m, k, tail_begin, ke, out_block, out_step);
-                j += rows;
             }
-        }
-    });
+        });
+    }
 }
 
 // 8 x 8 transpose of 64-bit elements: r[j] <- element j of every r[i].
