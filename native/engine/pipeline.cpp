@@ -114,6 +114,10 @@ int64_t token_split_block(int64_t m, int participants, bool fused) {
     return kTokenBlock;
 }
 
+std::vector<Range> token_blocks(int64_t m, int64_t block) {
+    return split_even(m, static_cast<int>((m + block - 1) / block), kTokenAlign);
+}
+
 Team::Team(WorkerPool* pool) : pool_(pool) {
     if (!pool_) {
         node_participants_ = {1};
@@ -160,6 +164,12 @@ private:
         size_t begin, end;
         bool fused;  // silu and the epilogue run on each thread's own matmul rows
         bool first, last;
+        size_t items_begin = 0;          // the token blocks of its token-split experts in items_
+        std::vector<Range> item_split;   // per participant, items relative to items_begin
+    };
+    struct TokenItem {
+        size_t task;
+        Range tokens;
     };
 
     void plan();
@@ -170,7 +180,6 @@ private:
                 const ThreadInfo& ti) const;
     void matmul_rows(const ExpertTask& task, const MatrixPart& mp, const std::vector<Segment>& segs, Range rows,
                      const void* tokens, int64_t m, int64_t k, float* out, int64_t ldo) const;
-    void token_split(size_t a, const ThreadInfo& ti);
     void token_block(size_t a, Range tokens, const ThreadInfo& ti);
     void gate_up(const Group& g, const ThreadInfo& ti);
     void silu(const Group& g, Range rows, size_t a) const;
@@ -191,6 +200,7 @@ private:
     std::vector<Placed> placed_;
     std::vector<Group> groups_;
     std::vector<const float*> part_ptrs_;  // [task][gate, up, down][node]
+    std::vector<TokenItem> items_;
     size_t token_work_stride_ = 0;         // bytes of arena.token_work per participant
 
     // A token block's own operands: packed x, packed activation, gate, up and down partials.
@@ -217,7 +227,7 @@ void StepRun::plan() {
         packed_total += round_up(t.ops->packed_bytes(t.m, I), kAlign);
         const size_t need = round_up(static_cast<size_t>(t.m * (2 * I + H)), kAlign / sizeof(float));
         if (part_floats > 0 && part_floats + need > budget_floats) {
-            groups_.push_back(Group{group_begin, a, false, false, false});
+            groups_.push_back(Group{group_begin, a, false, false, false, 0, {}});
             group_begin = a;
             part_floats = 0;
         }
@@ -225,7 +235,7 @@ void StepRun::plan() {
         part_floats += need;
         max_part_floats = std::max(max_part_floats, part_floats);
     }
-    groups_.push_back(Group{group_begin, tasks_.size(), false, false, false});
+    groups_.push_back(Group{group_begin, tasks_.size(), false, false, false, 0, {}});
     // Fused phases run each thread's own rows: every expert of the group must split its
     // rows alike (the same even split; formats with other alignments differ).
     for (Group& g : groups_) {
@@ -239,13 +249,25 @@ void StepRun::plan() {
     }
     groups_.front().first = true;
     groups_.back().last = true;
+    // Token-split experts: their blocks are fixed by m alone (so a token's sums do not depend
+    // on the thread count), and the blocks of all such experts of a group are dealt to the
+    // threads by tokens.
     size_t work_bytes = 0;
-    for (const Group& g : groups_)
+    for (Group& g : groups_) {
+        g.items_begin = items_.size();
+        std::vector<int64_t> cost;
         for (size_t a = g.begin; a < g.end; ++a) {
             const ExpertTask& t = tasks_[a];
             placed_[a].token_block = token_split_block(t.m, team_.participants(), g.fused);
-            if (placed_[a].token_block > 0) work_bytes = std::max(work_bytes, token_work_bytes(t, placed_[a].token_block));
+            if (placed_[a].token_block == 0) continue;
+            for (const Range& b : token_blocks(t.m, placed_[a].token_block)) {
+                items_.push_back(TokenItem{a, b});
+                cost.push_back(b.end - b.begin);
+                work_bytes = std::max(work_bytes, token_work_bytes(t, b.end - b.begin));
+            }
         }
+        g.item_split = split_by_cost(cost, team_.participants(), 1);
+    }
     grow(arena_.token_work, arena_.token_work_capacity, work_bytes * team_.participants());
     token_work_stride_ = work_bytes;
     grow_arena(packed_total, max_part_floats);
@@ -299,21 +321,6 @@ void StepRun::matmul_rows(const ExpertTask& task, const MatrixPart& mp, const st
                                   std::min(rows.end, r + kRowsPerCall), tokens, m, k, out, ldo);
 }
 
-// An expert split by tokens (one node, fused group): this thread's share of its tokens, in
-// blocks of at most placed.token_block, each run through the whole FFN on this thread.
-void StepRun::token_split(size_t a, const ThreadInfo& ti) {
-    const ExpertTask& t = tasks_[a];
-    const Range mine = split_even(t.m, team_.participants(), kTokenAlign)[ti.global];
-    const int64_t n = mine.end - mine.begin;
-    if (n <= 0) return;
-    const int64_t block = placed_[a].token_block;
-    const std::vector<Range> blocks = split_even(n, static_cast<int>((n + block - 1) / block), kTokenAlign);
-    for (const Range& b : blocks) {
-        if (team_.aborted()) return;
-        if (!b.empty()) token_block(a, Range{mine.begin + b.begin, mine.begin + b.end}, ti);
-    }
-}
-
 // Tokens [tb.begin, tb.end) of expert a through gate/up, silu and down while their operands
 // are in this thread's caches: the weights stream once per block, the activation is
 // consumed by the down projection right after it is written. The down partial goes to the
@@ -347,12 +354,14 @@ void StepRun::token_block(size_t a, Range tb, const ThreadInfo& ti) {
 }
 
 void StepRun::gate_up(const Group& g, const ThreadInfo& ti) {
+    const Range mine = g.item_split[ti.global];
+    for (int64_t i = mine.begin; i < mine.end && !team_.aborted(); ++i) {
+        const TokenItem& item = items_[g.items_begin + i];
+        if (!item.tokens.empty()) token_block(item.task, item.tokens, ti);
+    }
     for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
         const ExpertTask& t = tasks_[a];
-        if (placed_[a].token_block > 0) {
-            token_split(a, ti);
-            continue;
-        }
+        if (placed_[a].token_block > 0) continue;
         const uint8_t* tokens = packed() + placed_[a].packed_x;
         matmul(t, t.parts->gate, tokens, shape_.hidden, partial(ti.node, a, 0), ti);
         matmul(t, t.parts->up, tokens, shape_.hidden, partial(ti.node, a, 1), ti);

@@ -143,16 +143,22 @@ struct StepShape {
 // (KernelOps.token_layout, the kernel files).
 const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens);
 //
-// Blocking: up to token_split_min_tokens(participants) tokens, and whenever the expert's
+// Blocking: below token_split_min_tokens(participants) tokens, and whenever the expert's
 // group is not fused (several nodes, uneven row splits), its rows are split over the
-// threads and every thread multiplies all m tokens. From there on its tokens are split over
-// the threads (split_even, multiples of 16) and each thread runs gate/up, silu and down over
-// all rows for blocks of at most kTokenBlock of its tokens, so the weights stream once per
-// block while the block's operands stay in its caches. Returns the block, 0 for a row split.
-constexpr int64_t kTokenBlock = 256;
-constexpr int64_t kTokenSplitPerThread = 256;
-inline int64_t token_split_min_tokens(int participants) { return kTokenSplitPerThread * participants; }
+// threads and every thread multiplies all m tokens. From there on its tokens are cut into
+// token_blocks(m, kTokenBlock), the blocks of all such experts of a step are dealt to the
+// threads by tokens, and a thread runs gate/up, silu and down over all rows for one block at
+// a time, so the weights stream once per block while the block's operands stay in its
+// caches. The blocks depend on m alone, so results do not depend on the thread count.
+// Returns the block, 0 for a row split.
+constexpr int64_t kTokenBlock = 128;
+constexpr int64_t kTokenSplitBlocksPerThread = 4;
+inline int64_t token_split_min_tokens(int participants) {
+    return kTokenBlock * kTokenSplitBlocksPerThread * participants;
+}
 int64_t token_split_block(int64_t m, int participants, bool fused);
+// ceil(m / block) consecutive token ranges, multiples of 16 except the last.
+std::vector<Range> token_blocks(int64_t m, int64_t block);
 
 // Runs the pipeline over `tasks` (ascending expert order for a deterministic sum).
 // Returns false when keep_going aborted it (out is then unspecified).
