@@ -152,7 +152,7 @@ const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t g
 // caches. The blocks depend on m alone, so results do not depend on the thread count.
 // Returns the block, 0 for a row split.
 constexpr int64_t kTokenBlock = 128;
-constexpr int64_t kTokenSplitBlocksPerThread = 4;
+constexpr int64_t kTokenSplitBlocksPerThread = 2;
 inline int64_t token_split_min_tokens(int participants) {
     return kTokenBlock * kTokenSplitBlocksPerThread * participants;
 }
