@@ -86,6 +86,23 @@ def test_the_roofline_is_the_slower_of_the_read_and_the_flops_at_the_peak():
     assert row.fraction_of_roofline == pytest.approx(0.1)
 
 
+def test_rows_rescored_against_a_higher_peak():
+    row = _row(256, [0.01, 0.01], [0.001], 500.0)
+    again = kernel_bench.rescore(row, 1000.0)
+    assert again.fraction_of_peak == pytest.approx(row.fraction_of_peak / 2)
+    assert again.fraction_of_roofline == pytest.approx(row.fraction_of_roofline / 2)
+    assert again.target_value == again.fraction_of_peak and row.fraction_of_peak == pytest.approx(row.target_value)
+    # memory-bound: a higher peak leaves the roofline at the read
+    row = _row(16, [1.25], [1.0], 500.0)
+    assert kernel_bench.rescore(row, 1000.0).fraction_of_roofline == pytest.approx(0.8)
+    result = kernel_bench.Result(isa="avx512", threads=2, repeats=1, page="2m", min_seconds=0.0, peak_gflop_s=500.0,
+                                 l3_bytes=1, rows=[row], peak_end_gflop_s=1000.0,
+                                 rescored_rows=[kernel_bench.rescore(row, 1000.0)])
+    table = kernel_bench.format_table(result)
+    assert "against the best peak of the run, the end one (1000 GFLOP/s, start 500)" in table
+    assert "  qwen3-30b-a3b M=16: /peak 0.00 /roof 0.80 max(mem,compute) 0.80>=0.80" in table.splitlines()
+
+
 def test_a_fraction_above_one_is_marked_as_a_measurement_problem():
     row = _row(2, [1.0, 1.0, 1.0], [1.08, 1.1, 1.2], 500.0)
     assert row.fraction_of_read == pytest.approx(1.08) and row.measurement_problem
