@@ -40,7 +40,7 @@ def test_the_blocking_rule():
         assert _native.token_split_block(first - 1, threads, True) == 0
         assert _native.token_split_block(first, threads, True) == block
         assert _native.token_split_block(first + 1, threads, True) == block
-        # several nodes or uneven row splits: rows are split whatever m is
+        # several nodes: rows are split whatever m is
         assert _native.token_split_block(1 << 20, threads, False) == 0
     # decode never splits by tokens
     assert all(_native.token_split_block(m, 1, True) == 0 for m in range(1, 17))
@@ -175,3 +175,44 @@ def test_layer_where_one_expert_takes_all_tokens_alone(rng):
     y = layer.forward_numpy(x, ids, w)
     assert rel_error(y, moe_reference(x, ids, w, *weights)) < 1e-2
     assert layer.last_stats()["n_active_experts"] == 1
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_integer_expert_split_by_tokens_matches_the_quantized_reference(fmt, rng):
+    """int8 / int4 weights through the token split: each block quantizes its own tokens per
+    group, which is per token, so the quantized reference of all tokens at once holds."""
+    from test_kernels_quant import FFN_BOUND, ffn_reference as quantized_reference, random_qm
+
+    hidden, inter, group = 256, 192, 64
+    m = split_threshold(2) + 21
+    qms = [random_qm(rng, r, c, fmt, group)[1] for r, c in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    x = rng.standard_normal((m + 3, hidden)).astype(BF16)
+    index = rng.permutation(m + 3)[:m]
+    out = np.full((m, hidden), np.nan, np.float32)
+    kernels.expert_ffn(x, *qms, token_index=index, out=out, threads=2)
+    expected = quantized_reference(x, qms, index)
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < FFN_BOUND
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_layer_token_split_beside_row_split_on_strided_segments(budget, rng):
+    """One node whose tables cut every matrix into strided segments, an expert above the
+    split threshold beside small ones (the arena then holds only the split expert's down
+    partial between the small experts' operands); with a budget of 1 byte every expert is
+    a pool run of its own."""
+    hidden, inter, n_experts = 128, 96, 4
+    weights = ([random_bf16(rng, (inter, hidden), hidden ** -0.5) for _ in range(n_experts)],
+               [random_bf16(rng, (inter, hidden), hidden ** -0.5) for _ in range(n_experts)],
+               [random_bf16(rng, (hidden, inter), inter ** -0.5) for _ in range(n_experts)])
+    gates, ups, downs = weights
+    tables = [{name: random_partition_table(*w.shape, (0,), rng)
+               for name, w in (("gate", gates[e]), ("up", ups[e]), ("down", downs[e]))} for e in range(n_experts)]
+    layer = MoELayer(list(zip(gates, ups, downs)), tables, node_cpus=((0,), [[CPUS[0], CPUS[-1]]]))
+    if budget is not None:
+        layer._core.set_group_budget_bytes(budget)
+    n_tokens = split_threshold(2) + 30
+    x = random_bf16(rng, (n_tokens, hidden), 1.0)
+    ids = np.stack([np.full(n_tokens, 3), rng.choice(3, size=n_tokens)], axis=1).astype(np.int64)
+    w = rng.random((n_tokens, 2)).astype(np.float32)
+    y = layer.forward_numpy(x, ids, w, out_dtype="float32")
+    assert rel_error(y, moe_reference(x, ids, w, *weights)) < 1e-2

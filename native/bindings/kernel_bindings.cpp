@@ -184,9 +184,9 @@ void register_kernels(py::module_& m) {
     m.def("process_pool_start_count", &engine::process_pool_start_count,
           "Thread creations over the process pool of the single-expert path so far (none per call).");
     m.def("affinity_cpu_count", &engine::affinity_cpu_count, "CPUs in this process's affinity mask.");
-    m.def("token_split_block", &engine::token_split_block, py::arg("m"), py::arg("participants"), py::arg("fused"),
+    m.def("token_split_block", &engine::token_split_block, py::arg("m"), py::arg("participants"), py::arg("one_node"),
           "The blocking rule (engine/pipeline.hpp): tokens per block of an expert of m tokens split by tokens over "
-          "`participants` threads, 0 when its rows are split instead (fused: one node, even row splits).");
+          "`participants` threads of one node, 0 when its rows are split instead.");
 }
 
 }  // namespace numa_moe::bindings

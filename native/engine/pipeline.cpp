@@ -109,8 +109,8 @@ const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t g
     throw std::logic_error("no kernels for weight format " + std::string(kernels::format_name(format)));
 }
 
-int64_t token_split_block(int64_t m, int participants, bool fused) {
-    if (!fused || m < token_split_min_tokens(participants)) return 0;
+int64_t token_split_block(int64_t m, int participants, bool one_node) {
+    if (!one_node || m < token_split_min_tokens(participants)) return 0;
     return kTokenBlock;
 }
 
@@ -158,7 +158,8 @@ private:
     struct Placed {
         size_t packed_x, packed_act;  // bytes into arena.packed
         size_t partials;              // floats into each node's partial arena
-        int64_t token_block = 0;      // > 0: split by tokens (token_split_block), blocks of at most this
+        size_t down_offset;           // floats from there to the down partial
+        int64_t token_block;          // > 0: split by tokens (token_split_block), blocks of at most this
     };
     struct Group {
         size_t begin, end;
@@ -221,11 +222,16 @@ void StepRun::plan() {
     size_t group_begin = 0;
     for (size_t a = 0; a < tasks_.size(); ++a) {
         const ExpertTask& t = tasks_[a];
+        // A token-split expert keeps its operands in its threads' token blocks: the step
+        // holds only its down partial, for the epilogue.
+        const int64_t block = token_split_block(t.m, team_.participants(), n_nodes_ == 1);
+        placed_[a].token_block = block;
+        placed_[a].down_offset = block > 0 ? 0 : static_cast<size_t>(2 * I * t.m);
         placed_[a].packed_x = packed_total;
-        packed_total += round_up(t.ops->packed_bytes(t.m, H), kAlign);
+        if (block == 0) packed_total += round_up(t.ops->packed_bytes(t.m, H), kAlign);
         placed_[a].packed_act = packed_total;
-        packed_total += round_up(t.ops->packed_bytes(t.m, I), kAlign);
-        const size_t need = round_up(static_cast<size_t>(t.m * (2 * I + H)), kAlign / sizeof(float));
+        if (block == 0) packed_total += round_up(t.ops->packed_bytes(t.m, I), kAlign);
+        const size_t need = round_up(placed_[a].down_offset + static_cast<size_t>(t.m * H), kAlign / sizeof(float));
         if (part_floats > 0 && part_floats + need > budget_floats) {
             groups_.push_back(Group{group_begin, a, false, false, false, 0, {}});
             group_begin = a;
@@ -258,7 +264,6 @@ void StepRun::plan() {
         std::vector<int64_t> cost;
         for (size_t a = g.begin; a < g.end; ++a) {
             const ExpertTask& t = tasks_[a];
-            placed_[a].token_block = token_split_block(t.m, team_.participants(), g.fused);
             if (placed_[a].token_block == 0) continue;
             for (const Range& b : token_blocks(t.m, placed_[a].token_block)) {
                 items_.push_back(TokenItem{a, b});
@@ -290,7 +295,7 @@ void StepRun::grow_arena(size_t packed_bytes, size_t partial_floats) {
 // Node `node`'s partial of task a: which = 0 gate [I, m], 1 up [I, m], 2 down [H, m].
 float* StepRun::partial(int node, size_t a, int which) const {
     float* base = static_cast<float*>(arena_.node_partials[node].get()) + placed_[a].partials;
-    return base + which * shape_.intermediate * tasks_[a].m;
+    return which == 2 ? base + placed_[a].down_offset : base + which * shape_.intermediate * tasks_[a].m;
 }
 
 void StepRun::gather(const ExpertTask& task, const Placed& p) const {
@@ -443,7 +448,8 @@ bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going)
                 break;
             case kGateUp: gate_up(g, ti); break;
             case kSilu:
-                for (size_t a = g.begin; a < g.end; ++a) silu(g, silu_ranges_[ti.global], a);
+                for (size_t a = g.begin; a < g.end; ++a)
+                    if (placed_[a].token_block == 0) silu(g, silu_ranges_[ti.global], a);
                 break;
             case kDown: down(g, ti); break;
             case kEpilogue: epilogue(g, h_ranges_[ti.global]); break;

@@ -143,20 +143,20 @@ struct StepShape {
 // (KernelOps.token_layout, the kernel files).
 const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens);
 //
-// Blocking: below token_split_min_tokens(participants) tokens, and whenever the expert's
-// group is not fused (several nodes, uneven row splits), its rows are split over the
-// threads and every thread multiplies all m tokens. From there on its tokens are cut into
-// token_blocks(m, kTokenBlock), the blocks of all such experts of a step are dealt to the
-// threads by tokens, and a thread runs gate/up, silu and down over all rows for one block at
-// a time, so the weights stream once per block while the block's operands stay in its
-// caches. The blocks depend on m alone, so results do not depend on the thread count.
-// Returns the block, 0 for a row split.
+// Blocking: below token_split_min_tokens(participants) tokens, and always on several nodes
+// (where a node may only touch its own segments), the expert's rows are split over the
+// threads and every thread multiplies all m tokens. From there on, on one node, its tokens
+// are cut into token_blocks(m, kTokenBlock), the blocks of all such experts of a step are
+// dealt to the threads by tokens, and a thread runs gate/up, silu and down over all rows
+// for one block at a time, so the weights stream once per block while the block's operands
+// stay in its caches. The blocks depend on m alone, so results do not depend on the thread
+// count. Returns the block, 0 for a row split.
 constexpr int64_t kTokenBlock = 128;
 constexpr int64_t kTokenSplitBlocksPerThread = 2;
 inline int64_t token_split_min_tokens(int participants) {
     return kTokenBlock * kTokenSplitBlocksPerThread * participants;
 }
-int64_t token_split_block(int64_t m, int participants, bool fused);
+int64_t token_split_block(int64_t m, int participants, bool one_node);
 // ceil(m / block) consecutive token ranges, multiples of 16 except the last.
 std::vector<Range> token_blocks(int64_t m, int64_t block);
 
