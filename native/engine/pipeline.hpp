@@ -149,8 +149,9 @@ const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t g
 // are cut into token_blocks(m, kTokenBlock), the blocks of all such experts of a step are
 // dealt to the threads by tokens, and a thread runs gate/up, silu and down over all rows
 // for one block at a time, so the weights stream once per block while the block's operands
-// stay in its caches. The blocks depend on m alone, so results do not depend on the thread
-// count. Returns the block, 0 for a row split.
+// stay in its caches. The blocks depend on m alone, so all thread counts that split an
+// expert give the same bits (a row split sums in another order). Returns the block, 0 for
+// a row split.
 constexpr int64_t kTokenBlock = 128;
 constexpr int64_t kTokenSplitBlocksPerThread = 2;
 inline int64_t token_split_min_tokens(int participants) {
