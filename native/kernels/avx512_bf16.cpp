@@ -406,8 +406,8 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
         float* block_out = out + tg0 * T;
         const int64_t group_block = groups < kLaneMaxGroups ? groups : kLaneMaxGroups;
         const int64_t n_group_blocks = (groups + group_block - 1) / group_block;
-        for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
-                                                                          int64_t stride) {
+        for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo,
+                                                                          int64_t j_hi, int64_t stride) {
             const int64_t w_step = stride * ldw, out_step = stride * ldo;
             const int64_t kc = k_block(seg.k1 - seg.k0, block_m);
             for (int64_t kb = seg.k0; kb < seg.k1; kb += kc) {
