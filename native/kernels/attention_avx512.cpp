@@ -12,9 +12,9 @@
 //        bf16 and permuted to pairs of positions per query, the broadcast operand of P.V.
 //   P.V  Lanes are 16 columns: two V rows are interleaved in registers (vpermt2w) into
 //        position pairs, and one interleaved vector feeds a block of up to 8 queries.
-//   The next chunk's K rows are prefetched while the current one is scored, its V rows
-//   while the current one is multiplied: a 4 KB page holds 16 cache rows of D = 128, too
-//   few for the hardware prefetcher to run ahead by itself.
+//   Prefetch: a chunk's V rows while it is scored, the next chunk's K rows while it is
+//   multiplied; a 4 KB page holds 16 cache rows of D = 128, too few for the hardware
+//   prefetcher to run ahead by itself.
 //
 // Operand layouts (attention_api.hpp):
 //   query   packed A[s][j] (s < d / 2R, j < 16) = the bf16 pair (q[i][2p], q[i][2p + 1])
@@ -41,6 +41,7 @@ constexpr int64_t kProbsBytes = kMaxQueryBlock * kChunk * 2;
 // Queries per P.V block: 8 x 2 accumulators, and an interleaved V vector used 8 times.
 constexpr int64_t kPvQueries = 8;
 
+
 int64_t padded_group(int64_t g) { return g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : g <= 8 ? 8 : 16; }
 
 size_t query_bytes(int64_t g, int64_t d) { return static_cast<size_t>(padded_group(g) * d) * sizeof(bf16); }
@@ -58,7 +59,8 @@ void pack_query(const bf16* q, int64_t g, int64_t d, void* packed) {
         }
 }
 
-inline void prefetch(const bf16* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+// Every cache line of K and V is read in one chunk and never again: non-temporal.
+inline void prefetch(const bf16* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
 
 inline __m512bh pair_broadcast(const bf16* p) {
     uint32_t bits;
@@ -90,21 +92,19 @@ inline __m512i lane_index(int add, int mod_mask) {
                             _mm512_set1_epi32(mod_mask));
 }
 
-// st[t * G + i] = scale * q_i . k_t for 16 rows of stride D; the `next_rows` rows at `next`
-// (the same block of the next chunk) are prefetched along the way.
+// st[t * G + i] = scale * q_i . k_t for 16 rows of stride D; the first `next_rows` of 16
+// rows at `next` are prefetched along the way.
 template <int D, int G>
 void score_rows(const bf16* qp, const bf16* k, __m512 vscale, float* st, const bf16* next, int64_t next_rows) {
     constexpr int R = 16 / G, kSteps = D / (2 * R);
-    constexpr int kLinesPerRow = D / 32, kLines = 16 * kLinesPerRow;
+    constexpr int kLines = 16 * D / 32;  // the 16 rows are contiguous
     constexpr int kLinesPerStep = (kLines + kSteps - 1) / kSteps;
+    const int64_t next_lines = (next_rows < 16 ? next_rows : 16) * D / 32;
     __m512 acc[16];
     for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
     for (int s = 0; s < kSteps; ++s) {
-        for (int e = 0; e < kLinesPerStep; ++e) {
-            const int line = s * kLinesPerStep + e;
-            if (line < kLines && line / kLinesPerRow < next_rows)
-                prefetch(next + (line / kLinesPerRow) * D + (line % kLinesPerRow) * 32);
-        }
+        for (int e = 0; e < kLinesPerStep; ++e)
+            if (s * kLinesPerStep + e < next_lines) prefetch(next + 32 * (s * kLinesPerStep + e));
         const __m512bh a = (__m512bh)_mm512_load_si512(qp + s * 32);
         const bf16* kp = k + s * 2 * R;
         for (int t = 0; t < 16; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], a, row_pairs<R>(kp + t * D));
@@ -120,8 +120,10 @@ void score_rows(const bf16* qp, const bf16* k, __m512 vscale, float* st, const b
     for (int w = 0; w < G; ++w) _mm512_store_ps(st + 16 * w, _mm512_mul_ps(acc[w], vscale));
 }
 
+// S^T of the nc <= 64 rows at k; the `ahead` rows at `next` (V's) are prefetched.
 template <int D, int G>
-void scores(const bf16* qp, const bf16* k, int64_t nc, int64_t ahead, float scale, float* st, bf16* k_tail) {
+void scores(const bf16* qp, const bf16* k, int64_t nc, const bf16* next, int64_t ahead, float scale, float* st,
+            bf16* k_tail) {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < nc; t0 += 16) {
         const bf16* rows = k + t0 * D;
@@ -132,7 +134,7 @@ void scores(const bf16* qp, const bf16* k, int64_t nc, int64_t ahead, float scal
             rows = k_tail;
         }
         const int64_t next_rows = ahead - t0 < 0 ? 0 : ahead - t0;
-        score_rows<D, G>(qp, rows, vscale, st + t0 * G, next_rows > 0 ? k + (kChunk + t0) * D : nullptr, next_rows);
+        score_rows<D, G>(qp, rows, vscale, st + t0 * G, next_rows > 0 ? next + t0 * D : nullptr, next_rows);
     }
 }
 
@@ -169,23 +171,27 @@ void softmax(const float* st, int64_t g, int64_t nc, float* m, float* l, bf16* p
         const int64_t left = nc - static_cast<int64_t>(w) * R;  // positions of vector w that are real
         valid[w] = left >= R ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : tail_mask16(left * G);
     }
-    __m512 vmax = m_old;
-    for (int w = 0; w < kVecs; ++w) vmax = _mm512_mask_max_ps(vmax, valid[w], vmax, _mm512_load_ps(st + 16 * w));
-    const __m512 m_new = across_positions<G>(vmax, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+    // four partial maxima and sums: chains of one operation per vector would be latency-bound
+    __m512 vmax[4] = {m_old, m_old, m_old, m_old};
+    for (int w = 0; w < kVecs; ++w)
+        vmax[w % 4] = _mm512_mask_max_ps(vmax[w % 4], valid[w], vmax[w % 4], _mm512_load_ps(st + 16 * w));
+    const __m512 m_new = across_positions<G>(_mm512_max_ps(_mm512_max_ps(vmax[0], vmax[1]), _mm512_max_ps(vmax[2], vmax[3])),
+                                             [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
     const __m512i pairs = _mm512_load_si512(kPairs);
-    __m512 sum = _mm512_setzero_ps();
+    // The rounded values are summed by vdpbf16ps against ones: each 32-bit lane of the pair
+    // layout is one query's two positions, as in P.V (which treats them alike).
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int w = 0; w < kVecs; w += 2) {
         const __m512 p0 = _mm512_maskz_mov_ps(valid[w], exp512(_mm512_sub_ps(_mm512_load_ps(st + 16 * w), m_new)));
         const __m512 p1 =
             _mm512_maskz_mov_ps(valid[w + 1], exp512(_mm512_sub_ps(_mm512_load_ps(st + 16 * w + 16), m_new)));
-        const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-        _mm512_store_si512(pt + 16 * w, _mm512_permutexvar_epi16(pairs, rounded));
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(rounded));
-        const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rounded, 1));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+        const __m512i paired = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        _mm512_store_si512(pt + 16 * w, paired);
+        sums[(w / 2) % 4] = _mm512_dpbf16_ps(sums[(w / 2) % 4], (__m512bh)paired, ones);
     }
-    sum = across_positions<G>(sum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+    const __m512 sum = across_positions<G>(_mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])),
+                                           [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
     const __mmask16 seen = _mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-__builtin_inff()), _CMP_NEQ_OQ);
     const __m512 a = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(m_old, m_new)));
     _mm512_mask_storeu_ps(m, real, m_new);
@@ -220,7 +226,8 @@ inline void pv_step(__m512 (&acc)[QB][CV], const bf16* pt_pair, const bf16* row_
 
 // o_i[c0, c0 + 16 CV) = alpha_i o_i + sum_t p_i[t] v_t[...] for QB queries and every CV
 // columns group; with few accumulators the pairs alternate over S sets, so that enough
-// dependency chains keep vdpbf16ps busy. With `next`, the next chunk's rows are prefetched.
+// dependency chains keep vdpbf16ps busy. With `next`, its first `next_rows` rows are
+// prefetched along the way.
 template <int D, int G, int QB, int CV, int S>
 void pv_block(const bf16* pt, const float* alpha, const bf16* v, int64_t nc, float* o, const bf16* next,
               int64_t next_rows) {
@@ -286,10 +293,13 @@ void attend_dg(const bf16* qp, int64_t g, const bf16* k, const bf16* v, int64_t 
     alignas(64) float alpha[16];
     for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
         const int64_t nc = n - t0 < kChunk ? n - t0 : kChunk;
-        const int64_t ahead = n - t0 - kChunk < kChunk ? n - t0 - kChunk : kChunk;
-        scores<D, G>(qp, k + t0 * D, nc, ahead, scale, s, k_tail);
+        // Half a chunk ahead: this chunk's V rows while it is scored, the next chunk's K
+        // rows while this one is multiplied (a whole chunk ahead measured slower: the
+        // prefetched lines then compete with the chunk in use for L1).
+        const int64_t ahead = n - t0 - kChunk < 0 ? 0 : n - t0 - kChunk < kChunk ? n - t0 - kChunk : kChunk;
+        scores<D, G>(qp, k + t0 * D, nc, v + t0 * D, nc, scale, s, k_tail);
         softmax<G>(s, g, nc, st.m, st.l, pt, alpha);
-        accumulate_pv<D, G>(pt, alpha, g, v + t0 * D, nc, st.o, ahead > 0 ? v + (t0 + kChunk) * D : nullptr, ahead);
+        accumulate_pv<D, G>(pt, alpha, g, v + t0 * D, nc, st.o, ahead > 0 ? k + (t0 + kChunk) * D : nullptr, ahead);
     }
 }
 
