@@ -145,6 +145,13 @@ inline __m512 across_positions(__m512 x, Op op) {
     return x;
 }
 
+// bf16(e^(s - m)) of two S^T vectors (zero where not valid), in the P pair layout.
+inline __m512i round_pairs(const float* st, __mmask16 valid0, __mmask16 valid1, __m512 m, __m512i pairs) {
+    const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp512(_mm512_sub_ps(_mm512_load_ps(st), m)));
+    const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp512(_mm512_sub_ps(_mm512_load_ps(st + 16), m)));
+    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+}
+
 // The online-softmax step of every query over st[t][i], t < nc: pt = bf16(e^(s - m'))
 // (zero beyond nc, up to kChunk) in pairs of positions; m and l updated with the rounded
 // values; alpha[i] = e^(m - m').
@@ -171,26 +178,31 @@ void softmax(const float* st, int64_t g, int64_t nc, float* m, float* l, bf16* p
         const int64_t left = nc - static_cast<int64_t>(w) * R;  // positions of vector w that are real
         valid[w] = left >= R ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : tail_mask16(left * G);
     }
-    // four partial maxima and sums: chains of one operation per vector would be latency-bound
-    __m512 vmax[4] = {m_old, m_old, m_old, m_old};
-    for (int w = 0; w < kVecs; ++w)
-        vmax[w % 4] = _mm512_mask_max_ps(vmax[w % 4], valid[w], vmax[w % 4], _mm512_load_ps(st + 16 * w));
-    const __m512 m_new = across_positions<G>(_mm512_max_ps(_mm512_max_ps(vmax[0], vmax[1]), _mm512_max_ps(vmax[2], vmax[3])),
+    // Partial maxima and sums in named variables (an array indexed in the loop stays in
+    // memory): one chain of dependent operations per vector would be latency-bound.
+    __m512 mx0 = m_old, mx1 = m_old, mx2 = m_old, mx3 = m_old;
+    for (int w = 0; w < kVecs; w += 4) {
+        mx0 = _mm512_mask_max_ps(mx0, valid[w], mx0, _mm512_load_ps(st + 16 * w));
+        mx1 = _mm512_mask_max_ps(mx1, valid[w + 1], mx1, _mm512_load_ps(st + 16 * w + 16));
+        mx2 = _mm512_mask_max_ps(mx2, valid[w + 2], mx2, _mm512_load_ps(st + 16 * w + 32));
+        mx3 = _mm512_mask_max_ps(mx3, valid[w + 3], mx3, _mm512_load_ps(st + 16 * w + 48));
+    }
+    const __m512 m_new = across_positions<G>(_mm512_max_ps(_mm512_max_ps(mx0, mx1), _mm512_max_ps(mx2, mx3)),
                                              [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
     const __m512i pairs = _mm512_load_si512(kPairs);
     // The rounded values are summed by vdpbf16ps against ones: each 32-bit lane of the pair
     // layout is one query's two positions, as in P.V (which treats them alike).
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int w = 0; w < kVecs; w += 2) {
-        const __m512 p0 = _mm512_maskz_mov_ps(valid[w], exp512(_mm512_sub_ps(_mm512_load_ps(st + 16 * w), m_new)));
-        const __m512 p1 =
-            _mm512_maskz_mov_ps(valid[w + 1], exp512(_mm512_sub_ps(_mm512_load_ps(st + 16 * w + 16), m_new)));
-        const __m512i paired = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        _mm512_store_si512(pt + 16 * w, paired);
-        sums[(w / 2) % 4] = _mm512_dpbf16_ps(sums[(w / 2) % 4], (__m512bh)paired, ones);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int w = 0; w < kVecs; w += 4) {
+        const __m512i pair0 = round_pairs(st + 16 * w, valid[w], valid[w + 1], m_new, pairs);
+        const __m512i pair1 = round_pairs(st + 16 * w + 32, valid[w + 2], valid[w + 3], m_new, pairs);
+        _mm512_store_si512(pt + 16 * w, pair0);
+        _mm512_store_si512(pt + 16 * w + 32, pair1);
+        sum0 = _mm512_dpbf16_ps(sum0, (__m512bh)pair0, ones);
+        sum1 = _mm512_dpbf16_ps(sum1, (__m512bh)pair1, ones);
     }
-    const __m512 sum = across_positions<G>(_mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])),
+    const __m512 sum = across_positions<G>(_mm512_add_ps(sum0, sum1),
                                            [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
     const __mmask16 seen = _mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-__builtin_inff()), _CMP_NEQ_OQ);
     const __m512 a = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(m_old, m_new)));
