@@ -12,9 +12,9 @@
 //        bf16 and permuted to pairs of positions per query, the broadcast operand of P.V.
 //   P.V  Lanes are 16 columns: two V rows are interleaved in registers (vpermt2w) into
 //        position pairs, and one interleaved vector feeds a block of up to 8 queries.
-//   Prefetch: a chunk's V rows while it is scored, the next chunk's K rows while it is
-//   multiplied; a 4 KB page holds 16 cache rows of D = 128, too few for the hardware
-//   prefetcher to run ahead by itself.
+//   Prefetch: a 4 KB page holds 16 cache rows of D = 128, too few for the hardware
+//   prefetcher to run ahead by itself; each phase (scores, P.V) prefetches the rows of
+//   the next phase into L1 and those of the phase after into L2 (struct Prefetch).
 //
 // Operand layouts (attention_api.hpp):
 //   query   packed A[s][j] (s < d / 2R, j < 16) = the bf16 pair (q[i][2p], q[i][2p + 1])
@@ -59,8 +59,30 @@ void pack_query(const bf16* q, int64_t g, int64_t d, void* packed) {
         }
 }
 
-// Every cache line of K and V is read in one chunk and never again: non-temporal.
-inline void prefetch(const bf16* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
+// Cache rows to prefetch while a phase runs (rows at `near` are read by the next phase,
+// those at `far` by the one after): near ones into L1, non-temporal (every line of K and V
+// is used in one chunk only), far ones into L2. Prefetching only one phase ahead left the
+// loads waiting, and into L1 two phases ahead measured slower still (the lines then
+// compete for L1 with the chunk in use).
+struct Prefetch {
+    const bf16* near = nullptr;
+    int64_t near_lines = 0;  // 64-byte lines from `near` on
+    const bf16* far = nullptr;
+    int64_t far_lines = 0;
+};
+
+// Line `line` after pf.near and after pf.far, where it exists. Always inlined: as a call,
+// gcc finds it free of side effects and drops it.
+__attribute__((always_inline)) inline void prefetch_line(Prefetch pf, int64_t line) {
+    if (line < pf.near_lines) _mm_prefetch(reinterpret_cast<const char*>(pf.near + 32 * line), _MM_HINT_NTA);
+    if (line < pf.far_lines) _mm_prefetch(reinterpret_cast<const char*>(pf.far + 32 * line), _MM_HINT_T2);
+}
+
+// The `rows` rows of D at `near` and at `far` (null: none).
+template <int D>
+inline Prefetch prefetch_rows(const bf16* near, int64_t near_rows, const bf16* far, int64_t far_rows) {
+    return Prefetch{near, near ? near_rows * (D / 32) : 0, far, far ? far_rows * (D / 32) : 0};
+}
 
 inline __m512bh pair_broadcast(const bf16* p) {
     uint32_t bits;
@@ -92,19 +114,31 @@ inline __m512i lane_index(int add, int mod_mask) {
                             _mm512_set1_epi32(mod_mask));
 }
 
-// st[t * G + i] = scale * q_i . k_t for 16 rows of stride D; the first `next_rows` of 16
-// rows at `next` are prefetched along the way.
+// The lines of pf from row r on.
+template <int D>
+inline Prefetch rows_from(Prefetch pf, int64_t r) {
+    constexpr int64_t kRowLines = D / 32;
+    Prefetch out;
+    if (pf.near_lines > r * kRowLines) out = Prefetch{pf.near + r * D, pf.near_lines - r * kRowLines, nullptr, 0};
+    if (pf.far_lines > r * kRowLines) {
+        out.far = pf.far + r * D;
+        out.far_lines = pf.far_lines - r * kRowLines;
+    }
+    return out;
+}
+
+// st[t * G + i] = scale * q_i . k_t for 16 rows of stride D; up to 16 rows of `pf` are
+// prefetched along the way.
 template <int D, int G>
-void score_rows(const bf16* qp, const bf16* k, __m512 vscale, float* st, const bf16* next, int64_t next_rows) {
+void score_rows(const bf16* qp, const bf16* k, __m512 vscale, float* st, Prefetch pf) {
     constexpr int R = 16 / G, kSteps = D / (2 * R);
-    constexpr int kLines = 16 * D / 32;  // the 16 rows are contiguous
+    constexpr int kLines = 16 * D / 32;
     constexpr int kLinesPerStep = (kLines + kSteps - 1) / kSteps;
-    const int64_t next_lines = (next_rows < 16 ? next_rows : 16) * D / 32;
     __m512 acc[16];
     for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
     for (int s = 0; s < kSteps; ++s) {
         for (int e = 0; e < kLinesPerStep; ++e)
-            if (s * kLinesPerStep + e < next_lines) prefetch(next + 32 * (s * kLinesPerStep + e));
+            if (s * kLinesPerStep + e < kLines) prefetch_line(pf, s * kLinesPerStep + e);
         const __m512bh a = (__m512bh)_mm512_load_si512(qp + s * 32);
         const bf16* kp = k + s * 2 * R;
         for (int t = 0; t < 16; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], a, row_pairs<R>(kp + t * D));
@@ -120,10 +154,9 @@ void score_rows(const bf16* qp, const bf16* k, __m512 vscale, float* st, const b
     for (int w = 0; w < G; ++w) _mm512_store_ps(st + 16 * w, _mm512_mul_ps(acc[w], vscale));
 }
 
-// S^T of the nc <= 64 rows at k; the `ahead` rows at `next` (V's) are prefetched.
+// S^T of the nc <= 64 rows at k, prefetching the rows of `pf` (up to a chunk).
 template <int D, int G>
-void scores(const bf16* qp, const bf16* k, int64_t nc, const bf16* next, int64_t ahead, float scale, float* st,
-            bf16* k_tail) {
+void scores(const bf16* qp, const bf16* k, int64_t nc, Prefetch pf, float scale, float* st, bf16* k_tail) {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < nc; t0 += 16) {
         const bf16* rows = k + t0 * D;
@@ -133,8 +166,7 @@ void scores(const bf16* qp, const bf16* k, int64_t nc, const bf16* next, int64_t
             std::memset(k_tail + (nc - t0) * D, 0, static_cast<size_t>((16 - (nc - t0)) * D * 2));
             rows = k_tail;
         }
-        const int64_t next_rows = ahead - t0 < 0 ? 0 : ahead - t0;
-        score_rows<D, G>(qp, rows, vscale, st + t0 * G, next_rows > 0 ? next + t0 * D : nullptr, next_rows);
+        score_rows<D, G>(qp, rows, vscale, st + t0 * G, rows_from<D>(pf, t0));
     }
 }
 
@@ -238,11 +270,9 @@ inline void pv_step(__m512 (&acc)[QB][CV], const bf16* pt_pair, const bf16* row_
 
 // o_i[c0, c0 + 16 CV) = alpha_i o_i + sum_t p_i[t] v_t[...] for QB queries and every CV
 // columns group; with few accumulators the pairs alternate over S sets, so that enough
-// dependency chains keep vdpbf16ps busy. With `next`, its first `next_rows` rows are
-// prefetched along the way.
+// dependency chains keep vdpbf16ps busy. The rows of `pf` are prefetched along the way.
 template <int D, int G, int QB, int CV, int S>
-void pv_block(const bf16* pt, const float* alpha, const bf16* v, int64_t nc, float* o, const bf16* next,
-              int64_t next_rows) {
+void pv_block(const bf16* pt, const float* alpha, const bf16* v, int64_t nc, float* o, const Prefetch* pf) {
     const int64_t full = nc / 2;
     for (int64_t c0 = 0; c0 < D; c0 += 16 * CV) {
         __m512 acc[S][QB][CV];
@@ -257,10 +287,11 @@ void pv_block(const bf16* pt, const float* alpha, const bf16* v, int64_t nc, flo
         for (; tp + S <= full; tp += S)
             for (int h = 0; h < S; ++h) {
                 const int64_t t = 2 * (tp + h);
-                if (next) {
+                if (pf) {
+                    // the lines of rows t and t + 1 that this column group reads
                     for (int line = 0; line < CV / 2; ++line) {
-                        if (t < next_rows) prefetch(next + t * D + c0 + 32 * line);
-                        if (t + 1 < next_rows) prefetch(next + (t + 1) * D + c0 + 32 * line);
+                        prefetch_line(*pf, t * (D / 32) + c0 / 32 + line);
+                        prefetch_line(*pf, (t + 1) * (D / 32) + c0 / 32 + line);
                     }
                 }
                 pv_step<G, QB, CV>(acc[h], pt + (tp + h) * 2 * G, v + t * D + c0, v + (t + 1) * D + c0);
@@ -278,20 +309,20 @@ void pv_block(const bf16* pt, const float* alpha, const bf16* v, int64_t nc, flo
 
 template <int D, int G>
 void accumulate_pv(const bf16* pt, const float* alpha, int64_t g, const bf16* v, int64_t nc, float* o,
-                   const bf16* next, int64_t next_rows) {
+                   const Prefetch& prefetch) {
     for (int64_t i = 0; i < g; i += kPvQueries) {
         const bf16* p = pt + 2 * i;
-        const bf16* pf = i == 0 ? next : nullptr;  // one prefetch per line
+        const Prefetch* pf = i == 0 ? &prefetch : nullptr;  // one prefetch per line
         float* oi = o + i * D;
         switch (g - i < kPvQueries ? g - i : kPvQueries) {
-            case 1: pv_block<D, G, 1, 4, 4>(p, alpha + i, v, nc, oi, pf, next_rows); break;
-            case 2: pv_block<D, G, 2, 4, 2>(p, alpha + i, v, nc, oi, pf, next_rows); break;
-            case 3: pv_block<D, G, 3, 4, 1>(p, alpha + i, v, nc, oi, pf, next_rows); break;
-            case 4: pv_block<D, G, 4, 4, 1>(p, alpha + i, v, nc, oi, pf, next_rows); break;
-            case 5: pv_block<D, G, 5, 2, 1>(p, alpha + i, v, nc, oi, pf, next_rows); break;
-            case 6: pv_block<D, G, 6, 2, 1>(p, alpha + i, v, nc, oi, pf, next_rows); break;
-            case 7: pv_block<D, G, 7, 2, 1>(p, alpha + i, v, nc, oi, pf, next_rows); break;
-            default: pv_block<D, G, 8, 2, 1>(p, alpha + i, v, nc, oi, pf, next_rows); break;
+            case 1: pv_block<D, G, 1, 4, 4>(p, alpha + i, v, nc, oi, pf); break;
+            case 2: pv_block<D, G, 2, 4, 2>(p, alpha + i, v, nc, oi, pf); break;
+            case 3: pv_block<D, G, 3, 4, 1>(p, alpha + i, v, nc, oi, pf); break;
+            case 4: pv_block<D, G, 4, 4, 1>(p, alpha + i, v, nc, oi, pf); break;
+            case 5: pv_block<D, G, 5, 2, 1>(p, alpha + i, v, nc, oi, pf); break;
+            case 6: pv_block<D, G, 6, 2, 1>(p, alpha + i, v, nc, oi, pf); break;
+            case 7: pv_block<D, G, 7, 2, 1>(p, alpha + i, v, nc, oi, pf); break;
+            default: pv_block<D, G, 8, 2, 1>(p, alpha + i, v, nc, oi, pf); break;
         }
     }
 }
@@ -305,13 +336,15 @@ void attend_dg(const bf16* qp, int64_t g, const bf16* k, const bf16* v, int64_t 
     alignas(64) float alpha[16];
     for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
         const int64_t nc = n - t0 < kChunk ? n - t0 : kChunk;
-        // Half a chunk ahead: this chunk's V rows while it is scored, the next chunk's K
-        // rows while this one is multiplied (a whole chunk ahead measured slower: the
-        // prefetched lines then compete with the chunk in use for L1).
+        // Rows of the next chunk (none past the run).
         const int64_t ahead = n - t0 - kChunk < 0 ? 0 : n - t0 - kChunk < kChunk ? n - t0 - kChunk : kChunk;
-        scores<D, G>(qp, k + t0 * D, nc, v + t0 * D, nc, scale, s, k_tail);
+        const bf16* k_next = ahead > 0 ? k + (t0 + kChunk) * D : nullptr;
+        const bf16* v_next = ahead > 0 ? v + (t0 + kChunk) * D : nullptr;
+        // Scoring reads K(c) and prefetches V(c) near and K(c + 1) far; P.V reads V(c) and
+        // prefetches K(c + 1) near and V(c + 1) far.
+        scores<D, G>(qp, k + t0 * D, nc, prefetch_rows<D>(v + t0 * D, nc, k_next, ahead), scale, s, k_tail);
         softmax<G>(s, g, nc, st.m, st.l, pt, alpha);
-        accumulate_pv<D, G>(pt, alpha, g, v + t0 * D, nc, st.o, ahead > 0 ? k + (t0 + kChunk) * D : nullptr, ahead);
+        accumulate_pv<D, G>(pt, alpha, g, v + t0 * D, nc, st.o, prefetch_rows<D>(k_next, ahead, v_next, ahead));
     }
 }
 
