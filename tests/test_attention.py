@@ -91,6 +91,20 @@ def test_scale_and_threads(rng, isa):
         assert_close(out, ref, error_bound(isa, v))
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_same_result_whichever_thread_takes_which_unit(rng, threads):
+    # The participants claim units of work as they go, so which thread folds which
+    # positions changes from call to call (3 threads on fewer CPUs race the most); each
+    # unit has states of its own and the merge takes them in unit order, so the result
+    # must not change by a bit.
+    q, k, v = random_case(rng, 3, 16, 2, 3000, 128)
+    lengths = [3000, 1700, 2222]
+    first = attention.gqa_decode(q, k, v, lengths, threads=threads, out_dtype=np.float32)
+    assert_close(first, reference_decode(q, k, v, lengths), error_bound(attention.default_isa(), v))
+    for _ in range(10):
+        assert np.array_equal(attention.gqa_decode(q, k, v, lengths, threads=threads, out_dtype=np.float32), first)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_paged_cache(rng, isa):
     batch, kv_heads, group, head_dim, block_size, max_blocks = 3, 2, 4, 128, 16, 20
