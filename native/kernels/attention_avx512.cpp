@@ -48,15 +48,26 @@ size_t query_bytes(int64_t g, int64_t d) { return static_cast<size_t>(padded_gro
 // S^T + P + the K tail block
 size_t scratch_bytes(int64_t, int64_t d) { return static_cast<size_t>(kScoresBytes + kProbsBytes + 16 * d * 2); }
 
-void pack_query(const bf16* q, int64_t g, int64_t d, void* packed) {
-    const int64_t big_g = padded_group(g), r = 16 / big_g;
-    bf16* dst = static_cast<bf16*>(packed);
-    for (int64_t s = 0; s < d / (2 * r); ++s)
-        for (int64_t j = 0; j < 16; ++j) {
-            const int64_t i = j / r, p = s * r + j % r;
-            dst[(s * 16 + j) * 2] = i < g ? q[i * d + 2 * p] : 0;
-            dst[(s * 16 + j) * 2 + 1] = i < g ? q[i * d + 2 * p + 1] : 0;
+// Lane j = i R + r of vector s is pair s R + r of query i: R consecutive pairs of a row.
+template <int R>
+void pack_pairs(const bf16* q, int64_t g, int64_t d, bf16* dst) {
+    for (int64_t s = 0; s < d / (2 * R); ++s)
+        for (int64_t i = 0; i < 16 / R; ++i) {
+            bf16* lanes = dst + (s * 16 + i * R) * 2;
+            if (i < g) std::memcpy(lanes, q + i * d + 2 * R * s, 4 * R);
+            else std::memset(lanes, 0, 4 * R);
         }
+}
+
+void pack_query(const bf16* q, int64_t g, int64_t d, void* packed) {
+    bf16* dst = static_cast<bf16*>(packed);
+    switch (padded_group(g)) {
+        case 1: pack_pairs<16>(q, g, d, dst); break;
+        case 2: pack_pairs<8>(q, g, d, dst); break;
+        case 4: pack_pairs<4>(q, g, d, dst); break;
+        case 8: pack_pairs<2>(q, g, d, dst); break;
+        default: pack_pairs<1>(q, g, d, dst); break;
+    }
 }
 
 // Cache rows to prefetch while a phase runs (rows at `near` are read by the next phase,
