@@ -196,12 +196,19 @@ private:
                     std::memset(st + g, 0, sizeof(float) * (g + g * d));
                 }
             }
+            // Runs of the unit that continue this one's rows go in the same call: a kernel
+            // prefetches ahead only within its call. Not with several query blocks, each of
+            // which reads the rows again, from cache while the call is short.
+            int64_t count = run.count;
+            while (q_blocks_ == 1 && r + 1 < units_[unit].end && runs_[r + 1].bh == run.bh &&
+                   runs_[r + 1].row == run.row + count)
+                count += runs_[++r].count;
             const bf16* k = a_.k + run.row * d;
             const bf16* v = a_.v + run.row * d;
             for (int64_t qb = 0; qb < q_blocks_; ++qb) {
                 const int64_t i0 = qb * kMaxQueryBlock, gb = g - i0 < kMaxQueryBlock ? g - i0 : kMaxQueryBlock;
                 const AttentionState state{st + i0, st + g + i0, st + 2 * g + i0 * d};
-                ops_.attend(work + query_stride_ * qb, gb, d, k, v, run.count, a_.scale, state, scratch);
+                ops_.attend(work + query_stride_ * qb, gb, d, k, v, count, a_.scale, state, scratch);
             }
         }
     }
