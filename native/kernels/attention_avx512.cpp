@@ -1,6 +1,7 @@
 // AVX-512-BF16 decode attention. Both products run on vdpbf16ps (each fp32 lane adds the
 // dot product of one bf16 pair of either operand), with the cache rows read straight from
-// memory: nothing of K or V is transposed or copied to L1.
+// memory: nothing of K or V is transposed or copied to L1 (but a run's last block of fewer
+// than 16 K rows, which is padded so that no row past the run is read).
 //
 //   q.k  The block of g queries is padded to G = 1, 2, 4, 8 or 16 and a vector holds G
 //        queries x R = 16 / G consecutive pairs of the head. Each K row supplies its R
@@ -40,7 +41,6 @@ constexpr int64_t kScoresBytes = kMaxQueryBlock * kChunk * 4;
 constexpr int64_t kProbsBytes = kMaxQueryBlock * kChunk * 2;
 // Queries per P.V block: 8 x 2 accumulators, and an interleaved V vector used 8 times.
 constexpr int64_t kPvQueries = 8;
-
 
 int64_t padded_group(int64_t g) { return g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : g <= 8 ? 8 : 16; }
 
