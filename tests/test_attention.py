@@ -57,6 +57,20 @@ def test_head_dims_groups_beyond_a_tile(rng, isa, head_dim):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", range(1, 17))
+def test_every_group_size(rng, isa, group):
+    # Every block width has its own code: avx512 pads the block to 1, 2, 4, 8 or 16 query
+    # lanes for q.k and multiplies P.V in blocks of up to 8 queries. One thread, so that a
+    # run spans several chunks (the prefetch of the next one); 333 and 70 end inside a
+    # 16-row block and on an odd position; odd groups get scores of tens.
+    head_dim = (64, 128, 256)[group % 3]
+    q, k, v = random_case(rng, 2, 2 * group, 2, 333, head_dim, q_scale=4.0 if group % 2 else 1.0)
+    lengths = [333, 70]
+    out = attention.gqa_decode(q, k, v, lengths, isa=isa, threads=1, out_dtype=np.float32)
+    assert_close(out, reference_decode(q, k, v, lengths), error_bound(isa, v))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_peaked_scores_window_and_empty_sequence(rng, isa):
     # large query norms: scores of tens, so the running max must be right
     q, k, v = random_case(rng, 4, 8, 2, 700, 128, q_scale=6.0)
@@ -75,6 +89,20 @@ def test_scale_and_threads(rng, isa):
     for threads in (1, 2, 3):
         out = attention.gqa_decode(q, k, v, lengths, isa=isa, scale=0.3, threads=threads, out_dtype=np.float32)
         assert_close(out, ref, error_bound(isa, v))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_same_result_whichever_thread_takes_which_unit(rng, threads):
+    # The participants claim units of work as they go, so which thread folds which
+    # positions changes from call to call (3 threads on fewer CPUs race the most); each
+    # unit has states of its own and the merge takes them in unit order, so the result
+    # must not change by a bit.
+    q, k, v = random_case(rng, 3, 16, 2, 3000, 128)
+    lengths = [3000, 1700, 2222]
+    first = attention.gqa_decode(q, k, v, lengths, threads=threads, out_dtype=np.float32)
+    assert_close(first, reference_decode(q, k, v, lengths), error_bound(attention.default_isa(), v))
+    for _ in range(10):
+        assert np.array_equal(attention.gqa_decode(q, k, v, lengths, threads=threads, out_dtype=np.float32), first)
 
 
 @pytest.mark.parametrize("isa", ISAS)

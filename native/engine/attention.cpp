@@ -1,7 +1,9 @@
 #include "engine/attention.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <limits>
 #include <vector>
 
@@ -35,6 +37,9 @@ void merge_states(const float* const* m, const float* const* l, const float* con
 
 namespace {
 
+// Units of work per participant (see DecodeRun::plan).
+constexpr int kUnitsPerParticipant = 8;
+
 // Positions [t, t + count) of (sequence b, KV head h), cache rows [row, row + count).
 struct Run {
     int64_t bh;
@@ -66,12 +71,12 @@ public:
         const size_t query_bytes = round_up(ops.query_bytes(kMaxQueryBlock, a.head_dim), 64);
         query_stride_ = query_bytes;
         work_stride_ = round_up(query_bytes * q_blocks_ + ops.scratch_bytes(kMaxQueryBlock, a.head_dim), 64);
-        grow(arena.states, arena.states_capacity, sizeof(float) * state_floats_ * bh_count_ * slots_);
         grow(arena.work, arena.work_capacity, work_stride_ * slots_);
-        states_ = static_cast<float*>(arena.states.get());
         work_ = static_cast<unsigned char*>(arena.work.get());
-        touched_.assign(static_cast<size_t>(slots_ * bh_count_), 0);
         plan(n_nodes);
+        grow(arena.states, arena.states_capacity, sizeof(float) * state_floats_ * bh_count_ * units_total_);
+        states_ = static_cast<float*>(arena.states.get());
+        touched_.assign(static_cast<size_t>(units_total_ * bh_count_), 0);
     }
 
     bool run(const std::function<bool()>& keep_going) {
@@ -89,8 +94,11 @@ private:
         return (block * a_.kv_heads + h) * a_.block_size + t % a_.block_size;
     }
 
-    // Runs per node (all on node 0 without a row map), then each node's runs split over its
-    // participants by positions.
+    // Runs per node (all on node 0 without a row map), then each node's runs cut into units
+    // of about equal positions, a few per participant. A node's participants claim its
+    // units as they go (a participant held up by another process on its CPU then does less
+    // of the work, instead of holding up the call with a fixed share); each unit folds into
+    // states of its own, so the result does not depend on who ran which unit.
     void plan(int n_nodes) {
         const RowNodes* map = a_.row_nodes;
         int64_t total = 0;
@@ -101,8 +109,8 @@ private:
             windows[b] = Range{start, len};
             total += (len - start) * a_.kv_heads;
         }
-        // Chunks of a few per participant, in whole kernel chunks, so that the split balances.
-        int64_t cap = total / (4 * static_cast<int64_t>(slots_));
+        // Runs of a few per participant, in whole kernel chunks, so that the units balance.
+        int64_t cap = total / (kUnitsPerParticipant * static_cast<int64_t>(slots_));
         cap = (cap + kernels::kAttentionChunk - 1) / kernels::kAttentionChunk * kernels::kAttentionChunk;
         cap = cap < kernels::kAttentionChunk ? kernels::kAttentionChunk : cap > 2048 ? 2048 : cap;
         std::vector<std::vector<Run>> node_runs(static_cast<size_t>(n_nodes));
@@ -134,30 +142,46 @@ private:
                 }
             }
         }
-        slot_runs_.assign(static_cast<size_t>(slots_), {});
+        runs_.clear();
+        units_.clear();
+        node_unit_offset_.assign(static_cast<size_t>(n_nodes) + 1, 0);
         for (int n = 0; n < n_nodes; ++n) {
             const std::vector<Run>& runs = node_runs[n];
             std::vector<int64_t> cost(runs.size());
             for (size_t i = 0; i < runs.size(); ++i) cost[i] = runs[i].count;
-            const int parts = node_offset_[n + 1] - node_offset_[n];
-            const std::vector<Range> split = split_by_cost(cost, parts, 1);
-            for (int p = 0; p < parts; ++p)
-                slot_runs_[node_offset_[n] + p].assign(runs.begin() + split[p].begin, runs.begin() + split[p].end);
+            const int parts = kUnitsPerParticipant * (node_offset_[n + 1] - node_offset_[n]);
+            const int64_t first = static_cast<int64_t>(runs_.size());
+            runs_.insert(runs_.end(), runs.begin(), runs.end());
+            for (const Range& r : split_by_cost(cost, parts, 1))
+                if (!r.empty()) units_.push_back(Range{first + r.begin, first + r.end});
+            node_unit_offset_[n + 1] = static_cast<int>(units_.size());
         }
+        units_total_ = static_cast<int64_t>(units_.size());
+        next_unit_.reset(new std::atomic<int>[n_nodes]);
+        for (int n = 0; n < n_nodes; ++n) next_unit_[n].store(node_unit_offset_[n], std::memory_order_relaxed);
         // The merge: (sequence, query head) pairs split over every participant.
         merge_split_ = split_even(a_.batch * a_.q_heads, slots_, 1);
     }
 
-    float* state_of(int slot, int64_t bh) const { return states_ + (slot * bh_count_ + bh) * state_floats_; }
+    float* state_of(int64_t unit, int64_t bh) const { return states_ + (unit * bh_count_ + bh) * state_floats_; }
 
-    void attend(int slot, int, int) {
+    void attend(int slot, int node, int) {
+        for (;;) {
+            const int unit = next_unit_[node].fetch_add(1, std::memory_order_relaxed);
+            if (unit >= node_unit_offset_[node + 1] || team_.aborted()) return;
+            attend_unit(slot, unit);
+        }
+    }
+
+    void attend_unit(int slot, int64_t unit) {
         const int64_t d = a_.head_dim, g = group_;
         unsigned char* work = work_ + work_stride_ * slot;
         void* scratch = work + query_stride_ * q_blocks_;
         int64_t current = -1;
-        for (const Run& run : slot_runs_[slot]) {
+        for (int64_t r = units_[unit].begin; r < units_[unit].end; ++r) {
+            const Run& run = runs_[r];
             if (team_.aborted()) return;
-            float* st = state_of(slot, run.bh);
+            float* st = state_of(unit, run.bh);
             if (run.bh != current) {
                 current = run.bh;
                 // query heads h * g ... of sequence b are rows bh * g ... of q
@@ -166,18 +190,25 @@ private:
                     const int64_t i0 = qb * kMaxQueryBlock, gb = g - i0 < kMaxQueryBlock ? g - i0 : kMaxQueryBlock;
                     ops_.pack_query(q + i0 * d, gb, d, work + query_stride_ * qb);
                 }
-                if (!touched_[slot * bh_count_ + run.bh]) {
-                    touched_[slot * bh_count_ + run.bh] = 1;
+                if (!touched_[unit * bh_count_ + run.bh]) {
+                    touched_[unit * bh_count_ + run.bh] = 1;
                     for (int64_t i = 0; i < g; ++i) st[i] = -std::numeric_limits<float>::infinity();
                     std::memset(st + g, 0, sizeof(float) * (g + g * d));
                 }
             }
+            // Runs of the unit that continue this one's rows go in the same call: a kernel
+            // prefetches ahead only within its call. Not with several query blocks, each of
+            // which reads the rows again, from cache while the call is short.
+            int64_t count = run.count;
+            while (q_blocks_ == 1 && r + 1 < units_[unit].end && runs_[r + 1].bh == run.bh &&
+                   runs_[r + 1].row == run.row + count)
+                count += runs_[++r].count;
             const bf16* k = a_.k + run.row * d;
             const bf16* v = a_.v + run.row * d;
             for (int64_t qb = 0; qb < q_blocks_; ++qb) {
                 const int64_t i0 = qb * kMaxQueryBlock, gb = g - i0 < kMaxQueryBlock ? g - i0 : kMaxQueryBlock;
                 const AttentionState state{st + i0, st + g + i0, st + 2 * g + i0 * d};
-                ops_.attend(work + query_stride_ * qb, gb, d, k, v, run.count, a_.scale, state, scratch);
+                ops_.attend(work + query_stride_ * qb, gb, d, k, v, count, a_.scale, state, scratch);
             }
         }
     }
@@ -192,9 +223,9 @@ private:
             m.clear();
             l.clear();
             o.clear();
-            for (int s = 0; s < slots_; ++s) {
-                if (!touched_[s * bh_count_ + bh]) continue;
-                const float* st = state_of(s, bh);
+            for (int64_t u = 0; u < units_total_; ++u) {
+                if (!touched_[u * bh_count_ + bh]) continue;
+                const float* st = state_of(u, bh);
                 m.push_back(st + i);
                 l.push_back(st + g + i);
                 o.push_back(st + 2 * g + i * d);
@@ -214,8 +245,12 @@ private:
     size_t query_stride_ = 0, work_stride_ = 0;
     float* states_ = nullptr;
     unsigned char* work_ = nullptr;
-    std::vector<uint8_t> touched_;
-    std::vector<std::vector<Run>> slot_runs_;
+    std::vector<uint8_t> touched_;  // [unit][bh]: the unit has a state for bh
+    std::vector<Run> runs_;         // every node's runs, node by node
+    std::vector<Range> units_;      // ranges of runs_, node by node
+    std::vector<int> node_unit_offset_;
+    int64_t units_total_ = 0;
+    std::unique_ptr<std::atomic<int>[]> next_unit_;  // per node: the next unit to claim
     std::vector<Range> merge_split_;
 };
 
