@@ -32,9 +32,9 @@
 // block: R rows x T tokens = up to 16 (row, token) pairs, one vector each; a reduction tree
 // (reduce_pairs) turns the 16 vectors into one vector of group totals, lane p = pair p, so
 // the fp32 scale-and-add runs on 16 pairs at once. Each weight vector loaded serves T
-// tokens; each step prefetches the same columns of the row block after next into L2 and
-// its own row a few lines on into L1 (prefetch_row). (Unlike avx512_bf16.cpp no second L2
-// prefetch of the block one on: with 16 row streams it made the qwen3 expert slower.)
+// tokens; each step prefetches (L2) the same columns of the row block after next. (Unlike
+// avx512_bf16.cpp no second prefetch of the block one on: with 16 row streams it made the
+// qwen3 expert ~15% slower, hot and cold, 2048 x 768, M = 1.)
 // Many tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
@@ -298,19 +298,6 @@ inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
 }
 
 
-// The pair kernels' prefetches at byte `offset` of row r of block b, two distances: the
-// same bytes of the row block after next into L2, so that DRAM is asked a block's compute
-// time ahead; and this row kNearPrefetchBytes on into L1, because 16 row streams
-// otherwise leave the L1 fills from L2 to the demand loads, one latency at a time
-// (measured: docs/kernels.md).
-constexpr int64_t kNearPrefetchBytes = 256;
-
-template <int R>
-inline void prefetch_row(const RowBlock<R>& b, int r, int64_t offset) {
-    _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
-    _mm_prefetch(reinterpret_cast<const char*>(b.w[r] + offset + kNearPrefetchBytes), _MM_HINT_T0);
-}
-
 // tile[i][p] = s_w(row r, group g0 + i) * s_x(token t, group g0 + i), pair p = r * T + t:
 // the factor of group i's totals, a vector over the pairs (a transpose of per-row vectors).
 template <int R, int T>
@@ -363,7 +350,7 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
         const int64_t offset = column_bytes<F>(c + s * kStepColumns);
         const bool whole = full || s + 1 < S;
         for (int r = 0; r < R; ++r) {
-            prefetch_row(b, r, offset);
+            _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
             const __m512i u = load_unsigned<F>(b.w[r] + offset, whole);
             for (int t = 0; t < T; ++t) dpbusd(v[r * T + t], u, x[t][s]);
         }
@@ -390,7 +377,7 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     for (int p = R * T; p < kPairs; ++p) v[p] = _mm512_setzero_si512();
     const int64_t offset = c / 2;
     for (int r = 0; r < R; ++r) {
-        prefetch_row(b, r, offset);
+        _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
         const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(b.w[r] + offset), _mm512_set1_epi8(static_cast<char>(0x88)));
         const __m512i lo = _mm512_and_si512(u, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
