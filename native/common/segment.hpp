@@ -29,6 +29,20 @@ std::string segment_text(const Segment& s);
 // [row_begin, row_end) (empty when none do). Pure; the kernels' one row-range rule.
 void segment_row_range(const Segment& seg, int64_t row_begin, int64_t row_end, int64_t* j_lo, int64_t* j_hi);
 
+// Calls fn(seg, j_lo, j_hi, stride) for every segment with rows in [row_begin, row_end)
+// (segment_row_range) and a non-empty column range; stride = its row stride, at least 1.
+// The loop of every kernel's matmul_segments.
+template <class Fn>
+void for_each_segment_rows(const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end, Fn&& fn) {
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const Segment& seg = segments[s];
+        int64_t j_lo, j_hi;
+        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+        fn(seg, j_lo, j_hi, seg.row_stride > 0 ? seg.row_stride : 1);
+    }
+}
+
 // Throws std::invalid_argument unless every segment lies inside a rows x cols matrix:
 // row_stride >= 1, nrows >= 0, all its rows in [0, rows), 0 <= k0 <= k1 <= cols. `what`
 // names the list in the message ("gate segments of node 1").

@@ -128,18 +128,14 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
     if (m <= 0) return;
     const bool stream_weights = m <= 32;  // each weight byte is used by one token block only
     BlockShape current{-1, -1, -1, -1, -1};  // tile state of other code on this thread is not trusted
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
-        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t stride) {
         int64_t c0 = seg.k0, c1 = seg.k1;
         if (c0 % 2) add_single_column(w, ldw, seg, j_lo, j_hi, tokens, m, c0++, out, ldo);
         if (c1 > c0 && c1 % 2) add_single_column(w, ldw, seg, j_lo, j_hi, tokens, m, --c1, out, ldo);
-        if (c1 <= c0) continue;
+        if (c1 <= c0) return;
         const int64_t p0 = c0 / 2, p1 = c1 / 2;
         const int64_t p_main_end = p0 + (p1 - p0) / 16 * 16;
-        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
         const int64_t w_stride_bytes = stride * ldw * 2, c_stride_bytes = stride * ldo * 4;
         for (int64_t j = j_lo; j < j_hi; j += 32) {
             const int64_t rows = j_hi - j < 32 ? j_hi - j : 32;
@@ -164,7 +160,7 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
                 }
             }
         }
-    }
+    });
 }
 
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,

@@ -397,12 +397,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     // they start from defined values.
     std::memset(scratch.dots, 0, sizeof(scratch.dots));
     std::memset(scratch.acc, 0, sizeof(scratch.acc));
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
-        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
-        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t stride) {
         for (int64_t j = j_lo; j < j_hi; j += 32) {
             const int rows = static_cast<int>(j_hi - j < 32 ? j_hi - j : 32);
             const int64_t r = seg.row0 + j * stride;
@@ -424,7 +420,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                 run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, scratch);
             }
         }
-    }
+    });
 }
 
 }  // namespace

@@ -69,12 +69,8 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
     const bf16* w = static_cast<const bf16*>(weights.data);
     const int64_t ldw = weights.ld;
     const bf16* tokens = static_cast<const bf16*>(packed);
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        if (seg.k1 <= seg.k0) continue;
-        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += 2) {  // 2 rows at a time
             const bf16* w_rows[2];
             float* out_base[2];
@@ -92,7 +88,7 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
                 fn(w_rows, tokens + t0 * k, k, seg.k0, seg.k1, out_rows);
             }
         }
-    }
+    });
 }
 
 }  // namespace

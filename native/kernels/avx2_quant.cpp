@@ -297,12 +297,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
         offsets = static_cast<int32_t*>(thread_scratch(kOffsetsSlot, static_cast<size_t>(m_pad * (k / G)) * sizeof(int32_t)));
         token_offsets<G>(q, m, k, offsets);
     }
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        if (seg.k1 <= seg.k0) continue;
-        const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {
             Rows rows;
             for (int64_t j = j0; j < j_hi && rows.n < kBlockRows; ++j) {
@@ -324,7 +320,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                 t0 += nt;
             }
         }
-    }
+    });
 }
 
 template <Format F, int64_t G>

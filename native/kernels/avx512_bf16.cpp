@@ -59,19 +59,6 @@ int64_t k_block(int64_t span, int64_t m) {
     return ((span + blocks - 1) / blocks + 31) / 32 * 32;
 }
 
-// Calls fn(seg, j_lo, j_hi, stride) for every segment with rows in [row_begin, row_end) and
-// a non-empty column range.
-template <class Fn>
-void for_each_segment_rows(const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end, Fn&& fn) {
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
-        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
-        fn(seg, j_lo, j_hi, seg.row_stride > 0 ? seg.row_stride : 1);
-    }
-}
-
 // The blocks to prefetch while register block j (rows [j, j + rows), columns [kb, ke))
 // computes: the one `ahead` blocks on. Every line is prefetched twice, two blocks and one
 // block before its use: two blocks so that the request comes a whole block's compute time

@@ -628,11 +628,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const int64_t tail = m % 4, full_blocks = m / 4;
     // The row block follows the last token block's width: the widest (most rows) first.
     const int rows = lanes ? lane_rows(m) : tail ? rows_for_tokens(static_cast<int>(tail)) : rows_for_tokens(4);
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        int64_t j_lo, j_hi;
-        segment_row_range(seg, row_begin, row_end, &j_lo, &j_hi);
-        if (j_lo >= j_hi || seg.k1 <= seg.k0) continue;
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += rows) {
             const int64_t j1 = j0 + rows < j_hi ? j0 + rows : j_hi;
             if (lanes) {
@@ -651,7 +648,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                 default: break;
             }
         }
-    }
+    });
 }
 
 template <Format F, int64_t G>
