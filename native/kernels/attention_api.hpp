@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kernels/kernel_api.hpp"
 
@@ -31,6 +32,19 @@ constexpr int64_t kAttentionChunk = 64;
 
 // Head sizes with kernels.
 inline bool attention_head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+// fn(std::integral_constant<int, D>{}) for head size d, one of the supported ones (the
+// driver admits no other; nothing is called for one): how the ISA files reach their
+// kernels compiled per head size.
+template <class Fn>
+void with_head_dim(int64_t d, Fn&& fn) {
+    switch (d) {
+        case 64: fn(std::integral_constant<int, 64>{}); break;
+        case 128: fn(std::integral_constant<int, 128>{}); break;
+        case 256: fn(std::integral_constant<int, 256>{}); break;
+        default: break;
+    }
+}
 
 struct AttentionState {
     float* m;

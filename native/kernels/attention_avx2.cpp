@@ -161,12 +161,7 @@ void attend(const void* packed_query, int64_t g, int64_t d, const bf16* k, const
             const AttentionState& st, void* scratch) {
     const float* q = static_cast<const float*>(packed_query);
     auto* work = static_cast<unsigned char*>(scratch);
-    switch (d) {
-        case 64: attend_d<64>(q, g, k, v, n, scale, st, work); break;
-        case 128: attend_d<128>(q, g, k, v, n, scale, st, work); break;
-        case 256: attend_d<256>(q, g, k, v, n, scale, st, work); break;
-        default: break;  // the driver admits only attention_head_dim_supported sizes
-    }
+    with_head_dim(d, [&](auto dim) { attend_d<decltype(dim)::value>(q, g, k, v, n, scale, st, work); });
 }
 
 }  // namespace
