@@ -47,6 +47,22 @@ def reference_matmul(qm, x_q, x_s, rows, k0, k1) -> np.ndarray:
     return out
 
 
+def check_whole_matrix(rng, qm, x, isa):
+    """matmul_segments over the whole matrix on `isa`, added to random values already in
+    out: against the float64 reference within fp32 rounding, and equal to ref bit for bit."""
+    rows, cols = qm.scales.shape[0], x.shape[1]
+    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
+    x_q, x_s = quantize_tokens(x.astype(np.float32), qm.group)
+    expected = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
+    # values of the results' own size, so that adding to them rounds no worse than the sums
+    start = (rng.standard_normal(expected.shape) * np.abs(expected).max()).astype(np.float32)
+    out, ref_out = start.copy(), start.copy()
+    kernels.matmul_segments(qm, segments, x, out, isa=isa)
+    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
+    assert np.abs(out - start - expected).max() / np.abs(expected).max() < 1e-5
+    np.testing.assert_array_equal(out, ref_out)
+
+
 def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
     w = rng.standard_normal((rows, cols)).astype(np.float32) * cols ** -0.5
     return w, quant.quantize(w, fmt, group, scale_dtype)
@@ -125,14 +141,7 @@ def test_matmul_segments_with_subnormal_fp16_scales(rng, fmt, isa):
     qm = quant.quantize(w, fmt, group, "fp16")
     assert np.all(np.abs(qm.scales) < np.float16(2.0 ** -14)), "the scales must be fp16 subnormals"
     x = rng.standard_normal((5, cols)).astype(BF16)
-    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
-    out, ref_out = (np.zeros((rows, 5), np.float32) for _ in range(2))
-    kernels.matmul_segments(qm, segments, x, out, isa=isa)
-    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
-    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
-    expected = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
-    assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5
-    np.testing.assert_array_equal(out, ref_out)
+    check_whole_matrix(rng, qm, x, isa)
 
 
 @pytest.mark.parametrize("isa", kernels.available_isas("int8"))
@@ -147,14 +156,7 @@ def test_int8_weights_at_minus_128(rng, isa):
     qm = quant.QuantizedMatrix("int8", group, q, scales)
     x = rng.standard_normal((m, cols)).astype(BF16)
     x[0] = np.where(np.arange(cols) % 2 == 0, -1.0, 1.0)  # token 0: every value +-127
-    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
-    out, ref_out = (np.zeros((rows, m), np.float32) for _ in range(2))
-    kernels.matmul_segments(qm, segments, x, out, isa=isa)
-    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
-    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
-    expected = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
-    assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5
-    np.testing.assert_array_equal(out, ref_out)
+    check_whole_matrix(rng, qm, x, isa)
 
 
 def ffn_reference(x, qms, index):
