@@ -186,6 +186,9 @@ private:
     void silu(const Group& g, Range rows, size_t a) const;
     void down(const Group& g, const ThreadInfo& ti);
     void epilogue(const Group& g, Range h) const;
+    void clear_y(Range h) const;
+    void combine(size_t a, Range h) const;
+    void write_out(Range h) const;
     float* partial(int node, size_t a, int which) const;
     const float* const* partial_ptrs(size_t a, int which) const { return &part_ptrs_[(a * 3 + which) * n_nodes_]; }
     uint8_t* packed() const { return static_cast<uint8_t*>(arena_.packed.get()); }
@@ -382,42 +385,64 @@ void StepRun::silu(const Group&, Range rows, size_t a) const {
 }
 
 void StepRun::down(const Group& g, const ThreadInfo& ti) {
+    // Fused: the down rows of every expert of the group are the same even split, and each
+    // expert's partial is combined right after its down projection, while it is still in
+    // this thread's caches (the same additions in the same expert order as the epilogue).
+    const bool combine_here = g.fused && !output_.store;
+    const Range h = g.fused ? tasks_[g.begin].parts->down.thread_rows[0][ti.local] : Range{};
+    if (combine_here && g.first) clear_y(h);
     for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
         const ExpertTask& t = tasks_[a];
-        if (placed_[a].token_block > 0) continue;  // done in the gate/up phase
-        matmul(t, t.parts->down, packed() + placed_[a].packed_act, shape_.intermediate, partial(ti.node, a, 2), ti);
+        if (placed_[a].token_block == 0)  // token-split experts ran theirs in the gate/up phase
+            matmul(t, t.parts->down, packed() + placed_[a].packed_act, shape_.intermediate, partial(ti.node, a, 2), ti);
+        if (combine_here) combine(a, h);
     }
-    // Fused: the down rows of every expert of the group are the same even split.
-    if (g.fused && !team_.aborted()) epilogue(g, tasks_[g.begin].parts->down.thread_rows[0][ti.local]);
+    if (team_.aborted()) return;
+    if (combine_here && g.last) write_out(h);
+    if (g.fused && output_.store) epilogue(g, h);
+}
+
+void StepRun::clear_y(Range h) const {
+    float* y = static_cast<float*>(arena_.y.get());
+    const int64_t H = shape_.hidden;
+    if (h.empty()) return;
+    for (int64_t t = 0; t < shape_.n_tokens; ++t) std::memset(y + t * H + h.begin, 0, sizeof(float) * (h.end - h.begin));
+}
+
+// y[token] += weight * (sum of the node partials of expert a), columns h.
+void StepRun::combine(size_t a, Range h) const {
+    if (h.empty()) return;
+    const ExpertTask& t = tasks_[a];
+    t.ops->combine_down(partial_ptrs(a, 2), n_nodes_, t.m, h.begin, h.end, t.m, t.y_rows, t.y_weights,
+                        static_cast<float*>(arena_.y.get()), shape_.hidden);
+}
+
+// y -> out, columns h (after the last group).
+void StepRun::write_out(Range h) const {
+    const int64_t H = shape_.hidden;
+    const float* y = static_cast<const float*>(arena_.y.get());
+    for (int64_t t = 0; t < shape_.n_tokens; ++t) {
+        if (output_.out_bf16)
+            kernels::floats_to_bf16(y + t * H + h.begin, static_cast<bf16*>(output_.out) + t * H + h.begin, h.end - h.begin);
+        else
+            std::memcpy(static_cast<float*>(output_.out) + t * H + h.begin, y + t * H + h.begin,
+                        sizeof(float) * (h.end - h.begin));
+    }
 }
 
 // Output columns h of the group: store (one expert) or add into y, y -> out after the last group.
 void StepRun::epilogue(const Group& g, Range h) const {
     if (h.empty()) return;
-    const int64_t H = shape_.hidden, T = shape_.n_tokens;
     if (output_.store) {
         if (placed_[g.begin].token_block > 0) return;  // stored by its token blocks
         const ExpertTask& t = tasks_[g.begin];
-        t.ops->store_down(partial_ptrs(g.begin, 2), n_nodes_, t.m, h.begin, h.end, t.m, output_.out, H,
+        t.ops->store_down(partial_ptrs(g.begin, 2), n_nodes_, t.m, h.begin, h.end, t.m, output_.out, shape_.hidden,
                           output_.out_bf16);
         return;
     }
-    float* y = static_cast<float*>(arena_.y.get());
-    if (g.first)
-        for (int64_t t = 0; t < T; ++t) std::memset(y + t * H + h.begin, 0, sizeof(float) * (h.end - h.begin));
-    for (size_t a = g.begin; a < g.end; ++a) {
-        const ExpertTask& t = tasks_[a];
-        t.ops->combine_down(partial_ptrs(a, 2), n_nodes_, t.m, h.begin, h.end, t.m, t.y_rows, t.y_weights, y, H);
-    }
-    if (!g.last) return;
-    for (int64_t t = 0; t < T; ++t) {
-        if (output_.out_bf16)
-            kernels::floats_to_bf16(y + t * H + h.begin, static_cast<bf16*>(output_.out) + t * H + h.begin,
-                                    h.end - h.begin);
-        else
-            std::memcpy(static_cast<float*>(output_.out) + t * H + h.begin, y + t * H + h.begin,
-                        sizeof(float) * (h.end - h.begin));
-    }
+    if (g.first) clear_y(h);
+    for (size_t a = g.begin; a < g.end; ++a) combine(a, h);
+    if (g.last) write_out(h);
 }
 
 bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going) {
