@@ -196,14 +196,16 @@ def test_matmul_long_k_blocks(isa, m, rng):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_matmul_every_token_count_up_to_50(isa, rng):
+def test_matmul_every_token_count_up_to_50_and_beyond(isa, rng):
     # Each token count selects its own register blocks and, for AVX-512, its own token
     # layout (dot product at 1-2 tokens, 4-, 8- or 16-token lanes, 1-4 token vectors per
     # block, padding tokens): sweep them all on a small matrix with split column pairs.
+    # Above 50, counts whose token vectors split into unequal passes (5, 9, 10, 13, 14
+    # vectors of 8 or 16 tokens) and a second token block (> 256 tokens).
     rows, k = 23, 136
     weight = bf16(rng.standard_normal((rows, k)))
     segments = [[0, 1, rows, 0, 67], [0, 1, rows, 67, 133], [1, 2, 11, 133, 136]]
-    for m in range(1, 51):
+    for m in [*range(1, 51), 66, 72, 80, 100, 150, 206, 222, 300]:
         tokens = bf16(rng.standard_normal((m, k)))
         out, base, covered = run_matmul(isa, weight, segments, tokens, 0, rows, rng)
         ref = segment_reference(weight, segments, tokens, 0, rows)

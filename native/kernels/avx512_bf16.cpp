@@ -391,8 +391,10 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
         const int64_t block_m = std::min(m - tg0 * T, groups * T);
         const bf16* block_tokens = tokens + tg0 * 32;
         float* block_out = out + tg0 * T;
-        const int64_t group_block = groups < kLaneMaxGroups ? groups : kLaneMaxGroups;
-        const int64_t n_group_blocks = (groups + group_block - 1) / group_block;
+        // Passes of about equal numbers of token vectors (5 = 3 + 2, not 4 + 1): a pass with
+        // one vector runs at about half the rate of one with three or four (docs/kernels.md).
+        const int64_t n_group_blocks = (groups + kLaneMaxGroups - 1) / kLaneMaxGroups;
+        const int64_t group_block = (groups + n_group_blocks - 1) / n_group_blocks;  // the largest
         for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo,
                                                                           int64_t j_hi, int64_t stride) {
             const int64_t w_step = stride * ldw, out_step = stride * ldo;
@@ -414,8 +416,8 @@ void lane_matmul_segments(const bf16* w, int64_t ldw, const Segment* segments, i
                     const int64_t lines = std::max<int64_t>(1, (q1 - q0) * B / 32);
                     const int64_t pf_len = next.k1 - next.k0;
                     for (int64_t gb = 0; q1 > q0 && gb < n_group_blocks; ++gb) {
-                        const int64_t g0 = gb * group_block;
-                        const int64_t ng = std::min(group_block, groups - g0);
+                        const int64_t g0 = groups * gb / n_group_blocks;
+                        const int64_t ng = groups * (gb + 1) / n_group_blocks - g0;
                         // Group block gb prefetches its share of the next block's columns.
                         const int64_t share_begin = next.k0 + pf_len * gb / n_group_blocks;
                         const int64_t share_len = next.k0 + pf_len * (gb + 1) / n_group_blocks - share_begin;
