@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""One thread's rate of `numa_moe.kernels.matmul_segments` (gather included) on a bf16
-weight of ROWS x K against M tokens, for comparing two builds of a kernel (run it once per
+"""One thread's rate of `numa_moe.kernels.matmul_segments` (gather included) on a weight
+of ROWS x K (bf16, or int8 / int4 with --format) against M tokens, for comparing two builds of a kernel (run it once per
 build, alternating, several times: the machines these figures come from are shared, and
 only same-round ratios mean anything). With --copies N > 1 the calls rotate over N weight
 copies, so that each call streams its weight from DRAM when N x ROWS x K x 2 bytes is well
@@ -26,12 +26,18 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=20)
     parser.add_argument("--calls", type=int, default=25)
     parser.add_argument("--isa", default=None)
+    parser.add_argument("--format", default="bf16", choices=("bf16", "int8", "int4"),
+                        help="int8 / int4: the weights quantized (group 128, fp16 scales; numa_moe.quant)")
     args = parser.parse_args()
     import ml_dtypes
 
     rng = np.random.default_rng(0)
-    weights = [rng.standard_normal((args.rows, args.k), dtype=np.float32).astype(ml_dtypes.bfloat16)
-               for _ in range(max(1, args.copies))]
+    from numa_moe import quant
+
+    weights = []
+    for _ in range(max(1, args.copies)):
+        w = rng.standard_normal((args.rows, args.k), dtype=np.float32).astype(ml_dtypes.bfloat16)
+        weights.append(w if args.format == "bf16" else quant.quantize(w, args.format))
     segments = np.array([[0, 1, args.rows, 0, args.k]], np.int64)
     m = args.m
     tokens = rng.standard_normal((m, args.k), dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -43,7 +49,7 @@ def main() -> None:
         if i >= 3:
             times.append(time.perf_counter() - start)
     flops = 2.0 * args.rows * args.k * m
-    print(f"rows={args.rows} k={args.k} m={m} copies={len(weights)}: median {flops / statistics.median(times) / 1e9:.0f} "
+    print(f"{args.format} rows={args.rows} k={args.k} m={m} copies={len(weights)}: median {flops / statistics.median(times) / 1e9:.0f} "
           f"best {flops / min(times) / 1e9:.0f} GFLOP/s", flush=True)
 
 
