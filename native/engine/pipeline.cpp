@@ -402,10 +402,11 @@ void StepRun::down(const Group& g, const ThreadInfo& ti) {
     if (g.fused && output_.store) epilogue(g, h);
 }
 
+// y = 0, columns h (before the first group's combines).
 void StepRun::clear_y(Range h) const {
+    if (h.empty()) return;
     float* y = static_cast<float*>(arena_.y.get());
     const int64_t H = shape_.hidden;
-    if (h.empty()) return;
     for (int64_t t = 0; t < shape_.n_tokens; ++t) std::memset(y + t * H + h.begin, 0, sizeof(float) * (h.end - h.begin));
 }
 
