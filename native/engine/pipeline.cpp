@@ -305,17 +305,11 @@ void StepRun::gather(const ExpertTask& task, const Placed& p) const {
     task.ops->gather(shape_.x, shape_.ldx, task.x_rows, task.m, shape_.hidden, packed() + p.packed_x);
 }
 
-// This thread's rows of one matrix: zeroed, then the node's segments accumulated, in calls
-// of at most kRowsPerCall rows.
+// This thread's rows of one matrix over its node's segments, into the node's partial.
 void StepRun::matmul(const ExpertTask& task, const MatrixPart& mp, const void* tokens, int64_t k, float* part,
                      const ThreadInfo& ti) const {
-    const Range rows = mp.thread_rows[ti.node][ti.local];
-    if (rows.empty()) return;
-    std::memset(part + rows.begin * task.m, 0, sizeof(float) * (rows.end - rows.begin) * task.m);
-    const std::vector<Segment>& segs = mp.node_segments[ti.node];
-    for (int64_t r = rows.begin; r < rows.end && !team_.aborted(); r += kRowsPerCall)
-        task.ops->matmul_segments(mp.weights, segs.data(), static_cast<int64_t>(segs.size()), r,
-                                  std::min(rows.end, r + kRowsPerCall), tokens, task.m, k, part, task.m);
+    matmul_rows(task, mp, mp.node_segments[ti.node], mp.thread_rows[ti.node][ti.local], tokens, task.m, k, part,
+                task.m);
 }
 
 // Rows `rows` of one matrix over the segments `segs`: out zeroed for tokens [0, m), then
@@ -323,7 +317,10 @@ void StepRun::matmul(const ExpertTask& task, const MatrixPart& mp, const void* t
 void StepRun::matmul_rows(const ExpertTask& task, const MatrixPart& mp, const std::vector<Segment>& segs, Range rows,
                           const void* tokens, int64_t m, int64_t k, float* out, int64_t ldo) const {
     if (rows.empty()) return;
-    for (int64_t r = rows.begin; r < rows.end; ++r) std::memset(out + r * ldo, 0, sizeof(float) * m);
+    if (ldo == m)  // rows back to back: one memset, not one a row (decode: m = 1)
+        std::memset(out + rows.begin * ldo, 0, sizeof(float) * (rows.end - rows.begin) * m);
+    else
+        for (int64_t r = rows.begin; r < rows.end; ++r) std::memset(out + r * ldo, 0, sizeof(float) * m);
     for (int64_t r = rows.begin; r < rows.end && !team_.aborted(); r += kRowsPerCall)
         task.ops->matmul_segments(mp.weights, segs.data(), static_cast<int64_t>(segs.size()), r,
                                   std::min(rows.end, r + kRowsPerCall), tokens, m, k, out, ldo);

@@ -275,17 +275,10 @@ void lane_micro(const Block& b, const LaneTokens& x_block, int64_t q0, int64_t q
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-    // The out lines this block adds into at its end, requested now: with many rows or k
-    // blocks they are no longer in cache, and a load from DRAM at the end of every block
-    // would stall it.
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) {
-            const float* o = b.out + r * b.out_step + g * T;
-            _mm_prefetch(reinterpret_cast<const char*>(o), _MM_HINT_T2);
-            _mm_prefetch(reinterpret_cast<const char*>(o + T - 1), _MM_HINT_T2);
-        }
+        for (int g = 0; g < G; ++g) prefetch_out_floats(b.out + r * b.out_step + g * T, T);
     const int64_t w_step = b.w_step;
     const char* pf = reinterpret_cast<const char*>(b.pf);
     const char* pf_again = reinterpret_cast<const char*>(b.pf_again);

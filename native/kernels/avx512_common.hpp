@@ -21,6 +21,14 @@ namespace {
 
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
 
+// Requests (L2) the lines of out[0, n) (n fp32 in one or two lines) that a register block
+// adds into at its end: with many rows or k blocks they have left the caches, and a load
+// from DRAM at the end of every block would stall it.
+inline void prefetch_out_floats(const float* out, int64_t n) {
+    _mm_prefetch(reinterpret_cast<const char*>(out), _MM_HINT_T2);
+    _mm_prefetch(reinterpret_cast<const char*>(out + n - 1), _MM_HINT_T2);
+}
+
 // exp(x) to ~2 ulp over the fp32 range: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial,
 // 2^n applied with scalef (which also handles the over/underflow ends).
 inline __m512 exp512(__m512 x) {

@@ -533,14 +533,8 @@ __attribute__((noinline)) void group_dots(const int8_t* const rows[R], int64_t c
 template <int64_t G, int R, int NG>
 void lane_micro(const RowBlock<R>& b, const LaneRows<R>& lr, const uint8_t* values, const float* xs, int64_t m,
                 int64_t k, int64_t j0) {
-    // The out lines added into at the end, requested now (they may have left the caches
-    // since the pipeline cleared them; a load from DRAM at the end would stall the block).
     for (int n = 0; n < NG; ++n)
-        for (int r = 0; r < b.rows; ++r) {
-            const float* o = b.out[r] + (j0 + n) * kLaneTokens;
-            _mm_prefetch(reinterpret_cast<const char*>(o), _MM_HINT_T2);
-            _mm_prefetch(reinterpret_cast<const char*>(o + kLaneTokens - 1), _MM_HINT_T2);
-        }
+        for (int r = 0; r < b.rows; ++r) prefetch_out_floats(b.out[r] + (j0 + n) * kLaneTokens, kLaneTokens);
     alignas(64) float acc[R][NG][16] = {};
     alignas(64) __m512i dots[R * NG];
     const int64_t x_group_bytes = (k / 4) * 64;
