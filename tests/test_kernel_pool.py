@@ -69,7 +69,6 @@ def test_thread_counts_other_than_the_cpus(rng, threads):
     assert run_ffn(rng, threads=threads) < FFN_TOL_F32
 
 
-@pytest.mark.skipif("avx512" not in kernels.available_isas(), reason="the streaming read needs AVX-512")
 def test_bench_expert_ffn_vs_read_interleaves(rng):
     hidden, inter, m = 256, 128, 4
     x, *_ = random_expert(rng, hidden, inter, n_tokens=m)

@@ -210,7 +210,6 @@ def test_amx_model_faults(shapes, palette, message):
         _native.testing.amx_model_tile_dot(cfg, False, *tiles)
 
 
-@pytest.mark.skipif("avx512" not in kernels.available_isas(), reason="the streaming read is AVX-512 code")
 def test_stream_reads_refuse_strided_buffers(rng):
     strided = rng.standard_normal((64, 64)).astype(np.float32)[:, ::2]
     for call in (lambda b: _bench.stream_read(b, 1), lambda b: _bench.bench_stream_read(b, 1, 1)):

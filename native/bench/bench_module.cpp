@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <vector>
@@ -33,8 +34,31 @@ struct Span {
     size_t bytes;
 };
 
-void require_avx512(const char* what) {
-    if (!has_avx512_bf16_kernels()) throw std::invalid_argument(std::string(what) + ": needs AVX-512-BF16 on this CPU");
+// Baseline x86-64 (SSE2) read for CPUs without AVX2.
+uint64_t stream_read_baseline(const void* data, size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    size_t i = 0;
+    for (; i + 32 <= bytes; i += 32) {
+        uint64_t v[4];
+        std::memcpy(v, p + i, sizeof(v));
+        a0 ^= v[0];
+        a1 ^= v[1];
+        a2 ^= v[2];
+        a3 ^= v[3];
+    }
+    uint64_t sum = a0 + a1 + a2 + a3;
+    for (; i < bytes; ++i) sum += static_cast<unsigned char>(p[i]);
+    return sum;
+}
+
+// The widest loads this CPU has: the read ceiling is what the kernels' own loads could reach.
+using StreamRead = uint64_t (*)(const void*, size_t);
+StreamRead stream_reader() {
+    static const StreamRead reader = has_avx512_bf16_kernels() ? stream_read_avx512
+                                     : has_avx2_kernels()      ? stream_read_avx2
+                                                               : stream_read_baseline;
+    return reader;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -54,6 +78,7 @@ void on_threads(int threads, int n_phases, const std::function<void(int, int, in
 // pays the dispatch and barrier of an expert_ffn call. Returns the checksum.
 uint64_t read_spans(const std::vector<Span>& spans, int threads, size_t phase_break = SIZE_MAX) {
     std::vector<uint64_t> sums(static_cast<size_t>(std::max(1, threads)) * 8, 0);  // a cache line each
+    const StreamRead read = stream_reader();
     const int n_phases = phase_break < spans.size() ? 2 : 1;
     on_threads(threads, n_phases, [&](int phase, int id, int n_threads) {
         const size_t first = phase == 0 ? 0 : phase_break;
@@ -64,7 +89,7 @@ uint64_t read_spans(const std::vector<Span>& spans, int threads, size_t phase_br
             const Range share = split_even(units, n_threads, 1)[id];
             const size_t begin = std::min(spans[s].bytes, static_cast<size_t>(share.begin) * 256);
             const size_t end = std::min(spans[s].bytes, static_cast<size_t>(share.end) * 256);
-            sum += stream_read_avx512(spans[s].data + begin, end - begin);
+            sum += read(spans[s].data + begin, end - begin);
         }
         sums[static_cast<size_t>(id) * 8] += sum;
     });
@@ -89,14 +114,12 @@ std::vector<Span> array_spans(const py::list& buffers, const char* what) {
 int thread_count(int threads) { return threads > 0 ? threads : engine::affinity_cpu_count(); }
 
 uint64_t py_stream_read(const py::list& buffers, int threads) {
-    require_avx512("stream_read");
     const auto spans = array_spans(buffers, "stream_read");
     py::gil_scoped_release release;
     return read_spans(spans, thread_count(threads));
 }
 
 double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
-    require_avx512("bench_stream_read");
     const auto spans = array_spans(buffers, "bench_stream_read");
     py::gil_scoped_release release;
     std::vector<Span> order;
@@ -175,7 +198,6 @@ std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array&
 std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
     const std::string& isa, const py::array& x, const py::array& token_index, const py::list& experts, int threads,
     int repeats, bool out_bf16) {
-    require_avx512("bench_expert_ffn_vs_read");
     BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
     const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format, bench.group);
     std::vector<double> ours, read;
@@ -202,11 +224,13 @@ double py_peak_flops(const std::string& isa, int64_t iterations, int threads, co
     const kernels::KernelOps& ops = bindings::ops_for(isa, parsed);  // refuses what this CPU cannot run
     const bool integer = parsed != kernels::Format::bf16;
     double (*loop)(int64_t) = nullptr;
+    if (ops.isa == kernels::Isa::avx2) loop = integer ? vpmaddubsw_loop : vfmadd231ps_loop;
     if (ops.isa == kernels::Isa::avx512) loop = integer ? vpdpbusd_loop : vdpbf16ps_loop;
     if (ops.isa == kernels::Isa::amx) loop = integer ? tdpbssd_loop : tdpbf16ps_loop;
     if (!loop)
         throw std::invalid_argument("peak_flops: no peak loop for isa '" + isa +
-                                    "' (avx512: vdpbf16ps / vpdpbusd, amx: tdpbf16ps / tdpbssd)");
+                                    "' (avx2: vfmadd231ps / vpmaddubsw, avx512: vdpbf16ps / vpdpbusd, amx: tdpbf16ps / "
+                                    "tdpbssd)");
     const int n = thread_count(threads);
     std::vector<double> flops(static_cast<size_t>(n) * 8, 0.0);
     py::gil_scoped_release release;
@@ -222,7 +246,8 @@ void register_bench(py::module_& parent) {
     py::module_ m = parent.def_submodule("bench");
     m.doc() = "numa-moe benchmark harness: streaming read, peak loops, kernel-vs-read loops";
     m.def("stream_read", &py_stream_read, py::arg("buffers"), py::arg("threads") = 1,
-          "Reads the buffers with AVX-512 loads on `threads` threads (bandwidth ceiling); returns a checksum.");
+          "Reads the buffers with the CPU's widest loads (AVX-512, AVX2 or baseline) on `threads` threads (bandwidth "
+          "ceiling); returns a checksum.");
     m.def("bench_stream_read", &py_bench_stream_read, py::arg("buffers"), py::arg("threads"), py::arg("repeats"),
           "Seconds to stream-read `repeats` buffers (rotating) with `threads` threads.");
     m.def("bench_expert_ffn", &py_bench_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"),
@@ -234,8 +259,8 @@ void register_bench(py::module_& parent) {
           "stream-reads expert 2r+1 (rotating), interleaved so both see the same machine state.");
     m.def("peak_flops", &py_peak_flops, py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1,
           py::arg("format") = "bf16",
-          "Register-only peak loop of the ISA and weight format (avx512: vdpbf16ps / vpdpbusd, amx: tdpbf16ps / "
-          "tdpbssd) on `threads` threads; returns the operations executed (time it).");
+          "Register-only peak loop of the ISA and weight format (avx2: vfmadd231ps / vpmaddubsw, avx512: vdpbf16ps / "
+          "vpdpbusd, amx: tdpbf16ps / tdpbssd) on `threads` threads; returns the operations executed (time it).");
 }
 
 }  // namespace numa_moe::bench

@@ -3,8 +3,10 @@ list(APPEND NUMA_MOE_SOURCES
   native/bench/bench_module.cpp
 )
 list(APPEND NUMA_MOE_ISA_SOURCES
+  native/bench/avx2_loops.cpp
   native/bench/avx512_loops.cpp
   native/bench/amx_loops.cpp
 )
+numa_moe_isa_source(native/bench/avx2_loops.cpp bench_avx2 -mavx2 -mfma)
 numa_moe_isa_source(native/bench/avx512_loops.cpp bench_avx512 ${NUMA_MOE_AVX512_FLAGS})
 numa_moe_isa_source(native/bench/amx_loops.cpp bench_amx -mamx-tile -mamx-bf16 -mamx-int8)

@@ -198,7 +198,7 @@ def _measure_peaks(peaks: dict, isas, threads: int) -> None:
 def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dict) -> float | None:
     """The step's compute floor: each active expert's flops (2 x 3 x H x I per routed token)
     at the in-run peak of the ISA the layer runs it with (_measure_peaks). None when one of
-    those ISAs has no peak loop (ref, avx2, amx_model): the memory time alone is then the
+    those ISAs has no peak loop (ref, amx_model): the memory time alone is then the
     roofline."""
     from numa_moe.benchmarking.kernels import measure_peak_gflop_s
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from numa_moe import _bench, _native
 
 # The register-only loop behind each ISA's peak: the instruction it repeats
-# (_bench.peak_flops). ISAs without one (ref, avx2, amx_model) have no measured peak.
-PEAK_INSTRUCTIONS = {"avx512": "vdpbf16ps", "amx": "tdpbf16ps"}
+# (_bench.peak_flops). ISAs without one (ref, amx_model) have no measured peak.
+PEAK_INSTRUCTIONS = {"avx2": "vfmadd231ps", "avx512": "vdpbf16ps", "amx": "tdpbf16ps"}
 # The integer formats' kernels multiply with these (int8 operations, counted as flops are).
-INTEGER_PEAK_INSTRUCTIONS = {"avx512": "vpdpbusd", "amx": "tdpbssd"}
+INTEGER_PEAK_INSTRUCTIONS = {"avx2": "vpmaddubsw", "avx512": "vpdpbusd", "amx": "tdpbssd"}
 
 
 def peak_instruction(isa: str, weight_format: str = "bf16") -> str | None:
@@ -28,8 +28,8 @@ def peak_flops(isa: str, iterations: int, threads: int, weight_format: str = "bf
 
 
 def stream_read(buffers, threads: int) -> int:
-    """Reads every buffer once with AVX-512 loads on `threads` pinned threads; returns a
-    checksum. ValueError without AVX-512."""
+    """Reads every buffer once with the CPU's widest loads (AVX-512, else AVX2, else
+    64-bit words) on `threads` pinned threads; returns a checksum."""
     return _bench.stream_read(list(buffers), threads)
 
 
