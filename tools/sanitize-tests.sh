@@ -14,7 +14,7 @@ cp -r numa_moe cli/numa_moe_cli "$site"/
 rm -f "$site"/numa_moe/_native*.so
 cmake -S . -B build/sanitize/cmake -G Ninja -DCMAKE_BUILD_TYPE=Debug -DNUMA_MOE_SANITIZE=ON -DNUMA_MOE_TEST_HOOKS=ON \
   -DNUMA_MOE_OUTPUT_DIR="$PWD/$site/numa_moe" \
-  -DPython_EXECUTABLE="$(command -v "$python")" \
+  -DPython_EXECUTABLE="$(realpath -s "$(command -v "$python")")" \
   -Dpybind11_DIR="$("$python" -m pybind11 --cmakedir)" >/dev/null
 cmake --build build/sanitize/cmake -j 2
 asan=$(g++ -print-file-name=libasan.so)

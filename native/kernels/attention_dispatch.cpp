@@ -13,7 +13,7 @@ const AttentionOps* attention_ops(Isa isa) {
         case Isa::ref: return &attention_ref_ops();
         case Isa::avx2: return has_avx2_kernels() ? &attention_avx2_ops() : nullptr;
         case Isa::avx512: return has_avx512_bf16_kernels() ? &attention_avx512_ops() : nullptr;
-        case Isa::amx_model: return has_avx512_bf16_kernels() ? &attention_amx_model_ops() : nullptr;
+        case Isa::amx_model: return has_avx2_kernels() ? &attention_amx_model_ops() : nullptr;
         case Isa::amx:
             return has_avx512_bf16_kernels() && request_amx_permission() ? &attention_amx_ops() : nullptr;
     }

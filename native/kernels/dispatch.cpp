@@ -53,7 +53,8 @@ bool parse_format(const char* name, Format* format) {
 namespace {
 
 // The integer formats: reference kernels, AVX2 ones, AVX-512-VNNI ones, and AMX-INT8 ones (real, or
-// over the AMX model; their epilogues and token packing are AVX-512 code).
+// over the AMX model; their epilogues and token packing are AVX-512 code, emulated on AVX2 in the
+// model build).
 bool has_amx_int8_kernels() {
     return has_avx512_bf16_kernels() && cpu_features().amx_int8 && request_amx_permission();
 }
@@ -63,7 +64,7 @@ const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
         case Isa::ref: return ref_integer_ops(format, group);
         case Isa::avx2: return has_avx2_kernels() ? avx2_integer_ops(format, group) : nullptr;
         case Isa::avx512: return has_avx512_vnni_kernels() ? avx512_integer_ops(format, group) : nullptr;
-        case Isa::amx_model: return has_avx512_bf16_kernels() ? amx_model_integer_ops(format, group) : nullptr;
+        case Isa::amx_model: return has_avx2_kernels() ? amx_model_integer_ops(format, group) : nullptr;
         case Isa::amx: return has_amx_int8_kernels() ? amx_integer_ops(format, group) : nullptr;
     }
     return nullptr;
@@ -77,8 +78,8 @@ const KernelOps* kernel_ops(Isa isa, Format format, int64_t group) {
         case Isa::ref: return &ref_ops();
         case Isa::avx2: return has_avx2_kernels() ? &avx2_ops() : nullptr;
         case Isa::avx512: return has_avx512_bf16_kernels() ? &avx512_ops() : nullptr;
-        // The model's epilogues are AVX-512 code; its tiles are plain C++.
-        case Isa::amx_model: return has_avx512_bf16_kernels() ? &amx_model_ops() : nullptr;
+        // The model's tiles are plain C++, its AVX-512 epilogues emulated on AVX2 (avx512_emulated.hpp).
+        case Isa::amx_model: return has_avx2_kernels() ? &amx_model_ops() : nullptr;
         case Isa::amx: return has_avx512_bf16_kernels() && request_amx_permission() ? &amx_ops() : nullptr;
     }
     return nullptr;
@@ -93,9 +94,9 @@ std::string unavailable_reason(Isa isa, Format format) {
     }
     switch (isa) {
         case Isa::ref: return "";
-        case Isa::avx2: return "this CPU (or OS) lacks AVX2 + FMA";
-        case Isa::avx512:
-        case Isa::amx_model: return "this CPU (or OS) lacks AVX-512 with BF16";
+        case Isa::avx2:
+        case Isa::amx_model: return "this CPU (or OS) lacks AVX2 + FMA";
+        case Isa::avx512: return "this CPU (or OS) lacks AVX-512 with BF16";
         case Isa::amx: {
             if (!has_avx512_bf16_kernels()) return "this CPU (or OS) lacks AVX-512 with BF16";
             std::string reason;

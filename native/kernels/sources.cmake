@@ -30,13 +30,17 @@ numa_moe_isa_source(native/kernels/avx2_quant.cpp avx2_quant -mavx2 -mfma -ffp-c
 numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
 # The integer kernels also need VNNI; no contraction, so that they round as the reference.
 numa_moe_isa_source(native/kernels/avx512_quant.cpp avx512_vnni ${NUMA_MOE_AVX512_FLAGS} -mavx512vnni -ffp-contract=off)
-numa_moe_isa_source(native/kernels/amx_bf16_model.cpp amx_model ${NUMA_MOE_AVX512_FLAGS})
+# The AMX software-model builds run on every AVX2 CPU: AVX2 flags, the AVX-512 intrinsics of
+# the shared epilogues from SIMDe (avx512_emulated.hpp). -Wno-psabi: its 512-bit values are
+# returned from internal functions only, so the ABI note does not apply.
+set(NUMA_MOE_AMX_MODEL_FLAGS -mavx2 -mfma -Wno-psabi)
+numa_moe_isa_source(native/kernels/amx_bf16_model.cpp amx_model ${NUMA_MOE_AMX_MODEL_FLAGS})
 numa_moe_isa_source(native/kernels/amx_bf16.cpp amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
 # The AMX integer kernels, no contraction either (their fp32 epilogue rounds as ref's).
-numa_moe_isa_source(native/kernels/amx_quant_model.cpp amx_quant_model ${NUMA_MOE_AVX512_FLAGS} -ffp-contract=off)
+numa_moe_isa_source(native/kernels/amx_quant_model.cpp amx_quant_model ${NUMA_MOE_AMX_MODEL_FLAGS} -ffp-contract=off)
 numa_moe_isa_source(native/kernels/amx_quant.cpp amx_quant ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-int8 -ffp-contract=off)
 # Decode attention (attention_api.hpp): the same ISA rules, its own tables.
 numa_moe_isa_source(native/kernels/attention_avx2.cpp attn_avx2 -mavx2 -mfma)
 numa_moe_isa_source(native/kernels/attention_avx512.cpp attn_avx512 ${NUMA_MOE_AVX512_FLAGS})
-numa_moe_isa_source(native/kernels/attention_amx_model.cpp attn_amx_model ${NUMA_MOE_AVX512_FLAGS})
+numa_moe_isa_source(native/kernels/attention_amx_model.cpp attn_amx_model ${NUMA_MOE_AMX_MODEL_FLAGS})
 numa_moe_isa_source(native/kernels/attention_amx.cpp attn_amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
