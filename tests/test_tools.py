@@ -51,7 +51,8 @@ def test_readme_and_ci_run_the_same_test_command():
 
 
 @pytest.mark.parametrize("script", ["tools/run-tests.sh", "tools/run-main.sh",
-                                    "tools/run-multinode.sh", "tools/setup.sh", ".ci/run"])
+                                    "tools/run-multinode.sh", "tools/run-no-avx512.sh",
+                                    "tools/setup.sh", ".ci/run"])
 def test_scripts_parse_and_name_only_existing_tools(script):
     path = ROOT / script
     subprocess.run(["bash", "-n", str(path)], check=True)
