@@ -27,8 +27,14 @@
 namespace numa_moe::kernels::avx512_emulated {
 namespace {
 
-// Copies the lanes of `lane_bytes` bytes selected by `mask` from src to dst.
+// Copies the lanes of `lane_bytes` bytes selected by `mask` from src to dst, and never
+// touches an unselected lane of either (all at once when every lane is selected).
 inline void copy_masked_lanes(void* dst, const void* src, uint64_t mask, int lanes, int lane_bytes) {
+    const uint64_t every = lanes == 64 ? ~uint64_t{0} : (uint64_t{1} << lanes) - 1;
+    if ((mask & every) == every) {
+        std::memcpy(dst, src, static_cast<size_t>(lanes) * static_cast<size_t>(lane_bytes));
+        return;
+    }
     for (int i = 0; i < lanes; ++i) {
         if ((mask >> i) & 1u) {
             std::memcpy(static_cast<char*>(dst) + i * lane_bytes, static_cast<const char*>(src) + i * lane_bytes,
@@ -37,56 +43,18 @@ inline void copy_masked_lanes(void* dst, const void* src, uint64_t mask, int lan
     }
 }
 
-inline bool all_lanes(uint64_t mask, int lanes) { return mask == (lanes == 64 ? ~uint64_t{0} : (uint64_t{1} << lanes) - 1); }
-
-inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
-    if (all_lanes(k, 16)) return simde_mm512_loadu_ps(p);
-    alignas(64) float lanes[16] = {};
-    copy_masked_lanes(lanes, p, k, 16, 4);
-    return simde_mm512_load_ps(lanes);
+// A masked load: the selected lanes from p, the others those of `rest` (SIMDe's vectors
+// are plain trivially copyable values).
+template <class Vector>
+inline Vector load_selected(Vector rest, uint64_t mask, const void* p, int lane_bytes) {
+    copy_masked_lanes(&rest, p, mask, static_cast<int>(sizeof(Vector)) / lane_bytes, lane_bytes);
+    return rest;
 }
 
-inline simde__m512 mask_loadu_ps(simde__m512 src, simde__mmask16 k, const void* p) {
-    alignas(64) float lanes[16];
-    simde_mm512_store_ps(lanes, src);
-    copy_masked_lanes(lanes, p, k, 16, 4);
-    return simde_mm512_load_ps(lanes);
-}
-
-inline simde__m512i maskz_loadu_epi32(simde__mmask16 k, const void* p) {
-    return simde_mm512_castps_si512(maskz_loadu_ps(k, p));
-}
-
-inline simde__m256i maskz_loadu_epi16_256(simde__mmask16 k, const void* p) {
-    if (all_lanes(k, 16)) return simde_mm256_loadu_si256(static_cast<const simde__m256i*>(p));
-    alignas(32) uint16_t lanes[16] = {};
-    copy_masked_lanes(lanes, p, k, 16, 2);
-    return simde_mm256_load_si256(reinterpret_cast<const simde__m256i*>(lanes));
-}
-
-inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
-    if (all_lanes(k, 16)) return simde_mm512_storeu_ps(p, a);
-    alignas(64) float lanes[16];
-    simde_mm512_store_ps(lanes, a);
-    copy_masked_lanes(p, lanes, k, 16, 4);
-}
-
-inline void mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i a) {
-    mask_storeu_ps(p, k, simde_mm512_castsi512_ps(a));
-}
-
-inline void mask_storeu_epi16_512(void* p, simde__mmask32 k, simde__m512i a) {
-    if (all_lanes(k, 32)) return simde_mm512_storeu_si512(p, a);
-    alignas(64) uint16_t lanes[32];
-    simde_mm512_store_si512(lanes, a);
-    copy_masked_lanes(p, lanes, k, 32, 2);
-}
-
-inline void mask_storeu_epi16_256(void* p, simde__mmask16 k, simde__m256i a) {
-    if (all_lanes(k, 16)) return simde_mm256_storeu_si256(static_cast<simde__m256i*>(p), a);
-    alignas(32) uint16_t lanes[16];
-    simde_mm256_store_si256(reinterpret_cast<simde__m256i*>(lanes), a);
-    copy_masked_lanes(p, lanes, k, 16, 2);
+// A masked store: the selected lanes of v to p, nothing else written.
+template <class Vector>
+inline void store_selected(void* p, uint64_t mask, Vector v, int lane_bytes) {
+    copy_masked_lanes(p, &v, mask, static_cast<int>(sizeof(Vector)) / lane_bytes, lane_bytes);
 }
 
 // VCVTNEPS2BF16 as the SDM defines it: round to nearest even, NaN kept quiet, and zero or
@@ -141,14 +109,17 @@ inline simde__m512i cvtepu8_epi16(simde__m256i a) {
 #undef _mm512_cvtneps_pbh
 #undef _mm512_cvtepi32_epi8
 #undef _mm512_cvtepu8_epi16
-#define _mm512_maskz_loadu_ps(k, p) ::numa_moe::kernels::avx512_emulated::maskz_loadu_ps(k, p)
-#define _mm512_mask_loadu_ps(src, k, p) ::numa_moe::kernels::avx512_emulated::mask_loadu_ps(src, k, p)
-#define _mm512_maskz_loadu_epi32(k, p) ::numa_moe::kernels::avx512_emulated::maskz_loadu_epi32(k, p)
-#define _mm256_maskz_loadu_epi16(k, p) ::numa_moe::kernels::avx512_emulated::maskz_loadu_epi16_256(k, p)
-#define _mm512_mask_storeu_ps(p, k, a) ::numa_moe::kernels::avx512_emulated::mask_storeu_ps(p, k, a)
-#define _mm512_mask_storeu_epi32(p, k, a) ::numa_moe::kernels::avx512_emulated::mask_storeu_epi32(p, k, a)
-#define _mm512_mask_storeu_epi16(p, k, a) ::numa_moe::kernels::avx512_emulated::mask_storeu_epi16_512(p, k, a)
-#define _mm256_mask_storeu_epi16(p, k, a) ::numa_moe::kernels::avx512_emulated::mask_storeu_epi16_256(p, k, a)
+#define _mm512_maskz_loadu_ps(k, p) \
+    ::numa_moe::kernels::avx512_emulated::load_selected(simde_mm512_setzero_ps(), k, p, 4)
+#define _mm512_mask_loadu_ps(src, k, p) ::numa_moe::kernels::avx512_emulated::load_selected(src, k, p, 4)
+#define _mm512_maskz_loadu_epi32(k, p) \
+    ::numa_moe::kernels::avx512_emulated::load_selected(simde_mm512_setzero_si512(), k, p, 4)
+#define _mm256_maskz_loadu_epi16(k, p) \
+    ::numa_moe::kernels::avx512_emulated::load_selected(simde_mm256_setzero_si256(), k, p, 2)
+#define _mm512_mask_storeu_ps(p, k, a) ::numa_moe::kernels::avx512_emulated::store_selected(p, k, a, 4)
+#define _mm512_mask_storeu_epi32(p, k, a) ::numa_moe::kernels::avx512_emulated::store_selected(p, k, a, 4)
+#define _mm512_mask_storeu_epi16(p, k, a) ::numa_moe::kernels::avx512_emulated::store_selected(p, k, a, 2)
+#define _mm256_mask_storeu_epi16(p, k, a) ::numa_moe::kernels::avx512_emulated::store_selected(p, k, a, 2)
 #define _mm512_cvtneps_pbh(a) ::numa_moe::kernels::avx512_emulated::cvtneps_pbh(a)
 #define _mm512_cvtepi32_epi8(a) ::numa_moe::kernels::avx512_emulated::cvtepi32_epi8(a)
 #define _mm512_cvtepu8_epi16(a) ::numa_moe::kernels::avx512_emulated::cvtepu8_epi16(a)
