@@ -32,8 +32,11 @@ _ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPAT
 # Runs the CLI (argv) or a snippet under RLIMIT_AS; the exit status and output come back.
 # Under AddressSanitizer (tools/sanitize-tests.sh) the limit is left out: ASan's shadow
 # memory cannot live under one, and the code under test bounds its allocations anyway.
+# SIGINT raises KeyboardInterrupt in the child as in a terminal, even when the suite was
+# started with SIGINT ignored (a background job), which the child would inherit.
 _PRELUDE = textwrap.dedent(f"""
-    import os, resource, sys
+    import os, resource, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("NUMA_MOE_SANITIZED") != "1":
         resource.setrlimit(resource.RLIMIT_AS, ({LIMIT_AS}, {LIMIT_AS}))
 """)

@@ -90,7 +90,7 @@ def test_expert_ffn_results_do_not_depend_on_the_pool_it_ran_on(rng):
         assert rel_fro(out, ref) < FFN_TOL_F32
 
 
-def test_ctrl_c_interrupts_a_long_expert_ffn(rng):
+def test_ctrl_c_interrupts_a_long_expert_ffn(rng, sigint_raises):
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals are delivered to the main thread")
     # The reference ISA on a large expert: many seconds per call.

@@ -99,7 +99,7 @@ def test_forked_child_gets_fresh_threads():
     pool.shutdown()
 
 
-def test_keyboard_interrupt_during_a_call_returns_promptly_and_pool_survives():
+def test_keyboard_interrupt_during_a_call_returns_promptly_and_pool_survives(sigint_raises):
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals are delivered to the main thread only")
     pool, _ = make_pool(2, 2)
