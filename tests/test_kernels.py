@@ -65,6 +65,17 @@ def test_isa_list_and_default():
     assert kernels.default_isa() != "amx_model"
 
 
+def test_the_amx_model_runs_wherever_avx2_does():
+    # Its AVX-512 epilogues are emulated on AVX2 (avx512_emulated.hpp), so the AMX source
+    # is tested on every AVX2 CPU, for every weight format and for decode attention.
+    from numa_moe import attention
+    if "avx2" not in ISAS:
+        pytest.skip("this CPU (or OS) lacks AVX2 + FMA")
+    for fmt in ("bf16", "int8", "int4"):
+        assert "amx_model" in kernels.available_isas(fmt), fmt
+    assert "amx_model" in attention.available_isas()
+
+
 def test_default_isa_env_override(monkeypatch):
     monkeypatch.setenv("NUMA_MOE_ISA", "ref")
     assert kernels.default_isa() == "ref"

@@ -121,7 +121,7 @@ def test_native_side_checks_segments(rng):
 
 
 needs_model = pytest.mark.skipif("amx_model" not in kernels.available_isas(),
-                                 reason="the AMX model build needs AVX-512-BF16 on this CPU")
+                                 reason="the AMX model build needs AVX2 + FMA on this CPU")
 
 
 def tile_config(shapes):
