@@ -31,10 +31,10 @@
 // constant, shared by all rows) is the accumulator's start value, negated. Register
 // block: R rows x T tokens = up to 16 (row, token) pairs, one vector each; a reduction tree
 // (reduce_pairs) turns the 16 vectors into one vector of group totals, lane p = pair p, so
-// the fp32 scale-and-add runs on 16 pairs at once. Each weight vector loaded serves T
-// tokens; each step prefetches (L2) the same columns of the row block after next. (Unlike
-// avx512_bf16.cpp no second prefetch of the block one on: with 16 row streams it made the
-// qwen3 expert ~15% slower, hot and cold, 2048 x 768, M = 1.)
+// the fp32 scale-and-add runs on 16 pairs at once, except at one token, where a block is
+// 8 rows (8 pairs): 16 row streams read from memory more slowly than 8 (docs/kernels.md).
+// Each weight vector loaded serves T tokens; each step prefetches (L2) the same columns
+// of the row block after next and of the next one, as avx512_bf16.cpp does.
 // Many tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
@@ -267,6 +267,15 @@ struct RowBlock {
     int rows;
 };
 
+// Row r's line at byte `offset` in the row block after next and in the next one into L2
+// (the hardware prefetcher does not ramp up on rows of a few KB).
+template <int R>
+inline void prefetch_ahead(const RowBlock<R>& b, int r, int64_t offset) {
+    const uint8_t* far = b.pf + r * b.w_step + offset;
+    _mm_prefetch(reinterpret_cast<const char*>(far), _MM_HINT_T2);
+    _mm_prefetch(reinterpret_cast<const char*>(far - R * b.w_step), _MM_HINT_T2);
+}
+
 template <int R>
 RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, int64_t t0,
                          float* out, int64_t ldo) {
@@ -350,7 +359,7 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
         const int64_t offset = column_bytes<F>(c + s * kStepColumns);
         const bool whole = full || s + 1 < S;
         for (int r = 0; r < R; ++r) {
-            _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
+            prefetch_ahead(b, r, offset);
             const __m512i u = load_unsigned<F>(b.w[r] + offset, whole);
             for (int t = 0; t < T; ++t) dpbusd(v[r * T + t], u, x[t][s]);
         }
@@ -359,11 +368,13 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
 
 // int4 at G = 128: the group at column c is 64 weight bytes a row, and the tokens' even
 // and odd columns are apart (splits_nibbles), so the low nibbles of the bytes meet the even
-// columns and the high ones the odd: three operations unpack 128 columns (xor with the
-// bias, and; shift-and via ternarylogic) where column order takes five per 64.
+// columns and the high ones the odd: three operations unpack 128 columns (one ternary
+// logic (w & 0x0f) ^ 8 per nibble, after a shift for the high ones) where column order
+// takes five per 64.
 template <int R, int T>
 inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, __m512i v[kPairs]) {
     const __m512i bias = _mm512_set1_epi8(8), low = _mm512_set1_epi8(0x0f);
+    constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
     __m512i even[T], odd[T];
     for (int t = 0; t < T; ++t) {
         even[t] = _mm512_loadu_si512(xq + t * k + c);
@@ -377,10 +388,10 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     for (int p = R * T; p < kPairs; ++p) v[p] = _mm512_setzero_si512();
     const int64_t offset = c / 2;
     for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + offset), _MM_HINT_T2);
-        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(b.w[r] + offset), _mm512_set1_epi8(static_cast<char>(0x88)));
-        const __m512i lo = _mm512_and_si512(u, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
+        prefetch_ahead(b, r, offset);
+        const __m512i packed = _mm512_loadu_si512(b.w[r] + offset);
+        const __m512i lo = _mm512_ternarylogic_epi32(packed, low, bias, kAndXor);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low, bias, kAndXor);
         for (int t = 0; t < T; ++t) {
             dpbusd(v[r * T + t], lo, even[t]);
             dpbusd(v[r * T + t], hi, odd[t]);
@@ -426,8 +437,9 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
         for (int t = 0; t < T; ++t) b.out[r][t] += sums[r * T + t];
 }
 
-// Rows per register block for T tokens: all 16 pairs used (15 at T = 3).
-constexpr int rows_for_tokens(int t) { return kPairs / t; }
+// Rows per register block for T tokens: all 16 pairs used (15 at T = 3), but 8 rows at
+// one token (see the file's opening block).
+constexpr int rows_for_tokens(int t) { return t == 1 ? 8 : kPairs / t; }
 
 template <Format F, int64_t G, int T>
 void pair_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, const int8_t* q, const float* xs,
