@@ -438,7 +438,7 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
 }
 
 // Rows per register block for T tokens: all 16 pairs used (15 at T = 3), but 8 rows at
-// one token (see the file's opening block).
+// one token (see the file's opening block; also the last token of 5).
 constexpr int rows_for_tokens(int t) { return t == 1 ? 8 : kPairs / t; }
 
 template <Format F, int64_t G, int T>
