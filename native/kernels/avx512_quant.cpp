@@ -10,7 +10,14 @@
 //            s[r * scales_ld + c / G]
 //   tokens   the same int8 values and fp32 scales as ref_quant.cpp (per token and block of
 //            G columns), laid out by token count:
-//            plain (m < 9)  q[t * k + c], then scale[t * (k / G) + b]
+//            plain (m < 5)  q[t * k + c] (int4 at G = 128: each group's even columns,
+//                           then its odd ones), then scale[t * (k / G) + b]
+//            interleaved    the m tokens' 4 values of each 4 columns side by side:
+//              (5 <= m < 9) int8 q[(c / 4) * 4m + 4t + c % 4]; int4 per 8 columns (a
+//                           packed weight dword) each token's 4 even ones, then its 4
+//                           odd ones: q[(c / 8) * 8m + 8t + 4 (c % 2) + (c % 8) / 2].
+//                           Then scale[t * (k / G) + b], then the int32 start
+//                           -bias * sum(q) of each token and block, [t * (k / G) + b]
 //            lanes (m >= 9) lane group j = tokens 16j .. 16j + 15; for each 4 columns
 //                           d = c / 4 a 64-byte vector at (j * k / 4 + d) * 64 whose
 //                           lane l holds token 16j + l's 4 values as u8 x + 128; absent
@@ -35,6 +42,11 @@
 // 8 rows (8 pairs): 16 row streams read from memory more slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens; each step prefetches (L2) the same columns
 // of the row block after next and of the next one, as avx512_bf16.cpp does.
+// 5 to 8 tokens (row lanes): the same unsigned weights, 16 rows a block, each 64 bytes of
+// the 16 rows transposed in registers so that lane r holds row r: every weight dword then
+// meets each token's 4 bytes broadcast from memory (the interleaved operand), and a
+// group's totals come out one vector of 16 rows per token, with no reduction tree; the
+// bias term per token and group comes with the operand (gather, silu_mul_pack).
 // Many tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
@@ -62,6 +74,11 @@ constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of
 // From 9 tokens the lane kernel beats the pair kernel (at 8 the pairs' two full token
 // blocks take about as long as one half-empty lane group; docs/kernels.md).
 constexpr int64_t kLaneMinTokens = 9;
+// From 5 tokens (to 8) the row lanes beat the pairs (docs/kernels.md): a transpose per
+// 16 x 64 weight bytes, amortised over the tokens, against a reduction tree per group
+// and 16 pairs.
+constexpr int64_t kRowLaneMinTokens = 5;
+constexpr int kRowLaneRows = 16;
 constexpr int kLaneTokens = 16;
 constexpr int kUnpackedRowsSlot = 0, kRowScalesSlot = 1, kRowSumsSlot = 2;  // thread_scratch slots
 
@@ -69,6 +86,7 @@ constexpr int kUnpackedRowsSlot = 0, kRowScalesSlot = 1, kRowSumsSlot = 2;  // t
 // Token operand.
 
 inline bool uses_lanes(int64_t m) { return m >= kLaneMinTokens; }
+inline bool uses_row_lanes(int64_t m) { return m >= kRowLaneMinTokens && m < kLaneMinTokens; }
 inline int64_t lane_groups(int64_t m) { return (m + kLaneTokens - 1) / kLaneTokens; }
 
 size_t value_bytes(int64_t m, int64_t k) {
@@ -79,7 +97,8 @@ size_t value_bytes(int64_t m, int64_t k) {
 template <int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
     const int64_t scales = uses_lanes(m) ? lane_groups(m) * (k / G) * 16 : m * (k / G);
-    return value_bytes(m, k) + static_cast<size_t>(scales) * sizeof(float);
+    const int64_t starts = uses_row_lanes(m) ? m * (k / G) : 0;
+    return value_bytes(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
 }
 
 // The few-token int4 kernel at G = 128 takes the even and the odd columns of a group
@@ -87,18 +106,31 @@ size_t packed_bytes(int64_t m, int64_t k) {
 // bytes, then 64 odd-column ones.
 constexpr bool splits_nibbles(Format format, int64_t group) { return format == Format::int4 && group == 128; }
 
-// Where gather and silu_mul_pack put token t's block b (G values and a scale).
-template <int64_t G, bool kSplit>
+template <Format F>
+constexpr int32_t kBiasValue = F == Format::int8 ? 128 : 8;
+
+// Where gather and silu_mul_pack put token t's block b (G values and a scale; row lanes
+// also minus the offset's product with them, start[t * (k / G) + b]).
+template <Format F, int64_t G>
 struct TokenWriter {
     TokenWriter(void* packed, int64_t m_, int64_t k_)
         : values(static_cast<uint8_t*>(packed)),
           scales(reinterpret_cast<float*>(values + value_bytes(m_, k_))),
-          m(m_), k(k_), lanes(uses_lanes(m_)) {}
+          starts(reinterpret_cast<int32_t*>(scales + m_ * (k_ / G))),
+          m(m_), k(k_), lanes(uses_lanes(m_)), row_lanes(uses_row_lanes(m_)) {}
 
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
+        if (row_lanes) {
+            put_interleaved(t, b, q);
+            int32_t sum = 0;
+            for (int64_t c = 0; c < G; ++c) sum += q[c];
+            scales[t * (k / G) + b] = scale;
+            starts[t * (k / G) + b] = -kBiasValue<F> * sum;
+            return;
+        }
         if (!lanes) {
             uint8_t* dst = values + t * k + b * G;
-            if constexpr (kSplit) {
+            if constexpr (splits_nibbles(F, G)) {
                 for (int64_t c = 0; c < G; c += 2) {
                     dst[c / 2] = static_cast<uint8_t>(q[c]);
                     dst[G / 2 + c / 2] = static_cast<uint8_t>(q[c + 1]);
@@ -120,6 +152,23 @@ struct TokenWriter {
         scales[(j * (k / G) + b) * 16 + lane] = scale;
     }
 
+    // Row lanes: the m tokens' bytes of one weight dword side by side, m * 4 bytes per 4
+    // columns (int8) or m * 8 per 8 (int4: each token's 4 even columns, then its 4 odd
+    // ones, the low and high nibbles of the dword).
+    void put_interleaved(int64_t t, int64_t b, const int8_t* q) const {
+        if constexpr (F == Format::int8) {
+            for (int64_t d = 0; d < G / 4; ++d) std::memcpy(values + ((b * G / 4 + d) * m + t) * 4, q + 4 * d, 4);
+        } else {
+            const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+            for (int64_t e = 0; e < G / 8; e += 2) {
+                const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * e)), order);
+                _mm_storel_epi64(reinterpret_cast<__m128i*>(values + ((b * G / 8 + e) * m + t) * 8), v);
+                _mm_storel_epi64(reinterpret_cast<__m128i*>(values + ((b * G / 8 + e + 1) * m + t) * 8),
+                                 _mm_unpackhi_epi64(v, v));
+            }
+        }
+    }
+
     // Lanes: the lanes of absent tokens of columns [c_begin, c_end) hold x = 0 with scale
     // 0 (each writer fills its own columns: no shared bytes).
     void fill_padding(int64_t c_begin, int64_t c_end) const {
@@ -136,8 +185,9 @@ struct TokenWriter {
 
     uint8_t* values;
     float* scales;
+    int32_t* starts;
     int64_t m, k;
-    bool lanes;
+    bool lanes, row_lanes;
 };
 
 // G values (G / 16 vectors) -> symmetric int8 with scale amax / 127, as quantize_block of
@@ -165,9 +215,9 @@ inline __m512 bf16x16_to_ps(const bf16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-template <int64_t G, bool kSplit>
+template <Format F, int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    const TokenWriter<G, kSplit> out(packed, m, k);
+    const TokenWriter<F, G> out(packed, m, k);
     out.fill_padding(0, k);
     alignas(64) int8_t q[G];
     for (int64_t t = 0; t < m; ++t) {
@@ -184,10 +234,10 @@ void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, i
 
 // The gate/up epilogue: the partials are [row][token], the operand [token][column], so
 // 16 rows x 16 tokens tiles are transposed in registers, G / 16 per group of columns.
-template <int64_t G, bool kSplit>
+template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    const TokenWriter<G, kSplit> out(packed, m, i_total);
+    const TokenWriter<F, G> out(packed, m, i_total);
     out.fill_padding(i_begin, i_end);
     alignas(64) int8_t q[G];
     for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
@@ -263,7 +313,7 @@ struct RowBlock {
     const void* scales[R];     // the row's first scale
     const uint8_t* pf;         // column 0 of the row block after next, for prefetching
     int64_t w_step;            // bytes between rows
-    float* out[R];             // out row, first token of the token block
+    float* out[R];             // out row
     int rows;
 };
 
@@ -277,8 +327,8 @@ inline void prefetch_ahead(const RowBlock<R>& b, int r, int64_t offset) {
 }
 
 template <int R>
-RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, int64_t t0,
-                         float* out, int64_t ldo) {
+RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, float* out,
+                         int64_t ldo) {
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
     const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
     const int64_t row_bytes = format == Format::int8 ? w.ld : w.ld / 2;
@@ -291,7 +341,7 @@ RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, in
         const int64_t row = seg.row0 + (j + (r < b.rows ? r : 0)) * stride;
         b.w[r] = data + row * row_bytes;
         b.scales[r] = static_cast<const uint8_t*>(w.scales) + row * w.scales_ld * scale_bytes;
-        b.out[r] = out + row * ldo + t0;
+        b.out[r] = out + row * ldo;
     }
     return b;
 }
@@ -438,15 +488,15 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
 }
 
 // Rows per register block for T tokens: all 16 pairs used (15 at T = 3), but 8 rows at
-// one token (see the file's opening block; also the last token of 5).
+// one token (see the file's opening block).
 constexpr int rows_for_tokens(int t) { return t == 1 ? 8 : kPairs / t; }
 
 template <Format F, int64_t G, int T>
 void pair_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, const int8_t* q, const float* xs,
-                    int64_t t0, int64_t k, float* out, int64_t ldo) {
+                    int64_t k, float* out, int64_t ldo) {
     constexpr int R = rows_for_tokens(T);
-    const RowBlock<R> b = row_block_of<R>(F, w, seg, j, j_hi, t0, out, ldo);
-    pair_micro<F, G, R, T>(b, w, q + t0 * k, xs + t0 * (k / G), k, seg.k0, seg.k1);
+    const RowBlock<R> b = row_block_of<R>(F, w, seg, j, j_hi, out, ldo);
+    pair_micro<F, G, R, T>(b, w, q, xs, k, seg.k0, seg.k1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -592,7 +642,7 @@ inline int lane_rows(int64_t m) { return lane_groups(m) <= 2 ? 8 : 6; }
 template <Format F, int64_t G, int R>
 void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, const uint8_t* values,
                     const float* xs, int64_t m, int64_t k, float* out, int64_t ldo) {
-    const RowBlock<R> b = row_block_of<R>(F, w, seg, j, j_hi, 0, out, ldo);
+    const RowBlock<R> b = row_block_of<R>(F, w, seg, j, j_hi, out, ldo);
     LaneRows<R> lr;
     signed_rows<F, R>(b, seg.k0, seg.k1, lr.rows);
     lr.c0 = seg.k0;
@@ -626,40 +676,232 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 }
 
 // ---------------------------------------------------------------------------------------
+// 5 to 8 tokens: row lanes.
+
+// acc += vpdpbusd(u, the 4 token bytes at x broadcast to every lane), the broadcast taken
+// by the instruction's memory operand (no shuffle); "+v" as in dpbusd.
+inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
+}
+
+// A 16 x 16 transpose of 32-bit lanes, v[j] lane r <- v[r] lane j, always inlined: a
+// call would make the caller save its accumulators (every zmm register is caller-saved).
+__attribute__((always_inline)) inline void transpose16_epi32(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        v[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // v[4i + j], 128-bit lane l: rows 4i .. 4i + 3 of dword 4l + j.
+    for (int j = 0; j < 4; ++j) {
+        const __m512i u0 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0x88), u1 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0xdd);
+        const __m512i u2 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0x88);
+        const __m512i u3 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0xdd);
+        t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[8 + j] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+        t[4 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) v[i] = t[i];
+}
+
+// A row-lane register block: 16 rows of a segment, row r at w + r * step (rows past
+// `rows`, in a segment's last block, are not read: their lanes are zero and dropped).
+struct RowLaneBlock {
+    const uint8_t* w;
+    int64_t step;
+    const uint8_t* scales;  // row 0's first scale
+    int64_t scales_step;    // bytes between rows' scales
+    float* out;             // row 0's out row
+    int64_t out_step;       // floats between rows' out rows
+    int rows;
+};
+
+RowLaneBlock row_lane_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, float* out,
+                               int64_t ldo) {
+    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
+    const int64_t row_bytes = format == Format::int8 ? w.ld : w.ld / 2;
+    const int64_t scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
+    const int64_t row0 = seg.row0 + j * stride;
+    RowLaneBlock b;
+    b.w = static_cast<const uint8_t*>(w.data) + row0 * row_bytes;
+    b.step = stride * row_bytes;
+    b.scales = static_cast<const uint8_t*>(w.scales) + row0 * w.scales_ld * scale_bytes;
+    b.scales_step = stride * w.scales_ld * scale_bytes;
+    b.out = out + row0 * ldo;
+    b.out_step = stride * ldo;
+    b.rows = static_cast<int>(j_hi - j < kRowLaneRows ? j_hi - j : kRowLaneRows);
+    return b;
+}
+
+// sw[g * 16 + r] = fp32 scale of the block's row r and group g0 + g, g < n: one vector of
+// the 16 rows' scales per group (rows' vectors of 16 groups, transposed; absent rows
+// repeat row 0).
+inline void row_lane_scales(const RowLaneBlock& b, ScaleType type, int64_t g0, int64_t n, float* sw) {
+    for (int64_t gc = 0; gc < n; gc += 16) {
+        const int64_t ng = n - gc < 16 ? n - gc : 16;
+        __m512 v[16];
+        for (int r = 0; r < kRowLaneRows; ++r)
+            v[r] = row_scales(type, b.scales + (r < b.rows ? r : 0) * b.scales_step, g0 + gc, ng);
+        transpose16(v);
+        for (int64_t i = 0; i < ng; ++i) _mm512_store_ps(sw + (gc + i) * 16, v[i]);
+    }
+}
+
+// A span: the weight bytes of a row that one call of row_lane_span takes, whole groups
+// and at least one 64-byte vector (int8 G = 128: one group of two vectors; int8 G = 32,
+// int4 G = 32 / 64: a vector of 2 / 4 / 2 groups).
+template <Format F, int64_t G>
+struct Span {
+    static constexpr int64_t kGroupBytes = column_bytes<F>(G);
+    static constexpr int64_t kBytes = kGroupBytes > 64 ? kGroupBytes : 64;
+    static constexpr int kGroups = static_cast<int>(kBytes / kGroupBytes);
+    static constexpr int kVectors = static_cast<int>(kBytes / 64);
+};
+
+// dots[i * T + t] = the exact int32 dot product of row r (lane r) with token t over group
+// i of the span at w (row 0's first byte of it), for its first n_groups groups (fewer at a
+// segment's end). x: the interleaved tokens from the span's first column; start[t *
+// x_groups + i]: minus the offset's product, the accumulators' start.
+// Per 64 bytes the 16 rows' vectors are transposed, so that lane r of vector j holds row
+// r's dword j, and each meets every token's 4 bytes broadcast from memory: a group's 16
+// row totals end in one vector per token, with no reduction. kWhole (16 rows, every group
+// of the span) loads without masks. A function of its own so that the accumulators stay
+// in registers (as group_dots).
+template <Format F, int64_t G, int T, bool kWhole>
+__attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int rows, int n_groups, const int8_t* x,
+                                             const int32_t* start, int64_t x_groups, __m512i* dots) {
+    using S = Span<F, G>;
+    const __m512i low = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(kBias<F>);
+    constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
+    const __mmask64 mask = kWhole || n_groups == S::kGroups ? ~0ull : (1ull << (n_groups * S::kGroupBytes)) - 1;
+    const int64_t near = kRowLaneRows * step, far = 2 * kRowLaneRows * step;  // the next row blocks
+    __m512i acc[T];
+#pragma GCC unroll 2
+    for (int h = 0; h < S::kVectors; ++h) {
+        __m512i u[kRowLaneRows];
+        const uint8_t* p = w + 64 * h;
+#pragma GCC unroll 16
+        for (int r = 0; r < kRowLaneRows; ++r, p += step) {
+            _mm_prefetch(reinterpret_cast<const char*>(p + far), _MM_HINT_T2);
+            _mm_prefetch(reinterpret_cast<const char*>(p + near), _MM_HINT_T2);
+            u[r] = kWhole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(r < rows ? mask : 0, p);
+            if constexpr (F == Format::int8) u[r] = _mm512_xor_si512(u[r], bias);
+        }
+        transpose16_epi32(u);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+            const int64_t at = 64 * h + 4 * j;  // byte in the span
+            const int i = static_cast<int>(at / S::kGroupBytes);
+            if (!kWhole && i >= n_groups) break;
+            if (at % S::kGroupBytes == 0)
+#pragma GCC unroll 8
+                for (int t = 0; t < T; ++t) acc[t] = _mm512_set1_epi32(start[t * x_groups + i]);
+            if constexpr (F == Format::int8) {
+#pragma GCC unroll 8
+                for (int t = 0; t < T; ++t) dpbusd_broadcast(acc[t], u[j], x + at * T + 4 * t);
+            } else {
+                const __m512i lo = _mm512_ternarylogic_epi32(u[j], low, bias, kAndXor);
+                const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(u[j], 4), low, bias, kAndXor);
+#pragma GCC unroll 8
+                for (int t = 0; t < T; ++t) {
+                    dpbusd_broadcast(acc[t], lo, x + 2 * at * T + 8 * t);
+                    dpbusd_broadcast(acc[t], hi, x + 2 * at * T + 8 * t + 4);
+                }
+            }
+            if ((at + 4) % S::kGroupBytes == 0)
+#pragma GCC unroll 8
+                for (int t = 0; t < T; ++t) _mm512_store_si512(dots + i * T + t, acc[t]);
+        }
+    }
+}
+
+// out[r][t] += the group-ordered fp32 sum over [c0, c1) for the rows of b and T tokens:
+// per span the int32 dots (row_lane_span), scaled and added for 16 rows at once.
+template <Format F, int64_t G, int T>
+void row_lane_micro(const RowLaneBlock& b, const float* sw, const int8_t* xv, const float* xs, const int32_t* starts,
+                    int64_t k, int64_t c0, int64_t c1) {
+    using S = Span<F, G>;
+    const int64_t x_groups = k / G, g_first = c0 / G, g_end = c1 / G;
+    __m512 sum[T];
+    for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_ps();
+    alignas(64) __m512i dots[S::kGroups * T];
+    for (int64_t g = g_first; g < g_end; g += S::kGroups) {
+        const int n = static_cast<int>(g_end - g < S::kGroups ? g_end - g : S::kGroups);
+        const uint8_t* w = b.w + column_bytes<F>(g * G);
+        const int8_t* x = xv + g * G * T;
+        if (b.rows == kRowLaneRows && n == S::kGroups)
+            row_lane_span<F, G, T, true>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
+        else
+            row_lane_span<F, G, T, false>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
+        for (int i = 0; i < n; ++i) {
+            const __m512 sw_g = _mm512_load_ps(sw + (g + i - g_first) * 16);
+            for (int t = 0; t < T; ++t) {
+                const __m512 scale = _mm512_mul_ps(sw_g, _mm512_set1_ps(xs[t * x_groups + g + i]));
+                sum[t] = _mm512_add_ps(sum[t], _mm512_mul_ps(_mm512_cvtepi32_ps(dots[i * T + t]), scale));
+            }
+        }
+    }
+    alignas(64) float sums[T][16];
+    for (int t = 0; t < T; ++t) _mm512_store_ps(sums[t], sum[t]);
+    for (int r = 0; r < b.rows; ++r)
+        for (int t = 0; t < T; ++t) b.out[r * b.out_step + t] += sums[t][r];
+}
+
+template <Format F, int64_t G>
+void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, const int8_t* xv,
+                        const float* xs, const int32_t* starts, int64_t m, int64_t k, float* out, int64_t ldo) {
+    const RowLaneBlock b = row_lane_block_of(F, w, seg, j, j_hi, out, ldo);
+    const int64_t g0 = seg.k0 / G, n_groups = (seg.k1 - seg.k0) / G;
+    float* sw = static_cast<float*>(thread_scratch(kRowScalesSlot, sizeof(float) * 16 * (n_groups + 16)));
+    row_lane_scales(b, w.scale_type, g0, n_groups, sw);
+    switch (m) {
+        case 5: row_lane_micro<F, G, 5>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        case 6: row_lane_micro<F, G, 6>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        case 7: row_lane_micro<F, G, 7>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        default: row_lane_micro<F, G, 8>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Segments.
 
-// Few tokens: token blocks of 4 (4 rows x 4 tokens), the last one 1-3 tokens with more
-// rows; many: blocks of lane_rows(m) rows over every lane group. Each row block passes over all token
-// blocks before the next rows, so its weights stay in cache.
+// Blocks of rows of each segment, in row order, each over all the tokens (its weights
+// read once): 1-4 tokens the pairs (rows_for_tokens(m) rows), 5-8 the row lanes (16
+// rows), from 9 the lanes (lane_rows(m) rows over every lane group).
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end,
                      const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
     if (m <= 0) return;
     const uint8_t* values = static_cast<const uint8_t*>(packed);
-    const float* xs = reinterpret_cast<const float*>(values + value_bytes(m, k));
-    const bool lanes = uses_lanes(m);
     const int8_t* q = reinterpret_cast<const int8_t*>(values);
-    const int64_t tail = m % 4, full_blocks = m / 4;
-    // The row block follows the last token block's width: the widest (most rows) first.
-    const int rows = lanes ? lane_rows(m) : tail ? rows_for_tokens(static_cast<int>(tail)) : rows_for_tokens(4);
+    const float* xs = reinterpret_cast<const float*>(values + value_bytes(m, k));
+    const int rows = uses_lanes(m) ? lane_rows(m) : uses_row_lanes(m) ? kRowLaneRows : rows_for_tokens(static_cast<int>(m));
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += rows) {
             const int64_t j1 = j0 + rows < j_hi ? j0 + rows : j_hi;
-            if (lanes) {
+            if (uses_lanes(m)) {
                 if (rows == 8)
                     lane_row_block<F, G, 8>(w, seg, j0, j1, values, xs, m, k, out, ldo);
                 else
                     lane_row_block<F, G, 6>(w, seg, j0, j1, values, xs, m, k, out, ldo);
-                continue;
-            }
-            for (int64_t j = j0; j < j1; j += 4)
-                for (int64_t tb = 0; tb < full_blocks; ++tb) pair_row_block<F, G, 4>(w, seg, j, j1, q, xs, tb * 4, k, out, ldo);
-            switch (tail) {
-                case 1: pair_row_block<F, G, 1>(w, seg, j0, j1, q, xs, m - 1, k, out, ldo); break;
-                case 2: pair_row_block<F, G, 2>(w, seg, j0, j1, q, xs, m - 2, k, out, ldo); break;
-                case 3: pair_row_block<F, G, 3>(w, seg, j0, j1, q, xs, m - 3, k, out, ldo); break;
-                default: break;
+            } else if (uses_row_lanes(m)) {
+                const int32_t* starts = reinterpret_cast<const int32_t*>(xs + m * (k / G));
+                row_lane_row_block<F, G>(w, seg, j0, j1, q, xs, starts, m, k, out, ldo);
+            } else {
+                switch (m) {
+                    case 1: pair_row_block<F, G, 1>(w, seg, j0, j1, q, xs, k, out, ldo); break;
+                    case 2: pair_row_block<F, G, 2>(w, seg, j0, j1, q, xs, k, out, ldo); break;
+                    case 3: pair_row_block<F, G, 3>(w, seg, j0, j1, q, xs, k, out, ldo); break;
+                    default: pair_row_block<F, G, 4>(w, seg, j0, j1, q, xs, k, out, ldo); break;
+                }
             }
         }
     });
@@ -667,9 +909,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
 
 template <Format F, int64_t G>
 const KernelOps& table() {
-    constexpr bool split = splits_nibbles(F, G);
-    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<G>, gather<G, split>,
-                               matmul_segments<F, G>, silu_mul_pack<G, split>, combine_down_avx512,
+    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<G>, gather<F, G>,
+                               matmul_segments<F, G>, silu_mul_pack<F, G>, combine_down_avx512,
                                store_down_avx512};
     return ops;
 }
