@@ -781,7 +781,7 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
     const __m512i low = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(kBias<F>);
     constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
     const __mmask64 mask = kWhole || n_groups == S::kGroups ? ~0ull : (1ull << (n_groups * S::kGroupBytes)) - 1;
-    const int64_t near = kRowLaneRows * step, far = 2 * kRowLaneRows * step;  // the next row blocks
+    const int64_t far = 2 * kRowLaneRows * step;  // the row block after next
     __m512i acc[T];
 #pragma GCC unroll 2
     for (int h = 0; h < S::kVectors; ++h) {
@@ -790,7 +790,6 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
 #pragma GCC unroll 16
         for (int r = 0; r < kRowLaneRows; ++r, p += step) {
             _mm_prefetch(reinterpret_cast<const char*>(p + far), _MM_HINT_T2);
-            _mm_prefetch(reinterpret_cast<const char*>(p + near), _MM_HINT_T2);
             u[r] = kWhole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(r < rows ? mask : 0, p);
             if constexpr (F == Format::int8) u[r] = _mm512_xor_si512(u[r], bias);
         }
