@@ -46,7 +46,8 @@
 // the 16 rows transposed in registers so that lane r holds row r: every weight dword then
 // meets each token's 4 bytes broadcast from memory (the interleaved operand), and a
 // group's totals come out one vector of 16 rows per token, with no reduction tree; the
-// bias term per token and group comes with the operand (gather, silu_mul_pack).
+// bias term per token and group comes with the operand (gather, silu_mul_pack). Each
+// 64 bytes prefetch (L2) the same columns of the row block after next.
 // Many tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
