@@ -13,12 +13,12 @@
 //            plain (m < 5)  q[t * k + c] (int4 at G = 128: each group's even columns,
 //                           then its odd ones), then scale[t * (k / G) + b]
 //            interleaved    the m tokens' 4 values of each 4 columns side by side:
-//              (5 <= m < 9) int8 q[(c / 4) * 4m + 4t + c % 4]; int4 per 8 columns (a
+//             (5 <= m < 13) int8 q[(c / 4) * 4m + 4t + c % 4]; int4 per 8 columns (a
 //                           packed weight dword) each token's 4 even ones, then its 4
 //                           odd ones: q[(c / 8) * 8m + 8t + 4 (c % 2) + (c % 8) / 2].
 //                           Then scale[t * (k / G) + b], then the int32 start
 //                           -bias * sum(q) of each token and block, [t * (k / G) + b]
-//            lanes (m >= 9) lane group j = tokens 16j .. 16j + 15; for each 4 columns
+//            lanes (m > 12) lane group j = tokens 16j .. 16j + 15; for each 4 columns
 //                           d = c / 4 a 64-byte vector at (j * k / 4 + d) * 64 whose
 //                           lane l holds token 16j + l's 4 values as u8 x + 128; absent
 //                           tokens hold 128 (x = 0). Then fp32
@@ -32,23 +32,24 @@
 // change a rounding).
 //
 // vpdpbusd wants one unsigned operand.
-// Few tokens (plain): the weights are made unsigned by an offset, one xor per weight
-// vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8 (nibble ^ 8);
-// dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token (vpdpbusd with a
-// constant, shared by all rows) is the accumulator's start value, negated. Register
+// 1 to 4 tokens (pairs, plain operand): the weights are made unsigned by an offset, one
+// xor per weight vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8
+// (nibble ^ 8); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
+// (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
+// negated. Register
 // block: R rows x T tokens = up to 16 (row, token) pairs, one vector each; a reduction tree
 // (reduce_pairs) turns the 16 vectors into one vector of group totals, lane p = pair p, so
 // the fp32 scale-and-add runs on 16 pairs at once, except at one token, where a block is
 // 8 rows (8 pairs): 16 row streams read from memory more slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens; each step prefetches (L2) the same columns
 // of the row block after next and of the next one, as avx512_bf16.cpp does.
-// 5 to 8 tokens (row lanes): the same unsigned weights, 16 rows a block, each 64 bytes of
+// 5 to 12 tokens (row lanes): the same unsigned weights, 16 rows a block, each 64 bytes of
 // the 16 rows transposed in registers so that lane r holds row r: every weight dword then
 // meets each token's 4 bytes broadcast from memory (the interleaved operand), and a
 // group's totals come out one vector of 16 rows per token, with no reduction tree; the
 // bias term per token and group comes with the operand (gather, silu_mul_pack). Each
 // 64 bytes prefetch (L2) the same columns of the row block after next.
-// Many tokens (lanes): the tokens are the unsigned operand, biased once by gather or
+// From 13 tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
 // the sums of each row's groups are taken once per row block (amortised over every lane
@@ -72,13 +73,12 @@ constexpr int kPairs = 16;             // lanes of a pair vector
 constexpr int64_t kChunkGroups = 16;   // groups whose scale products one tile holds
 constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of int8 weights)
 
-// From 9 tokens the lane kernel beats the pair kernel (at 8 the pairs' two full token
-// blocks take about as long as one half-empty lane group; docs/kernels.md).
-constexpr int64_t kLaneMinTokens = 9;
-// From 5 tokens (to 8) the row lanes beat the pairs (docs/kernels.md): a transpose per
-// 16 x 64 weight bytes, amortised over the tokens, against a reduction tree per group
-// and 16 pairs.
+// From 5 tokens the row lanes beat the pairs (a transpose per 16 x 64 weight bytes,
+// amortised over the tokens, against a reduction tree per group and 16 pairs), and up to
+// 12 the lanes (whose 16 token lanes are partly padding); 12 token accumulators and 16
+// weight vectors are what the 32 registers hold. docs/kernels.md.
 constexpr int64_t kRowLaneMinTokens = 5;
+constexpr int64_t kLaneMinTokens = 13;
 constexpr int kRowLaneRows = 16;
 constexpr int kLaneTokens = 16;
 constexpr int kUnpackedRowsSlot = 0, kRowScalesSlot = 1, kRowSumsSlot = 2;  // thread_scratch slots
@@ -677,7 +677,7 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 }
 
 // ---------------------------------------------------------------------------------------
-// 5 to 8 tokens: row lanes.
+// 5 to 12 tokens: row lanes.
 
 // acc += vpdpbusd(u, the 4 token bytes at x broadcast to every lane), the broadcast taken
 // by the instruction's memory operand (no shuffle); "+v" as in dpbusd.
@@ -801,22 +801,22 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
             const int i = static_cast<int>(at / S::kGroupBytes);
             if (!kWhole && i >= n_groups) break;
             if (at % S::kGroupBytes == 0)
-#pragma GCC unroll 8
+#pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) acc[t] = _mm512_set1_epi32(start[t * x_groups + i]);
             if constexpr (F == Format::int8) {
-#pragma GCC unroll 8
+#pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) dpbusd_broadcast(acc[t], u[j], x + at * T + 4 * t);
             } else {
                 const __m512i lo = _mm512_ternarylogic_epi32(u[j], low, bias, kAndXor);
                 const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(u[j], 4), low, bias, kAndXor);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) {
                     dpbusd_broadcast(acc[t], lo, x + 2 * at * T + 8 * t);
                     dpbusd_broadcast(acc[t], hi, x + 2 * at * T + 8 * t + 4);
                 }
             }
             if ((at + 4) % S::kGroupBytes == 0)
-#pragma GCC unroll 8
+#pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) _mm512_store_si512(dots + i * T + t, acc[t]);
         }
     }
@@ -865,7 +865,11 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
         case 5: row_lane_micro<F, G, 5>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
         case 6: row_lane_micro<F, G, 6>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
         case 7: row_lane_micro<F, G, 7>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        default: row_lane_micro<F, G, 8>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        case 8: row_lane_micro<F, G, 8>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        case 9: row_lane_micro<F, G, 9>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        case 10: row_lane_micro<F, G, 10>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        case 11: row_lane_micro<F, G, 11>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        default: row_lane_micro<F, G, 12>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
     }
 }
 
@@ -873,8 +877,8 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
 // Segments.
 
 // Blocks of rows of each segment, in row order, each over all the tokens (its weights
-// read once): 1-4 tokens the pairs (rows_for_tokens(m) rows), 5-8 the row lanes (16
-// rows), from 9 the lanes (lane_rows(m) rows over every lane group).
+// read once): 1-4 tokens the pairs (rows_for_tokens(m) rows), 5-12 the row lanes (16
+// rows), from 13 the lanes (lane_rows(m) rows over every lane group).
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end,
                      const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
