@@ -69,7 +69,7 @@ def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
 
 
 @pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 15, 16, 17, 31, 32, 33, 64, 100, 256])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 14, 15, 16, 17, 31, 32, 33, 64, 100, 256])
 def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
     rows, cols, group = 40, 256, 64
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
@@ -98,10 +98,10 @@ def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
 def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dtype, group):
     """Odd row starts and strides, segments that start and end inside rows (on the group
     grid), a thread's row range cutting segments, many token counts (avx512: both sides of
-    the row lanes' 5 and 12, of the lane kernel's 13 and of its 16-token lane groups, 16-row
-    row-lane blocks cut; AMX: row and token tiles of 16 and 32 cut, more than 16 groups
-    per segment). The avx512 and AMX kernels add the same fp32 terms in the same order as
-    ref: equal bit for bit."""
+    the row lanes' 5, 12 (int8) and 16 (int4, in two token passes) and of the lane
+    kernel's 16-token lane groups, 16-row row-lane blocks cut; AMX: row and token tiles of
+    16 and 32 cut, more than 16 groups per segment). The avx512 and AMX kernels add the
+    same fp32 terms in the same order as ref: equal bit for bit."""
     rows, cols = 77, 640
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype)
     units = np.array([[3, 7, 10, 1, 4], [1, 3, 9, 0, 5], [5, 1, 19, 1, 2], [0, 5, 15, 4, 5], [2, 3, 25, 1, 4]])
@@ -112,7 +112,7 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
     for row0, stride, nrows, _, _ in segments:
         covered[row0:row0 + stride * nrows:stride] = True
     covered[:row_begin] = covered[row_end:] = False
-    for m in sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 15, 16, 17, 31, 33, int(rng.integers(10, 64)), 64}):
+    for m in sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 31, 33, int(rng.integers(10, 64)), 64}):
         x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
         out = np.full((rows, m), np.nan, np.float32)
         out[covered] = rng.standard_normal((covered.sum(), m))

@@ -12,13 +12,14 @@
 //            G columns), laid out by token count:
 //            plain (m < 5)  q[t * k + c] (int4 at G = 128: each group's even columns,
 //                           then its odd ones), then scale[t * (k / G) + b]
-//            interleaved    the m tokens' 4 values of each 4 columns side by side:
-//             (5 <= m < 13) int8 q[(c / 4) * 4m + 4t + c % 4]; int4 per 8 columns (a
-//                           packed weight dword) each token's 4 even ones, then its 4
-//                           odd ones: q[(c / 8) * 8m + 8t + 4 (c % 2) + (c % 8) / 2].
+//            interleaved (5 <= m <= 12; int4 to 16) the m tokens' values of each
+//                           weight dword side by side: int8 q[(c / 4) * 4m + 4t + c % 4];
+//                           int4 per 8 columns (a packed weight dword) each token's 4
+//                           even ones, then its 4 odd ones:
+//                           q[(c / 8) * 8m + 8t + 4 (c % 2) + (c % 8) / 2].
 //                           Then scale[t * (k / G) + b], then the int32 start
 //                           -bias * sum(q) of each token and block, [t * (k / G) + b]
-//            lanes (m > 12) lane group j = tokens 16j .. 16j + 15; for each 4 columns
+//            lanes (more)   lane group j = tokens 16j .. 16j + 15; for each 4 columns
 //                           d = c / 4 a 64-byte vector at (j * k / 4 + d) * 64 whose
 //                           lane l holds token 16j + l's 4 values as u8 x + 128; absent
 //                           tokens hold 128 (x = 0). Then fp32
@@ -43,13 +44,14 @@
 // 8 rows (8 pairs): 16 row streams read from memory more slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens; each step prefetches (L2) the same columns
 // of the row block after next and of the next one, as avx512_bf16.cpp does.
-// 5 to 12 tokens (row lanes): the same unsigned weights, 16 rows a block, each 64 bytes of
-// the 16 rows transposed in registers so that lane r holds row r: every weight dword then
+// 5 to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
+// each 64 bytes of the 16 rows transposed in registers so that lane r holds row r: every
+// weight dword then
 // meets each token's 4 bytes broadcast from memory (the interleaved operand), and a
 // group's totals come out one vector of 16 rows per token, with no reduction tree; the
 // bias term per token and group comes with the operand (gather, silu_mul_pack). Each
 // 64 bytes prefetch (L2) the same columns of the row block after next.
-// From 13 tokens (lanes): the tokens are the unsigned operand, biased once by gather or
+// More tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
 // the sums of each row's groups are taken once per row block (amortised over every lane
@@ -58,6 +60,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "common/util.hpp"
 
@@ -74,11 +77,14 @@ constexpr int64_t kChunkGroups = 16;   // groups whose scale products one tile h
 constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of int8 weights)
 
 // From 5 tokens the row lanes beat the pairs (a transpose per 16 x 64 weight bytes,
-// amortised over the tokens, against a reduction tree per group and 16 pairs), and up to
-// 12 the lanes (whose 16 token lanes are partly padding); 12 token accumulators and 16
-// weight vectors are what the 32 registers hold. docs/kernels.md.
+// amortised over the tokens, against a reduction tree per group and 16 pairs), and the
+// token lanes, whose 16 lanes are partly padding, up to 12 tokens (one pass: 12
+// accumulators and 16 weight vectors fill the registers); int4 up to 16 as well, in two
+// passes over the same rows, since its token lanes first unpack every row block to bytes.
+// docs/kernels.md.
 constexpr int64_t kRowLaneMinTokens = 5;
-constexpr int64_t kLaneMinTokens = 13;
+template <Format F>
+constexpr int64_t kLaneMinTokens = F == Format::int8 ? 13 : 17;
 constexpr int kRowLaneRows = 16;
 constexpr int kLaneTokens = 16;
 constexpr int kUnpackedRowsSlot = 0, kRowScalesSlot = 1, kRowSumsSlot = 2;  // thread_scratch slots
@@ -86,20 +92,27 @@ constexpr int kUnpackedRowsSlot = 0, kRowScalesSlot = 1, kRowSumsSlot = 2;  // t
 // ---------------------------------------------------------------------------------------
 // Token operand.
 
-inline bool uses_lanes(int64_t m) { return m >= kLaneMinTokens; }
-inline bool uses_row_lanes(int64_t m) { return m >= kRowLaneMinTokens && m < kLaneMinTokens; }
+template <Format F>
+constexpr bool uses_lanes(int64_t m) {
+    return m >= kLaneMinTokens<F>;
+}
+template <Format F>
+constexpr bool uses_row_lanes(int64_t m) {
+    return m >= kRowLaneMinTokens && m < kLaneMinTokens<F>;
+}
 inline int64_t lane_groups(int64_t m) { return (m + kLaneTokens - 1) / kLaneTokens; }
 
+template <Format F>
 size_t value_bytes(int64_t m, int64_t k) {
-    const int64_t n = uses_lanes(m) ? lane_groups(m) * (k / 4) * 64 : m * k;
+    const int64_t n = uses_lanes<F>(m) ? lane_groups(m) * (k / 4) * 64 : m * k;
     return (static_cast<size_t>(n) + 63) / 64 * 64;
 }
 
-template <int64_t G>
+template <Format F, int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
-    const int64_t scales = uses_lanes(m) ? lane_groups(m) * (k / G) * 16 : m * (k / G);
-    const int64_t starts = uses_row_lanes(m) ? m * (k / G) : 0;
-    return value_bytes(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
+    const int64_t scales = uses_lanes<F>(m) ? lane_groups(m) * (k / G) * 16 : m * (k / G);
+    const int64_t starts = uses_row_lanes<F>(m) ? m * (k / G) : 0;
+    return value_bytes<F>(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
 }
 
 // The few-token int4 kernel at G = 128 takes the even and the odd columns of a group
@@ -116,9 +129,9 @@ template <Format F, int64_t G>
 struct TokenWriter {
     TokenWriter(void* packed, int64_t m_, int64_t k_)
         : values(static_cast<uint8_t*>(packed)),
-          scales(reinterpret_cast<float*>(values + value_bytes(m_, k_))),
+          scales(reinterpret_cast<float*>(values + value_bytes<F>(m_, k_))),
           starts(reinterpret_cast<int32_t*>(scales + m_ * (k_ / G))),
-          m(m_), k(k_), lanes(uses_lanes(m_)), row_lanes(uses_row_lanes(m_)) {}
+          m(m_), k(k_), lanes(uses_lanes<F>(m_)), row_lanes(uses_row_lanes<F>(m_)) {}
 
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
         if (row_lanes) {
@@ -677,7 +690,7 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 }
 
 // ---------------------------------------------------------------------------------------
-// 5 to 12 tokens: row lanes.
+// 5 to 12 tokens, int4 to 16: row lanes.
 
 // acc += vpdpbusd(u, the 4 token bytes at x broadcast to every lane), the broadcast taken
 // by the instruction's memory operand (no shuffle); "+v" as in dpbusd.
@@ -775,7 +788,7 @@ struct Span {
 // row totals end in one vector per token, with no reduction. kWhole (16 rows, every group
 // of the span) loads without masks. A function of its own so that the accumulators stay
 // in registers (as group_dots).
-template <Format F, int64_t G, int T, bool kWhole>
+template <Format F, int64_t G, int T, int M, bool kWhole>
 __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int rows, int n_groups, const int8_t* x,
                                              const int32_t* start, int64_t x_groups, __m512i* dots) {
     using S = Span<F, G>;
@@ -805,14 +818,14 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
                 for (int t = 0; t < T; ++t) acc[t] = _mm512_set1_epi32(start[t * x_groups + i]);
             if constexpr (F == Format::int8) {
 #pragma GCC unroll 12
-                for (int t = 0; t < T; ++t) dpbusd_broadcast(acc[t], u[j], x + at * T + 4 * t);
+                for (int t = 0; t < T; ++t) dpbusd_broadcast(acc[t], u[j], x + at * M + 4 * t);
             } else {
                 const __m512i lo = _mm512_ternarylogic_epi32(u[j], low, bias, kAndXor);
                 const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(u[j], 4), low, bias, kAndXor);
 #pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) {
-                    dpbusd_broadcast(acc[t], lo, x + 2 * at * T + 8 * t);
-                    dpbusd_broadcast(acc[t], hi, x + 2 * at * T + 8 * t + 4);
+                    dpbusd_broadcast(acc[t], lo, x + 2 * at * M + 8 * t);
+                    dpbusd_broadcast(acc[t], hi, x + 2 * at * M + 8 * t + 4);
                 }
             }
             if ((at + 4) % S::kGroupBytes == 0)
@@ -822,24 +835,28 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
     }
 }
 
-// out[r][t] += the group-ordered fp32 sum over [c0, c1) for the rows of b and T tokens:
-// per span the int32 dots (row_lane_span), scaled and added for 16 rows at once.
-template <Format F, int64_t G, int T>
+// out[r][t0 + t] += the group-ordered fp32 sum over [c0, c1) for the rows of b and tokens
+// t0 .. t0 + T - 1 of the M in the operand: per span the int32 dots (row_lane_span),
+// scaled and added for 16 rows at once.
+template <Format F, int64_t G, int T, int M>
 void row_lane_micro(const RowLaneBlock& b, const float* sw, const int8_t* xv, const float* xs, const int32_t* starts,
-                    int64_t k, int64_t c0, int64_t c1) {
+                    int64_t k, int64_t c0, int64_t c1, int t0) {
     using S = Span<F, G>;
     const int64_t x_groups = k / G, g_first = c0 / G, g_end = c1 / G;
+    xv += (F == Format::int8 ? 4 : 8) * t0;
+    xs += t0 * x_groups;
+    starts += t0 * x_groups;
     __m512 sum[T];
     for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_ps();
     alignas(64) __m512i dots[S::kGroups * T];
     for (int64_t g = g_first; g < g_end; g += S::kGroups) {
         const int n = static_cast<int>(g_end - g < S::kGroups ? g_end - g : S::kGroups);
         const uint8_t* w = b.w + column_bytes<F>(g * G);
-        const int8_t* x = xv + g * G * T;
+        const int8_t* x = xv + g * G * M;
         if (b.rows == kRowLaneRows && n == S::kGroups)
-            row_lane_span<F, G, T, true>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
+            row_lane_span<F, G, T, M, true>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
         else
-            row_lane_span<F, G, T, false>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
+            row_lane_span<F, G, T, M, false>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
         for (int i = 0; i < n; ++i) {
             const __m512 sw_g = _mm512_load_ps(sw + (g + i - g_first) * 16);
             for (int t = 0; t < T; ++t) {
@@ -851,7 +868,7 @@ void row_lane_micro(const RowLaneBlock& b, const float* sw, const int8_t* xv, co
     alignas(64) float sums[T][16];
     for (int t = 0; t < T; ++t) _mm512_store_ps(sums[t], sum[t]);
     for (int r = 0; r < b.rows; ++r)
-        for (int t = 0; t < T; ++t) b.out[r * b.out_step + t] += sums[t][r];
+        for (int t = 0; t < T; ++t) b.out[r * b.out_step + t0 + t] += sums[t][r];
 }
 
 template <Format F, int64_t G>
@@ -861,15 +878,44 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
     const int64_t g0 = seg.k0 / G, n_groups = (seg.k1 - seg.k0) / G;
     float* sw = static_cast<float*>(thread_scratch(kRowScalesSlot, sizeof(float) * 16 * (n_groups + 16)));
     row_lane_scales(b, w.scale_type, g0, n_groups, sw);
+    // Up to 12 tokens in one pass; 13-16 (int4) in two over the same rows, from L1 / L2.
+    const auto pass = [&](auto tokens, auto stride, int t0) {
+        row_lane_micro<F, G, decltype(tokens)::value, decltype(stride)::value>(b, sw, xv, xs, starts, k, seg.k0, seg.k1,
+                                                                                t0);
+    };
+    using std::integral_constant;
+    if (m > 12) {
+        if constexpr (uses_row_lanes<F>(16)) {
+            switch (m) {
+                case 13:
+                    pass(integral_constant<int, 7>{}, integral_constant<int, 13>{}, 0);
+                    pass(integral_constant<int, 6>{}, integral_constant<int, 13>{}, 7);
+                    break;
+                case 14:
+                    pass(integral_constant<int, 7>{}, integral_constant<int, 14>{}, 0);
+                    pass(integral_constant<int, 7>{}, integral_constant<int, 14>{}, 7);
+                    break;
+                case 15:
+                    pass(integral_constant<int, 8>{}, integral_constant<int, 15>{}, 0);
+                    pass(integral_constant<int, 7>{}, integral_constant<int, 15>{}, 8);
+                    break;
+                default:
+                    pass(integral_constant<int, 8>{}, integral_constant<int, 16>{}, 0);
+                    pass(integral_constant<int, 8>{}, integral_constant<int, 16>{}, 8);
+                    break;
+            }
+        }
+        return;
+    }
     switch (m) {
-        case 5: row_lane_micro<F, G, 5>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        case 6: row_lane_micro<F, G, 6>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        case 7: row_lane_micro<F, G, 7>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        case 8: row_lane_micro<F, G, 8>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        case 9: row_lane_micro<F, G, 9>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        case 10: row_lane_micro<F, G, 10>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        case 11: row_lane_micro<F, G, 11>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
-        default: row_lane_micro<F, G, 12>(b, sw, xv, xs, starts, k, seg.k0, seg.k1); break;
+        case 5: pass(integral_constant<int, 5>{}, integral_constant<int, 5>{}, 0); break;
+        case 6: pass(integral_constant<int, 6>{}, integral_constant<int, 6>{}, 0); break;
+        case 7: pass(integral_constant<int, 7>{}, integral_constant<int, 7>{}, 0); break;
+        case 8: pass(integral_constant<int, 8>{}, integral_constant<int, 8>{}, 0); break;
+        case 9: pass(integral_constant<int, 9>{}, integral_constant<int, 9>{}, 0); break;
+        case 10: pass(integral_constant<int, 10>{}, integral_constant<int, 10>{}, 0); break;
+        case 11: pass(integral_constant<int, 11>{}, integral_constant<int, 11>{}, 0); break;
+        default: pass(integral_constant<int, 12>{}, integral_constant<int, 12>{}, 0); break;
     }
 }
 
@@ -878,25 +924,27 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
 
 // Blocks of rows of each segment, in row order, each over all the tokens (its weights
 // read once): 1-4 tokens the pairs (rows_for_tokens(m) rows), 5-12 the row lanes (16
-// rows), from 13 the lanes (lane_rows(m) rows over every lane group).
+// rows; int4 to 16), then the lanes (lane_rows(m) rows over every lane group).
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end,
                      const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
     if (m <= 0) return;
     const uint8_t* values = static_cast<const uint8_t*>(packed);
     const int8_t* q = reinterpret_cast<const int8_t*>(values);
-    const float* xs = reinterpret_cast<const float*>(values + value_bytes(m, k));
-    const int rows = uses_lanes(m) ? lane_rows(m) : uses_row_lanes(m) ? kRowLaneRows : rows_for_tokens(static_cast<int>(m));
+    const float* xs = reinterpret_cast<const float*>(values + value_bytes<F>(m, k));
+    const int rows = uses_lanes<F>(m)       ? lane_rows(m)
+                     : uses_row_lanes<F>(m) ? kRowLaneRows
+                                            : rows_for_tokens(static_cast<int>(m));
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += rows) {
             const int64_t j1 = j0 + rows < j_hi ? j0 + rows : j_hi;
-            if (uses_lanes(m)) {
+            if (uses_lanes<F>(m)) {
                 if (rows == 8)
                     lane_row_block<F, G, 8>(w, seg, j0, j1, values, xs, m, k, out, ldo);
                 else
                     lane_row_block<F, G, 6>(w, seg, j0, j1, values, xs, m, k, out, ldo);
-            } else if (uses_row_lanes(m)) {
+            } else if (uses_row_lanes<F>(m)) {
                 const int32_t* starts = reinterpret_cast<const int32_t*>(xs + m * (k / G));
                 row_lane_row_block<F, G>(w, seg, j0, j1, q, xs, starts, m, k, out, ldo);
             } else {
@@ -913,7 +961,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
 
 template <Format F, int64_t G>
 const KernelOps& table() {
-    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<G>, gather<F, G>,
+    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<F, G>, gather<F, G>,
                                matmul_segments<F, G>, silu_mul_pack<F, G>, combine_down_avx512,
                                store_down_avx512};
     return ops;
