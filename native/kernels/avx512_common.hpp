@@ -51,8 +51,10 @@ inline __m512 silu512(__m512 x) {
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
-// In-register 16x16 fp32 transpose: r[i][j] -> r[j][i].
-inline void transpose16(__m512 r[16]) {
+// In-register 16x16 fp32 transpose: r[i][j] -> r[j][i]. Always inlined: a call would
+// make the caller save every live vector (all zmm registers are caller-saved), and the
+// integer row-lane kernel calls it between its accumulators' updates.
+__attribute__((always_inline)) inline void transpose16(__m512 r[16]) {
     __m512 t[16];
     for (int i = 0; i < 8; ++i) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);

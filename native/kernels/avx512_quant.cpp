@@ -698,31 +698,12 @@ inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* x) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
 }
 
-// A 16 x 16 transpose of 32-bit lanes, v[j] lane r <- v[r] lane j, always inlined: a
-// call would make the caller save its accumulators (every zmm register is caller-saved).
+// transpose16 on 32-bit integer lanes: v[j] lane r <- v[r] lane j.
 __attribute__((always_inline)) inline void transpose16_epi32(__m512i v[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {
-        v[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    // v[4i + j], 128-bit lane l: rows 4i .. 4i + 3 of dword 4l + j.
-    for (int j = 0; j < 4; ++j) {
-        const __m512i u0 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0x88), u1 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0xdd);
-        const __m512i u2 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0x88);
-        const __m512i u3 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0xdd);
-        t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-        t[8 + j] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
-        t[4 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-        t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
-    }
-    for (int i = 0; i < 16; ++i) v[i] = t[i];
+    __m512 f[16];
+    for (int i = 0; i < 16; ++i) f[i] = _mm512_castsi512_ps(v[i]);
+    transpose16(f);
+    for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(f[i]);
 }
 
 // A row-lane register block: 16 rows of a segment, row r at w + r * step (rows past
