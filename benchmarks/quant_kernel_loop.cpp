@@ -1,0 +1,97 @@
+// One thread, the AVX-512-VNNI integer kernel (gather, then matmul_segments over one
+// segment of all rows), back to back: the kernel's own rate without Python, the worker
+// threads or cache eviction (docs/kernels.md, AVX-512-VNNI, "Row lanes"). Not part of
+// the library: it includes a kernel translation unit whole, so that two builds of the
+// kernel can be compared by pointing KERNEL at a copy of the previous file.
+//
+//   g++ -O3 -DNDEBUG -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mavx512vnni
+//       -ffp-contract=off -Inative -DKERNEL='"kernels/avx512_quant.cpp"'
+//       benchmarks/quant_kernel_loop.cpp native/common/util.cpp native/common/segment.cpp -o /tmp/quant_loop
+//   (one command line). Against the kernel of an earlier commit REV: git show
+//   REV:native/kernels/avx512_quant.cpp > /tmp/prev.cpp, then -DKERNEL='"/tmp/prev.cpp"';
+//   run the two alternately, several times (the machines are shared).
+//   /tmp/quant_loop int8|int4 ROWS K M[,M...]   (group 128, fp16 scales; e.g. int8 256 2048
+//                                               4,8: 512 KB of weights, in L2)
+//
+// Prints, per M, the best and the median matmul time over the repetitions (the best is
+// the least disturbed on a shared machine), its rate in GB/s of weights and scales, and
+// the best gather time. The weights are random bytes: the time does not depend on them.
+#include KERNEL
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace numa_moe;
+using namespace numa_moe::kernels;
+
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc != 5 || (std::strcmp(argv[1], "int8") != 0 && std::strcmp(argv[1], "int4") != 0)) {
+        std::fprintf(stderr, "usage: %s int8|int4 ROWS K M[,M...]\n", argv[0]);
+        return 2;
+    }
+    const Format format = std::strcmp(argv[1], "int8") == 0 ? Format::int8 : Format::int4;
+    const int64_t group = 128, rows = std::atoll(argv[2]), k = std::atoll(argv[3]);
+    if (rows < 1 || k < group || k % group != 0) {
+        std::fprintf(stderr, "ROWS >= 1, K a multiple of %ld\n", static_cast<long>(group));
+        return 2;
+    }
+    const KernelOps& ops = *avx512_integer_ops(format, group);
+    const int64_t row_bytes = format == Format::int8 ? k : k / 2, n_scales = rows * (k / group);
+    std::mt19937 gen(1);
+    auto* data = static_cast<uint8_t*>(std::aligned_alloc(64, (rows * row_bytes + 63) / 64 * 64));
+    auto* scales = static_cast<uint16_t*>(std::aligned_alloc(64, (n_scales * 2 + 63) / 64 * 64));
+    for (int64_t i = 0; i < rows * row_bytes; ++i) data[i] = static_cast<uint8_t>(gen());
+    for (int64_t i = 0; i < n_scales; ++i) scales[i] = static_cast<uint16_t>(0x2000 + gen() % 256);  // fp16 ~0.01
+    Weights w;
+    w.data = data;
+    w.ld = k;
+    w.scales = scales;
+    w.scales_ld = k / group;
+    w.group = group;
+    w.scale_type = ScaleType::fp16;
+    const Segment segment{0, 1, rows, 0, k};
+    const std::string list = argv[4];
+    for (size_t at = 0; at < list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        const int64_t m = std::atoll(list.substr(at, comma - at).c_str());
+        at = comma + 1;
+        if (m < 1) continue;
+        std::vector<bf16> x(static_cast<size_t>(m * k));
+        for (bf16& v : x) v = float_to_bf16(static_cast<float>(gen() % 2001) / 1000.0f - 1.0f);
+        std::vector<int64_t> index(static_cast<size_t>(m));
+        for (int64_t t = 0; t < m; ++t) index[t] = t;
+        void* packed = std::aligned_alloc(64, (ops.packed_bytes(m, k) + 63) / 64 * 64);
+        std::vector<float> out(static_cast<size_t>(rows * m));
+        std::vector<double> matmul, gather;
+        for (int rep = 0; rep < 2000; ++rep) {
+            const double t0 = now();
+            ops.gather(x.data(), k, index.data(), m, k, packed);
+            const double t1 = now();
+            ops.matmul_segments(w, &segment, 1, 0, rows, packed, m, k, out.data(), m);
+            matmul.push_back(now() - t1);
+            gather.push_back(t1 - t0);
+        }
+        std::sort(matmul.begin(), matmul.end());
+        std::sort(gather.begin(), gather.end());
+        const double bytes = static_cast<double>(rows * row_bytes + n_scales * 2);
+        std::printf("%s rows=%ld k=%ld m=%ld: matmul best %.1f us median %.1f us (%.1f GB/s at best), gather best %.1f us\n",
+                    argv[1], static_cast<long>(rows), static_cast<long>(k), static_cast<long>(m), matmul[0] * 1e6,
+                    matmul[matmul.size() / 2] * 1e6, bytes / matmul[0] / 1e9, gather[0] * 1e6);
+        std::free(packed);
+    }
+    std::free(data);
+    std::free(scales);
+    return 0;
+}
