@@ -37,20 +37,20 @@
 // xor per weight vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8
 // (nibble ^ 8); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
-// negated. Register
-// block: R rows x T tokens = up to 16 (row, token) pairs, one vector each; a reduction tree
-// (reduce_pairs) turns the 16 vectors into one vector of group totals, lane p = pair p, so
-// the fp32 scale-and-add runs on 16 pairs at once, except at one token, where a block is
-// 8 rows (8 pairs): 16 row streams read from memory more slowly than 8 (docs/kernels.md).
+// negated. Register block: R rows x T tokens = up to 16 (row, token) pairs, one vector
+// each; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of group
+// totals, lane p = pair p, so the fp32 scale-and-add runs on 16 pairs at once, except at
+// one token, where a block is 8 rows (8 pairs): 16 row streams read from memory more
+// slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens; each step prefetches (L2) the same columns
 // of the row block after next and of the next one, as avx512_bf16.cpp does.
 // 5 to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
 // each 64 bytes of the 16 rows transposed in registers so that lane r holds row r: every
-// weight dword then
-// meets each token's 4 bytes broadcast from memory (the interleaved operand), and a
-// group's totals come out one vector of 16 rows per token, with no reduction tree; the
-// bias term per token and group comes with the operand (gather, silu_mul_pack). Each
-// 64 bytes prefetch (L2) the same columns of the row block after next.
+// weight dword then meets each token's 4 bytes broadcast from memory (the interleaved
+// operand; for int8 the same quads as the AMX B operand), and a group's totals come out
+// one vector of 16 rows per token, with no reduction tree; the bias term per token and
+// group comes with the operand (gather, silu_mul_pack). Each 64 bytes prefetch (L2) the
+// same columns of the row block after next.
 // More tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
@@ -83,8 +83,9 @@ constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of
 // passes over the same rows, since its token lanes first unpack every row block to bytes.
 // docs/kernels.md.
 constexpr int64_t kRowLaneMinTokens = 5;
+constexpr int kRowLaneMaxPass = 12;  // tokens of one row-lane pass
 template <Format F>
-constexpr int64_t kLaneMinTokens = F == Format::int8 ? 13 : 17;
+constexpr int64_t kLaneMinTokens = F == Format::int8 ? kRowLaneMaxPass + 1 : 17;  // int4: two passes to 16
 constexpr int kRowLaneRows = 16;
 constexpr int kLaneTokens = 16;
 constexpr int kUnpackedRowsSlot = 0, kRowScalesSlot = 1, kRowSumsSlot = 2;  // thread_scratch slots
@@ -130,7 +131,7 @@ struct TokenWriter {
     TokenWriter(void* packed, int64_t m_, int64_t k_)
         : values(static_cast<uint8_t*>(packed)),
           scales(reinterpret_cast<float*>(values + value_bytes<F>(m_, k_))),
-          starts(reinterpret_cast<int32_t*>(scales + m_ * (k_ / G))),
+          starts(uses_row_lanes<F>(m_) ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
           m(m_), k(k_), lanes(uses_lanes<F>(m_)), row_lanes(uses_row_lanes<F>(m_)) {}
 
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
@@ -340,21 +341,29 @@ inline void prefetch_ahead(const RowBlock<R>& b, int r, int64_t offset) {
     _mm_prefetch(reinterpret_cast<const char*>(far - R * b.w_step), _MM_HINT_T2);
 }
 
+// Segment row j is weight row seg.row0 + j * stride: its bytes start at row * row_bytes,
+// its scales at row * scales_ld * scale_bytes.
+struct RowGeometry {
+    RowGeometry(Format format, const Weights& w, const Segment& seg)
+        : stride(seg.row_stride > 0 ? seg.row_stride : 1),
+          row_bytes(format == Format::int8 ? w.ld : w.ld / 2),
+          scale_bytes(w.scale_type == ScaleType::fp32 ? 4 : 2) {}
+    int64_t stride, row_bytes, scale_bytes;
+};
+
 template <int R>
 RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, float* out,
                          int64_t ldo) {
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
-    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-    const int64_t row_bytes = format == Format::int8 ? w.ld : w.ld / 2;
-    const int64_t scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
+    const RowGeometry g(format, w, seg);
     RowBlock<R> b;
     b.rows = static_cast<int>(j_hi - j < R ? j_hi - j : R);
-    b.w_step = stride * row_bytes;
-    b.pf = data + (seg.row0 + (j + 2 * R) * stride) * row_bytes;
+    b.w_step = g.stride * g.row_bytes;
+    b.pf = data + (seg.row0 + (j + 2 * R) * g.stride) * g.row_bytes;
     for (int r = 0; r < R; ++r) {
-        const int64_t row = seg.row0 + (j + (r < b.rows ? r : 0)) * stride;
-        b.w[r] = data + row * row_bytes;
-        b.scales[r] = static_cast<const uint8_t*>(w.scales) + row * w.scales_ld * scale_bytes;
+        const int64_t row = seg.row0 + (j + (r < b.rows ? r : 0)) * g.stride;
+        b.w[r] = data + row * g.row_bytes;
+        b.scales[r] = static_cast<const uint8_t*>(w.scales) + row * w.scales_ld * g.scale_bytes;
         b.out[r] = out + row * ldo;
     }
     return b;
@@ -720,17 +729,15 @@ struct RowLaneBlock {
 
 RowLaneBlock row_lane_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, float* out,
                                int64_t ldo) {
-    const int64_t stride = seg.row_stride > 0 ? seg.row_stride : 1;
-    const int64_t row_bytes = format == Format::int8 ? w.ld : w.ld / 2;
-    const int64_t scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
-    const int64_t row0 = seg.row0 + j * stride;
+    const RowGeometry g(format, w, seg);
+    const int64_t row0 = seg.row0 + j * g.stride;
     RowLaneBlock b;
-    b.w = static_cast<const uint8_t*>(w.data) + row0 * row_bytes;
-    b.step = stride * row_bytes;
-    b.scales = static_cast<const uint8_t*>(w.scales) + row0 * w.scales_ld * scale_bytes;
-    b.scales_step = stride * w.scales_ld * scale_bytes;
+    b.w = static_cast<const uint8_t*>(w.data) + row0 * g.row_bytes;
+    b.step = g.stride * g.row_bytes;
+    b.scales = static_cast<const uint8_t*>(w.scales) + row0 * w.scales_ld * g.scale_bytes;
+    b.scales_step = g.stride * w.scales_ld * g.scale_bytes;
     b.out = out + row0 * ldo;
-    b.out_step = stride * ldo;
+    b.out_step = g.stride * ldo;
     b.rows = static_cast<int>(j_hi - j < kRowLaneRows ? j_hi - j : kRowLaneRows);
     return b;
 }
@@ -859,13 +866,15 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
     const int64_t g0 = seg.k0 / G, n_groups = (seg.k1 - seg.k0) / G;
     float* sw = static_cast<float*>(thread_scratch(kRowScalesSlot, sizeof(float) * 16 * (n_groups + 16)));
     row_lane_scales(b, w.scale_type, g0, n_groups, sw);
-    // Up to 12 tokens in one pass; 13-16 (int4) in two over the same rows, from L1 / L2.
+    // Up to kRowLaneMaxPass tokens in one pass; 13-16 (int4) in two of at most 8 over the
+    // same rows, from L1 / L2.
     const auto pass = [&](auto tokens, auto stride, int t0) {
         row_lane_micro<F, G, decltype(tokens)::value, decltype(stride)::value>(b, sw, xv, xs, starts, k, seg.k0, seg.k1,
                                                                                 t0);
     };
     using std::integral_constant;
-    if (m > 12) {
+    static_assert(kRowLaneMaxPass == 12 && kLaneMinTokens<F> <= 17, "the switches below list every pass");
+    if (m > kRowLaneMaxPass) {
         if constexpr (uses_row_lanes<F>(16)) {
             switch (m) {
                 case 13:
@@ -913,6 +922,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const uint8_t* values = static_cast<const uint8_t*>(packed);
     const int8_t* q = reinterpret_cast<const int8_t*>(values);
     const float* xs = reinterpret_cast<const float*>(values + value_bytes<F>(m, k));
+    const int32_t* starts = reinterpret_cast<const int32_t*>(xs + m * (k / G));  // row lanes
     const int rows = uses_lanes<F>(m)       ? lane_rows(m)
                      : uses_row_lanes<F>(m) ? kRowLaneRows
                                             : rows_for_tokens(static_cast<int>(m));
@@ -926,7 +936,6 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                 else
                     lane_row_block<F, G, 6>(w, seg, j0, j1, values, xs, m, k, out, ldo);
             } else if (uses_row_lanes<F>(m)) {
-                const int32_t* starts = reinterpret_cast<const int32_t*>(xs + m * (k / G));
                 row_lane_row_block<F, G>(w, seg, j0, j1, q, xs, starts, m, k, out, ldo);
             } else {
                 switch (m) {

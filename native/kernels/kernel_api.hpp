@@ -63,7 +63,8 @@ constexpr bool is_integer_group(int64_t group) { return group == 32 || group == 
 //   AVX-512 token lanes, T tokens per vector                 {32 / T, T}
 // Integer formats: int8 values and fp32 scales, one per token t and group b of the
 // weights' G columns, in each table's own layout (ref_quant.cpp: plain, q[t * k + c] then
-// scale[t * (k / G) + b]; avx512_quant.cpp: plain or 16-token lanes; amx_quant.cpp: the
+// scale[t * (k / G) + b]; avx512_quant.cpp: plain, interleaved by weight dword (with a
+// bias term per token and group) or 16-token lanes, by token count; amx_quant.cpp: the
 // AMX B operand's quads B[c / 4][4t + c % 4] {4, 1}, then scale[b * m + t]).
 struct TokenLayout {
     int64_t block_columns;
