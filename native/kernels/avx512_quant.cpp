@@ -42,21 +42,24 @@
 // totals, lane p = pair p, so the fp32 scale-and-add runs on 16 pairs at once, except at
 // one token, where a block is 8 rows (8 pairs): 16 row streams read from memory more
 // slowly than 8 (docs/kernels.md).
-// Each weight vector loaded serves T tokens; each step prefetches (L2) the same columns
-// of the row block after next and of the next one, as avx512_bf16.cpp does.
+// Each weight vector loaded serves T tokens.
 // 5 to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
 // each 64 bytes of the 16 rows transposed in registers so that lane r holds row r: every
 // weight dword then meets each token's 4 bytes broadcast from memory (the interleaved
 // operand; for int8 the same quads as the AMX B operand), and a group's totals come out
 // one vector of 16 rows per token, with no reduction tree; the bias term per token and
-// group comes with the operand (gather, silu_mul_pack). Each 64 bytes prefetch (L2) the
-// same columns of the row block after next.
+// group comes with the operand (gather, silu_mul_pack).
 // More tokens (lanes): the tokens are the unsigned operand, biased once by gather or
 // silu_mul_pack, and each weight dword is broadcast straight from memory into vpdpbusd:
 // one instruction per 4 columns x 16 tokens. dot(x + 128, w) = dot(x, w) + 128 sum(w):
 // the sums of each row's groups are taken once per row block (amortised over every lane
 // group) and subtracted per group. int4 rows are first unpacked to signed bytes in a
 // per-thread buffer, also once per row block.
+// All three kernels stream a register block's rows side by side, and every weight line
+// they load requests (L2) one line of the row block after next, taken in address order,
+// row after row (LinePrefetcher): the hardware prefetchers do not ramp up on 8-16 rows of
+// a few KB read in step, and one request stream in address order kept the memory busier
+// than the same lines requested row by row in step with the loads (docs/kernels.md).
 #include <immintrin.h>
 
 #include <cstring>
@@ -332,15 +335,6 @@ struct RowBlock {
     int rows;
 };
 
-// Row r's line at byte `offset` in the row block after next and in the next one into L2
-// (the hardware prefetcher does not ramp up on rows of a few KB).
-template <int R>
-inline void prefetch_ahead(const RowBlock<R>& b, int r, int64_t offset) {
-    const uint8_t* far = b.pf + r * b.w_step + offset;
-    _mm_prefetch(reinterpret_cast<const char*>(far), _MM_HINT_T2);
-    _mm_prefetch(reinterpret_cast<const char*>(far - R * b.w_step), _MM_HINT_T2);
-}
-
 // Segment row j is weight row seg.row0 + j * stride: its bytes start at row * row_bytes,
 // its scales at row * scales_ld * scale_bytes.
 struct RowGeometry {
@@ -349,6 +343,26 @@ struct RowGeometry {
           row_bytes(format == Format::int8 ? w.ld : w.ld / 2),
           scale_bytes(w.scale_type == ScaleType::fp32 ? 4 : 2) {}
     int64_t stride, row_bytes, scale_bytes;
+};
+
+// The lines of a later row block in address order: row by row, bytes [begin, end) of
+// each (a segment's columns), one request per call, kBytes on (int4's 32-byte steps ask
+// for each line twice). Past the segment's last row it requests lines no one reads:
+// prefetch never faults.
+struct LinePrefetcher {
+    const uint8_t* row;
+    int64_t at, begin, end, step;
+    LinePrefetcher(const uint8_t* first_row, int64_t begin_, int64_t end_, int64_t step_)
+        : row(first_row), at(begin_), begin(begin_), end(end_), step(step_) {}
+    template <int64_t kBytes = 64>
+    void next() {
+        _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T2);
+        at += kBytes;
+        if (at >= end) {
+            at = begin;
+            row += step;
+        }
+    }
 };
 
 template <int R>
@@ -414,7 +428,8 @@ inline void reduce_pairs(const __m512i v[kPairs], __m512i* first, __m512i* secon
 // column c: v[p] = sum over the steps of vpdpbusd(u_row, x_token), started from the bias
 // correction of the same token columns.
 template <Format F, int R, int T, int S>
-inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, bool full, __m512i v[kPairs]) {
+inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, bool full, __m512i v[kPairs],
+                      LinePrefetcher& pf) {
     const __m512i bias = _mm512_set1_epi8(kBias<F>);
     __m512i x[T][S];
     for (int t = 0; t < T; ++t) {
@@ -432,7 +447,7 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
         const int64_t offset = column_bytes<F>(c + s * kStepColumns);
         const bool whole = full || s + 1 < S;
         for (int r = 0; r < R; ++r) {
-            prefetch_ahead(b, r, offset);
+            pf.next<F == Format::int8 ? 64 : 32>();
             const __m512i u = load_unsigned<F>(b.w[r] + offset, whole);
             for (int t = 0; t < T; ++t) dpbusd(v[r * T + t], u, x[t][s]);
         }
@@ -445,7 +460,8 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
 // logic (w & 0x0f) ^ 8 per nibble, after a shift for the high ones) where column order
 // takes five per 64.
 template <int R, int T>
-inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, __m512i v[kPairs]) {
+inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, __m512i v[kPairs],
+                            LinePrefetcher& pf) {
     const __m512i bias = _mm512_set1_epi8(8), low = _mm512_set1_epi8(0x0f);
     constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
     __m512i even[T], odd[T];
@@ -461,7 +477,7 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     for (int p = R * T; p < kPairs; ++p) v[p] = _mm512_setzero_si512();
     const int64_t offset = c / 2;
     for (int r = 0; r < R; ++r) {
-        prefetch_ahead(b, r, offset);
+        pf.next();
         const __m512i packed = _mm512_loadu_si512(b.w[r] + offset);
         const __m512i lo = _mm512_ternarylogic_epi32(packed, low, bias, kAndXor);
         const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low, bias, kAndXor);
@@ -482,6 +498,7 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
     constexpr int kSteps = G >= kStepColumns ? static_cast<int>(G / kStepColumns) : 1;
     __m512 acc = _mm512_setzero_ps();
     __m512 tile[kChunkGroups];
+    LinePrefetcher pf(b.pf, column_bytes<F>(c0), column_bytes<F>(c1), b.w_step);
     for (int64_t cc = c0; cc < c1; cc += kChunkGroups * G) {
         const int64_t ce = cc + kChunkGroups * G < c1 ? cc + kChunkGroups * G : c1;
         scale_tile<R, T>(b, w, xs, k / G, cc / G, (ce - cc) / G, tile);
@@ -490,15 +507,15 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
             __m512i v[kPairs], first, second;
             if constexpr (G == 32) {
                 const bool full = ce - c >= kStepColumns;
-                pair_dots<F, R, T, 1>(b, xq, k, c, full, v);
+                pair_dots<F, R, T, 1>(b, xq, k, c, full, v, pf);
                 reduce_pairs(v, &first, &second);
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(first), tile[i]));
                 if (full) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(second), tile[i + 1]));
             } else {
                 if constexpr (splits_nibbles(F, G))
-                    pair_dots_split<R, T>(b, xq, k, c, v);
+                    pair_dots_split<R, T>(b, xq, k, c, v, pf);
                 else
-                    pair_dots<F, R, T, kSteps>(b, xq, k, c, true, v);
+                    pair_dots<F, R, T, kSteps>(b, xq, k, c, true, v, pf);
                 reduce_pairs(v, &first, &second);
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), tile[i]));
             }
@@ -625,15 +642,13 @@ void lane_micro(const RowBlock<R>& b, const LaneRows<R>& lr, const uint8_t* valu
     const int64_t x_group_bytes = (k / 4) * 64;
     const int8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = lr.rows[r] - lr.c0;  // indexed by column
+    LinePrefetcher pf(b.pf, lr.c0 >> lr.column_shift, (lr.c0 + lr.n_groups * G) >> lr.column_shift, b.w_step);
     for (int64_t g = 0; g < lr.n_groups; ++g) {
         const int64_t cg = (lr.g0 + g) * G;
-        // The first pass over the rows requests the same columns of the row block after
-        // next into L2: rows of a few KB are too short for the hardware prefetcher to ramp
-        // up on 6-8 streams (without it, 16 tokens ran slower than bf16 from memory).
+        // The first pass over the rows requests the group's share of the row block after
+        // next (without it, 16 tokens ran slower than bf16 from memory).
         if (j0 == 0)
-            for (int r = 0; r < R; ++r)
-                for (int64_t byte = cg >> lr.column_shift; byte < (cg + G) >> lr.column_shift; byte += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(b.pf + r * b.w_step + byte), _MM_HINT_T2);
+            for (int64_t line = 0; line < R * (G >> lr.column_shift); line += 64) pf.next();
         group_dots<G, R, NG>(rows, cg, values + j0 * x_group_bytes + cg * 16, x_group_bytes, dots);
         for (int n = 0; n < NG; ++n) {
             const __m512 sx = _mm512_loadu_ps(xs + ((j0 + n) * (k / G) + lr.g0 + g) * 16);
@@ -778,12 +793,13 @@ struct Span {
 // in registers (as group_dots).
 template <Format F, int64_t G, int T, int M, bool kWhole>
 __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int rows, int n_groups, const int8_t* x,
-                                             const int32_t* start, int64_t x_groups, __m512i* dots) {
+                                             const int32_t* start, int64_t x_groups, __m512i* dots,
+                                             LinePrefetcher* prefetcher) {
     using S = Span<F, G>;
+    LinePrefetcher pf = *prefetcher;
     const __m512i low = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(kBias<F>);
     constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
     const __mmask64 mask = kWhole || n_groups == S::kGroups ? ~0ull : (1ull << (n_groups * S::kGroupBytes)) - 1;
-    const int64_t far = 2 * kRowLaneRows * step;  // the row block after next
     __m512i acc[T];
 #pragma GCC unroll 2
     for (int h = 0; h < S::kVectors; ++h) {
@@ -791,7 +807,7 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
         const uint8_t* p = w + 64 * h;
 #pragma GCC unroll 16
         for (int r = 0; r < kRowLaneRows; ++r, p += step) {
-            _mm_prefetch(reinterpret_cast<const char*>(p + far), _MM_HINT_T2);
+            pf.next();
             u[r] = kWhole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(r < rows ? mask : 0, p);
             if constexpr (F == Format::int8) u[r] = _mm512_xor_si512(u[r], bias);
         }
@@ -821,6 +837,7 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
                 for (int t = 0; t < T; ++t) _mm512_store_si512(dots + i * T + t, acc[t]);
         }
     }
+    *prefetcher = pf;
 }
 
 // out[r][t0 + t] += the group-ordered fp32 sum over [c0, c1) for the rows of b and tokens
@@ -837,14 +854,15 @@ void row_lane_micro(const RowLaneBlock& b, const float* sw, const int8_t* xv, co
     __m512 sum[T];
     for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_ps();
     alignas(64) __m512i dots[S::kGroups * T];
+    LinePrefetcher pf(b.w + 2 * kRowLaneRows * b.step, column_bytes<F>(c0), column_bytes<F>(c1), b.step);
     for (int64_t g = g_first; g < g_end; g += S::kGroups) {
         const int n = static_cast<int>(g_end - g < S::kGroups ? g_end - g : S::kGroups);
         const uint8_t* w = b.w + column_bytes<F>(g * G);
         const int8_t* x = xv + g * G * M;
         if (b.rows == kRowLaneRows && n == S::kGroups)
-            row_lane_span<F, G, T, M, true>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
+            row_lane_span<F, G, T, M, true>(w, b.step, b.rows, n, x, starts + g, x_groups, dots, &pf);
         else
-            row_lane_span<F, G, T, M, false>(w, b.step, b.rows, n, x, starts + g, x_groups, dots);
+            row_lane_span<F, G, T, M, false>(w, b.step, b.rows, n, x, starts + g, x_groups, dots, &pf);
         for (int i = 0; i < n; ++i) {
             const __m512 sw_g = _mm512_load_ps(sw + (g + i - g_first) * 16);
             for (int t = 0; t < T; ++t) {
