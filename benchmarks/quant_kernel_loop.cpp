@@ -10,10 +10,12 @@
 //   (one command line). Against the kernel of an earlier commit REV: git show
 //   REV:native/kernels/avx512_quant.cpp > /tmp/prev.cpp, then -DKERNEL='"/tmp/prev.cpp"';
 //   run the two alternately, several times (the machines are shared).
-//   /tmp/quant_loop int8|int4 ROWS K M[,M...]   (group 128, fp16 scales; e.g. int8 256 2048
-//                                               4,8: 512 KB of weights, in L2)
+//   /tmp/quant_loop int8|int4 ROWS K M[,M...] [CALLS]   (group 128, fp16 scales; e.g. int8
+//                                 256 2048 4,8: 512 KB of weights, in L2; CALLS per M, 2000)
+//   From memory on both cores (docs/kernels.md, "Prefetch in address order"):
+//   taskset -c 0 /tmp/quant_loop int8 40000 2048 1,8 60 & taskset -c 1 /tmp/quant_loop int8 40000 2048 1,8 60
 //
-// Prints, per M, the best and the median matmul time over the repetitions (the best is
+// Prints, per M, the best and the median matmul time over the calls (the best is
 // the least disturbed on a shared machine), its rate in GB/s of weights and scales, and
 // the best gather time. The weights are random bytes: the time does not depend on them.
 #include KERNEL
@@ -37,14 +39,15 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc != 5 || (std::strcmp(argv[1], "int8") != 0 && std::strcmp(argv[1], "int4") != 0)) {
-        std::fprintf(stderr, "usage: %s int8|int4 ROWS K M[,M...]\n", argv[0]);
+    if ((argc != 5 && argc != 6) || (std::strcmp(argv[1], "int8") != 0 && std::strcmp(argv[1], "int4") != 0)) {
+        std::fprintf(stderr, "usage: %s int8|int4 ROWS K M[,M...] [CALLS]\n", argv[0]);
         return 2;
     }
     const Format format = std::strcmp(argv[1], "int8") == 0 ? Format::int8 : Format::int4;
     const int64_t group = 128, rows = std::atoll(argv[2]), k = std::atoll(argv[3]);
-    if (rows < 1 || k < group || k % group != 0) {
-        std::fprintf(stderr, "ROWS >= 1, K a multiple of %ld\n", static_cast<long>(group));
+    const int calls = argc == 6 ? std::atoi(argv[5]) : 2000;
+    if (rows < 1 || k < group || k % group != 0 || calls < 1) {
+        std::fprintf(stderr, "ROWS >= 1, K a multiple of %ld, CALLS >= 1\n", static_cast<long>(group));
         return 2;
     }
     const KernelOps& ops = *avx512_integer_ops(format, group);
@@ -75,7 +78,7 @@ int main(int argc, char** argv) {
         void* packed = std::aligned_alloc(64, (ops.packed_bytes(m, k) + 63) / 64 * 64);
         std::vector<float> out(static_cast<size_t>(rows * m));
         std::vector<double> matmul, gather;
-        for (int rep = 0; rep < 2000; ++rep) {
+        for (int rep = 0; rep < calls; ++rep) {
             const double t0 = now();
             ops.gather(x.data(), k, index.data(), m, k, packed);
             const double t1 = now();
