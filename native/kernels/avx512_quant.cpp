@@ -789,8 +789,9 @@ struct Span {
 // Per 64 bytes the 16 rows' vectors are transposed, so that lane r of vector j holds row
 // r's dword j, and each meets every token's 4 bytes broadcast from memory: a group's 16
 // row totals end in one vector per token, with no reduction. kWhole (16 rows, every group
-// of the span) loads without masks. A function of its own so that the accumulators stay
-// in registers (as group_dots).
+// of the span) loads without masks. Each row's load requests the prefetcher's next line
+// (its state is copied in and out, to stay in registers). A function of its own so that
+// the accumulators stay in registers (as group_dots).
 template <Format F, int64_t G, int T, int M, bool kWhole>
 __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int rows, int n_groups, const int8_t* x,
                                              const int32_t* start, int64_t x_groups, __m512i* dots,
