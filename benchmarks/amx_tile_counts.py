@@ -3,8 +3,8 @@
 the AMX software model: one gate matrix [I, H] of an expert shape, int8 or int4, per
 token count M, through kernels.matmul_segments(isa="amx_model") on this thread. Counts,
 not times (the model says nothing about speed); they show what the tile rule costs per
-KiB of weights and how full the tdpbssd tiles are (useful products over 16 x 16 x 32 per
-instruction). Needs an extension built with test hooks (tools/setup.sh does)."""
+KiB of weights and how full the tdpbssd tiles are (useful products over 16 x 16 x K per
+instruction, K = min(group, 64) the tile rule's columns per tdpbssd). Needs an extension built with test hooks (tools/setup.sh does)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def main() -> None:
                 _native.testing.amx_model_counts(reset=True)
                 kernels.matmul_segments(qm, segments, x, out, isa="amx_model")
                 c = _native.testing.amx_model_counts(reset=True)
-                fill = inter * m * hidden / (c["dpbssd"] * 16 * 16 * 32)
+                fill = inter * m * hidden / (c["dpbssd"] * 16 * 16 * min(args.group, 64))
                 print(f"{name:<15}{fmt:<6}{m:>5}{c['dpbssd'] / kib:>9.1f}{c['loads'] / kib:>8.1f}"
                       f"{c['stores'] / kib:>8.1f}{c['zeros'] / kib:>8.1f}{fill:>11.3f}")
 

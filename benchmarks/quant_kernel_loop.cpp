@@ -1,15 +1,18 @@
-// One thread, the AVX-512-VNNI integer kernel (gather, then matmul_segments over one
-// segment of all rows), back to back: the kernel's own rate without Python, the worker
-// threads or cache eviction (docs/kernels.md, AVX-512-VNNI, "Row lanes"). Not part of
-// the library: it includes a kernel translation unit whole, so that two builds of the
-// kernel can be compared by pointing KERNEL at a copy of the previous file.
+// One thread, an integer kernel (gather, then matmul_segments over one segment of all
+// rows), back to back: the kernel's own rate without Python, the worker threads or cache
+// eviction (docs/kernels.md, AVX-512-VNNI, "Row lanes"; AMX-INT8). Not part of the
+// library: it includes a kernel translation unit whole, so that two builds of the kernel
+// can be compared by pointing KERNEL at a copy of the previous file.
 //
 //   g++ -O3 -DNDEBUG -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mavx512vnni
 //       -ffp-contract=off -Inative -DKERNEL='"kernels/avx512_quant.cpp"'
-//       benchmarks/quant_kernel_loop.cpp native/common/util.cpp native/common/segment.cpp -o /tmp/quant_loop
-//   (one command line). Against the kernel of an earlier commit REV: git show
-//   REV:native/kernels/avx512_quant.cpp > /tmp/prev.cpp, then -DKERNEL='"/tmp/prev.cpp"';
-//   run the two alternately, several times (the machines are shared).
+//       benchmarks/quant_kernel_loop.cpp native/common/util.cpp native/common/segment.cpp
+//       native/common/cpu_features.cpp -o /tmp/quant_loop
+//   (one command line). The AMX-INT8 kernel: add -mamx-tile -mamx-int8
+//   -DKERNEL='"kernels/amx_quant.cpp"' -DOPS=amx_integer_ops. Against the kernel of an
+//   earlier commit REV: git show REV:native/kernels/avx512_quant.cpp > /tmp/prev.cpp, then
+//   -DKERNEL='"/tmp/prev.cpp"'; run the two alternately, several times (the machines are
+//   shared).
 //   /tmp/quant_loop int8|int4 ROWS K M[,M...] [CALLS]   (group 128, fp16 scales; e.g. int8
 //                                 256 2048 4,8: 512 KB of weights, in L2; CALLS per M, 2000)
 //   From memory on both cores (docs/kernels.md, "Prefetch in address order"):
@@ -19,6 +22,10 @@
 // the least disturbed on a shared machine), its rate in GB/s of weights and scales, and
 // the best gather time. The weights are random bytes: the time does not depend on them.
 #include KERNEL
+#include "common/cpu_features.hpp"
+#ifndef OPS
+#define OPS avx512_integer_ops
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -50,12 +57,21 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "ROWS >= 1, K a multiple of %ld, CALLS >= 1\n", static_cast<long>(group));
         return 2;
     }
-    const KernelOps& ops = *avx512_integer_ops(format, group);
+    request_amx_permission();  // before any AMX kernel runs; a no-op question elsewhere
+    const KernelOps* table = OPS(format, group);
+    if (table == nullptr) {
+        std::fprintf(stderr, "this CPU (or OS) has no kernels of this build (OPS)\n");
+        return 2;
+    }
+    const KernelOps& ops = *table;
     const int64_t row_bytes = format == Format::int8 ? k : k / 2, n_scales = rows * (k / group);
     std::mt19937 gen(1);
     auto* data = static_cast<uint8_t*>(std::aligned_alloc(64, (rows * row_bytes + 63) / 64 * 64));
     auto* scales = static_cast<uint16_t*>(std::aligned_alloc(64, (n_scales * 2 + 63) / 64 * 64));
-    for (int64_t i = 0; i < rows * row_bytes; ++i) data[i] = static_cast<uint8_t>(gen());
+    for (int64_t i = 0; i < rows * row_bytes; i += 4) {  // one draw per 4 bytes: GB of weights fill in seconds
+        const uint32_t r = gen();
+        std::memcpy(data + i, &r, std::min<int64_t>(4, rows * row_bytes - i));
+    }
     for (int64_t i = 0; i < n_scales; ++i) scales[i] = static_cast<uint16_t>(0x2000 + gen() % 256);  // fp16 ~0.01
     Weights w;
     w.data = data;

@@ -169,10 +169,11 @@ def test_amx_model_tdpbssd_int8(rng):
 
 @needs_model
 def test_amx_model_tdpbssd_partial_tiles_accumulate_and_wrap(rng):
-    """TDPBSSD as the SDM defines it, on the shapes the integer kernels configure (K = 32:
-    A 32 bytes, B 8 quad rows; fewer rows and tokens): C += sum of sign-extended byte
-    products, int32 wrapping; -128 at both operands; nothing outside the tile shape written."""
-    for rows, quads, n in ((16, 8, 16), (5, 8, 3), (1, 8, 1), (11, 13, 7)):
+    """TDPBSSD as the SDM defines it, on the shapes the integer kernels configure (K = 64:
+    A 64 bytes, B 16 quad rows; K = 32: A 32 bytes, B 8 quad rows; fewer rows and tokens):
+    C += sum of sign-extended byte products, int32 wrapping; -128 at both operands; nothing
+    outside the tile shape written."""
+    for rows, quads, n in ((16, 8, 16), (5, 8, 3), (1, 8, 1), (11, 13, 7), (1, 16, 1), (7, 16, 5)):
         a = rng.integers(-128, 128, (rows, 4 * quads), dtype=np.int8)
         b_plain = rng.integers(-128, 128, (4 * quads, n), dtype=np.int8)
         a[0], b_plain[:, 0] = -128, -128  # the largest products: C[0, 0] must wrap

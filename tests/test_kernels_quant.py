@@ -330,7 +330,8 @@ def test_layer_from_a_quantized_store(tmp_path, rng, fmt, n_nodes):
 def tile_rule_counts(row_blocks, m, n_blocks, n_groups, fmt):
     """The tile instructions of the AMX integer tile rule (docs/kernels.md): per 32-row x
     32-token block, A tiles a = ceil(rows / 16), B tiles b = ceil(tokens / 16); per
-    32-column block a + b loads and a * b tdpbssd, per group a * b tilezero and tilestored;
+    K-column block (K = min(group, 64)) a + b loads and a * b tdpbssd, per group a * b
+    tilezero and tilestored;
     A streamed (tileloadt1) when m <= 32 and the weights are int8 (int4 loads from its
     staging buffer)."""
     counts = dict(loads=0, stream_loads=0, stores=0, zeros=0, dpbssd=0)
@@ -348,22 +349,23 @@ def tile_rule_counts(row_blocks, m, n_blocks, n_groups, fmt):
 @pytest.mark.skipif("amx_model" not in kernels.available_isas("int8"), reason="the AMX model needs AVX2 + FMA here")
 @pytest.mark.skipif(not hasattr(_native, "testing"), reason="the extension was built without test hooks")
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("m", [1, 16, 17, 40])
-def test_amx_integer_kernel_does_the_tile_work_of_its_rule(rng, fmt, m):
-    """Counted on the AMX model: one tdpbssd per C tile and 32-column block, K = 32, one
-    C tile store per group, no tile work beyond the rule (an extra or missing pass over a block would still pass the
-    value tests only if it added zeros)."""
+def test_amx_integer_kernel_does_the_tile_work_of_its_rule(rng, fmt, group, m):
+    """Counted on the AMX model: one tdpbssd per C tile and K-column block (K = 64, or 32
+    for groups of 32), one C tile store per group, no tile work beyond the rule (an extra or
+    missing pass over a block would still pass the value tests only if it added zeros)."""
     rows, cols = 48, 256
-    _, qm = random_qm(rng, rows, cols, fmt, 64)
+    _, qm = random_qm(rng, rows, cols, fmt, group)
     x = rng.standard_normal((m, cols)).astype(BF16)
     out = np.zeros((rows, m), np.float32)
     segments = np.array([[0, 1, rows, 0, cols]], np.int64)
     _native.testing.amx_model_counts(reset=True)
     kernels.matmul_segments(qm, segments, x, out, isa="amx_model")
     counts = _native.testing.amx_model_counts(reset=True)
-    expected = tile_rule_counts([32, 16], m, cols // 32, cols // 64, fmt)
+    expected = tile_rule_counts([32, 16], m, cols // min(group, 64), cols // group, fmt)
     assert {key: counts[key] for key in expected} == expected
     assert counts["dpbf16ps"] == 0 and 1 <= counts["loadconfig"] <= 2 * (-(-m // 32))
-    x_q, x_s = quantize_tokens(x.astype(np.float32), 64)
+    x_q, x_s = quantize_tokens(x.astype(np.float32), group)
     expected_out = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
     assert np.abs(out - expected_out).max() <= 1e-5 * np.abs(expected_out).max()

@@ -12,18 +12,20 @@
 //               of one segment (r = row0 + j * row_stride) x 32 columns, loaded at stride
 //               row_stride * ld bytes (tileloadt1 when m <= 32).
 //               int4 (byte (r * ld + c) / 2, even column in the low nibble) is unpacked to
-//               sign-extended int8 in registers, 64 columns of each row at a time, into a
+//               sign-extended int8 in registers, K columns of each row at a time, into a
 //               staging buffer the A tile is loaded from (stride 64 bytes)
 //   B  tokens   the quad layout TokenLayout {4, 1}: q[(c / 4) * 4m + 4t + c % 4] int8 (m * k
 //               bytes, padded to 64), then fp32 scale[b * m + t] per group b of G columns
 //               (group-major, so that one vector holds 16 tokens' scales); the token rule
 //               (per token and group, s = amax / 127, round half even) is ref_quant.cpp's,
 //               so the values and scales are the same numbers in another order. A tile is
-//               8 quad rows (32 columns) x min(tokens, 16) tokens, stride 4m bytes
-//   C  int32 dots of one group (G / 32 tdpbssd), stored to a scratch tile; the fp32 sums
+//               K / 4 quad rows (K columns) x min(tokens, 16) tokens, stride 4m bytes
+//   C  int32 dots of one group (G / K tdpbssd), stored to a scratch tile; the fp32 sums
 //               live in accumulators and are added to out[r * ldo + t] once per segment
-// Tile rule: K = 32 per tdpbssd (A colsb 32, B rows 8): a group of 32 columns (Q8_0 and
-// Q4_0 imports) is one instruction, wider groups accumulate in the C tiles. Rows and
+// Tile rule: K = 64 per tdpbssd (A colsb 64: a whole cache line of each row; B rows 16)
+// when the group is 64 columns or more, K = 32 (A colsb 32, B rows 8) for groups of 32
+// (Q8_0 and Q4_0 imports), whose products must be scaled on their own; a group's G / K
+// products accumulate in the C tiles. Rows and
 // tokens in blocks of 32 as 2 x 2 C tiles (tmm0..3), A in tmm4/5, B in tmm6/7; smaller
 // tiles for fewer rows or tokens. Per group: tilezero, the products, tilestored, then the
 // epilogue
@@ -51,17 +53,24 @@ namespace numa_moe::kernels {
 namespace AMX_NAMESPACE {
 namespace {
 
-constexpr int64_t kBlock = 32;                             // columns per tdpbssd
-constexpr int kQuadRows = static_cast<int>(kBlock / 4);  // B tile rows per block
-constexpr int kChunkGroups = 16;                           // groups per transposed scale table
+constexpr int kChunkGroups = 16;  // groups per transposed scale table
+
+// Columns per tdpbssd for groups of G columns: a whole 64-byte line of each weight row
+// unless a group is narrower.
+template <int64_t G>
+constexpr int64_t columns_per_product() {
+    return G < 64 ? G : 64;
+}
 
 using amx_tiles::TileConfig;
 
 struct TileShape {
     int rows[2];    // weight rows in A0 / A1 (rows[1] may be 0)
     int tokens[2];  // tokens in B0 / B1 (tokens[1] may be 0)
+    int columns;    // K of one tdpbssd: A bytes per row, 4 x B rows
     bool operator==(const TileShape& o) const {
-        return rows[0] == o.rows[0] && rows[1] == o.rows[1] && tokens[0] == o.tokens[0] && tokens[1] == o.tokens[1];
+        return rows[0] == o.rows[0] && rows[1] == o.rows[1] && tokens[0] == o.tokens[0] &&
+               tokens[1] == o.tokens[1] && columns == o.columns;
     }
 };
 
@@ -78,10 +87,10 @@ void configure(const TileShape& shape) {
     set(kC01, shape.rows[0], 4 * shape.tokens[1]);
     set(kC10, shape.rows[1], 4 * shape.tokens[0]);
     set(kC11, shape.rows[1], 4 * shape.tokens[1]);
-    set(kA0, shape.rows[0], static_cast<int>(kBlock));
-    set(kA1, shape.rows[1], static_cast<int>(kBlock));
-    set(kB0, kQuadRows, 4 * shape.tokens[0]);
-    set(kB1, kQuadRows, 4 * shape.tokens[1]);
+    set(kA0, shape.rows[0], shape.columns);
+    set(kA1, shape.rows[1], shape.columns);
+    set(kB0, shape.columns / 4, 4 * shape.tokens[0]);
+    set(kB1, shape.columns / 4, 4 * shape.tokens[1]);
     TILE_LOADCONFIG(&cfg);
 }
 
@@ -231,12 +240,13 @@ void row_scale_table(ScaleType type, const uint8_t* first_row, int64_t row_step,
     for (int g = 0; g < kChunkGroups; ++g) _mm512_store_ps(table[g], v[g]);
 }
 
-// 64 columns (32 when !two_blocks) of an int4 row as sign-extended int8 in column order:
-// byte 0x?HL widened to the word 0x00HL becomes the bytes (L, H) by (w | w << 4) & 0x0f0f,
-// then (x ^ 8) - 8 sign-extends each nibble.
-inline void unpack_int4(const uint8_t* src, bool two_blocks, int8_t* dst) {
-    const __m256i raw = two_blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
-                                   : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+// K (64 or 32) columns of an int4 row as sign-extended int8 in column order: byte 0x?HL
+// widened to the word 0x00HL becomes the bytes (L, H) by (w | w << 4) & 0x0f0f, then
+// (x ^ 8) - 8 sign-extends each nibble.
+template <int64_t K>
+inline void unpack_int4(const uint8_t* src, int8_t* dst) {
+    const __m256i raw = K == 64 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     const __m512i wide = _mm512_cvtepu8_epi16(raw);
     const __m512i nibbles = _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
     const __m512i eight = _mm512_set1_epi8(8);
@@ -298,11 +308,12 @@ inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kCh
     }
 }
 
-// The segment columns [k0, k1) (whole groups) of one block: per group, G / 32 tile
+// The segment columns [k0, k1) (whole groups) of one block: per group, G / K tile
 // products accumulated in C, then the fp32 epilogue; out += the sums at the end.
 template <Format F, int64_t G>
 void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const int8_t* q, const float* xs, int64_t m,
                bool stream_weights, Scratch& scratch) {
+    constexpr int64_t K = columns_per_product<G>();
     const TileShape& shape = blk.shape;
     float (&acc)[4][256] = scratch.acc;
     int32_t (&dots)[4][256] = scratch.dots;
@@ -323,16 +334,12 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
             if (shape.tokens[1]) TILE_ZERO(kC01);
             if (shape.rows[1]) TILE_ZERO(kC10);
             if (shape.rows[1] && shape.tokens[1]) TILE_ZERO(kC11);
-            for (int64_t sub = 0; sub < G / kBlock; ++sub) {
-                const int64_t c = g * G + sub * kBlock;
+            for (int64_t c = g * G; c < (g + 1) * G; c += K) {
                 if constexpr (F == Format::int4) {
-                    if (sub % 2 == 0) {
-                        const bool two = G / kBlock - sub >= 2;
-                        for (int a = 0; a < 2; ++a)
-                            for (int i = 0; i < shape.rows[a]; ++i)
-                                unpack_int4(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c), two,
-                                            stage[16 * a + i]);
-                    }
+                    for (int a = 0; a < 2; ++a)
+                        for (int i = 0; i < shape.rows[a]; ++i)
+                            unpack_int4<K>(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c),
+                                           stage[16 * a + i]);
                 }
                 const int8_t* bq = q + c * m + 4 * blk.t0;
                 TILE_LOADD(kB0, bq, 4 * m);
@@ -347,7 +354,7 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
                         if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * blk.w_step_bytes, blk.w_step_bytes);
                     }
                 } else {
-                    const int8_t* a = stage[0] + kBlock * (sub % 2);
+                    const int8_t* a = stage[0];
                     TILE_LOADD(kA0, a, 64);
                     if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * 64, 64);
                 }
@@ -391,7 +398,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const bool stream_weights = m <= 32;
     const int64_t row_bytes = column_bytes<F>(w.ld);
     const int64_t scale_row_bytes = w.scales_ld * (w.scale_type == ScaleType::fp32 ? 4 : 2);
-    TileShape current{{-1, -1}, {-1, -1}};  // tile state of other code on this thread is not trusted
+    TileShape current{{-1, -1}, {-1, -1}, -1};  // tile state of other code on this thread is not trusted
     Scratch scratch;
     // Lanes past a tile's rows x tokens pairs are computed and dropped; zeroed once so that
     // they start from defined values.
@@ -412,7 +419,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                           stride * ldo,
                           t0,
                           TileShape{{rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0},
-                                    {nt < 16 ? nt : 16, nt > 16 ? nt - 16 : 0}}};
+                                    {nt < 16 ? nt : 16, nt > 16 ? nt - 16 : 0},
+                                    static_cast<int>(columns_per_product<G>())}};
                 if (!(blk.shape == current)) {
                     configure(blk.shape);
                     current = blk.shape;
