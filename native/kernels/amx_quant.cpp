@@ -18,7 +18,8 @@
 //               bytes, padded to 64), then fp32 scale[b * m + t] per group b of G columns
 //               (group-major, so that one vector holds 16 tokens' scales); the token rule
 //               (per token and group, s = amax / 127, round half even) is ref_quant.cpp's,
-//               so the values and scales are the same numbers in another order. A tile is
+//               quantize_block's of avx512_common.hpp, so the values and scales are the
+//               same numbers in another order. A tile is
 //               K / 4 quad rows (K columns) x min(tokens, 16) tokens, stride 4m bytes
 //   C  int32 dots of one group (G / K tdpbssd), stored to a scratch tile; the fp32 sums
 //               live in accumulators and are added to out[r * ldo + t] once per segment
@@ -110,85 +111,37 @@ float* token_scales(const void* packed, int64_t m, int64_t k) {
     return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) + values_bytes(m, k));
 }
 
-inline __m512 bf16x16_to_ps(const bf16* p) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-// One group of G columns for up to 16 tokens: v[j] holds column j, lane t token t0 + t
-// (t < nt). Quantizes per token as ref_quant.cpp's quantize_block (amax / 127 by a
-// division, round half even, clip to +-127, 0 for an all-zero group) and writes the
-// group's G / 4 quad rows (quads + i * quad_stride, 4 bytes per token from token t0) and
-// the tokens' scales.
+// Token t's G bytes of group b into the quad layout: dword d of the group is quad row
+// b * G / 4 + d, at byte 4t of that row.
 template <int64_t G>
-inline void quantize_store(const __m512 v[G], int nt, int8_t* quads, int64_t quad_stride, float* scales) {
-    const __mmask16 tmask = tail_mask16(nt);
-    __m512 amax = _mm512_setzero_ps();
-    for (int j = 0; j < G; ++j) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
-    const __m512 s = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
-    _mm512_mask_storeu_ps(scales, tmask, s);
-    const __mmask16 live = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ);
-    const __m512 limit = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
-    __m128i bytes[G];  // column j, byte t = token t
-    for (int j = 0; j < G; ++j) {
-        __m512 q = _mm512_maskz_div_ps(live, v[j], s);
-        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        bytes[j] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(q, limit), low)));
+inline void put_quads(int8_t* values, float* scales, int64_t m, int64_t t, int64_t b, const int8_t* q, float scale) {
+    int8_t* dst = values + b * G * m + 4 * t;
+    if (m == 1) {
+        std::memcpy(dst, q, G);
+    } else {
+        for (int64_t d = 0; d < G / 4; ++d) std::memcpy(dst + d * 4 * m, q + 4 * d, 4);
     }
-    // Quad row i: token t's dword is bytes (t) of columns 4i .. 4i + 3.
-    for (int i = 0; i < G / 4; ++i) {
-        const __m128i* a = bytes + 4 * i;
-        const __m128i lo01 = _mm_unpacklo_epi8(a[0], a[1]), hi01 = _mm_unpackhi_epi8(a[0], a[1]);
-        const __m128i lo23 = _mm_unpacklo_epi8(a[2], a[3]), hi23 = _mm_unpackhi_epi8(a[2], a[3]);
-        __m512i row = _mm512_castsi128_si512(_mm_unpacklo_epi16(lo01, lo23));  // tokens 0-3
-        row = _mm512_inserti32x4(row, _mm_unpackhi_epi16(lo01, lo23), 1);     // 4-7
-        row = _mm512_inserti32x4(row, _mm_unpacklo_epi16(hi01, hi23), 2);     // 8-11
-        row = _mm512_inserti32x4(row, _mm_unpackhi_epi16(hi01, hi23), 3);     // 12-15
-        _mm512_mask_storeu_epi32(quads + i * quad_stride, tmask, row);
-    }
+    scales[b * m + t] = scale;
 }
 
-// Tokens 16 at a time: the 16 x G group transposed in registers 16 x 16 at a time, then
-// quantized.
 template <int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    int8_t* q = static_cast<int8_t*>(packed);
+    int8_t* values = static_cast<int8_t*>(packed);
     float* scales = token_scales(packed, m, k);
-    for (int64_t t0 = 0; t0 < m; t0 += 16) {
-        const int nt = static_cast<int>(m - t0 < 16 ? m - t0 : 16);
-        for (int64_t b = 0; b < k / G; ++b) {
-            __m512 v[G];
-            for (int64_t h = 0; h < G / 16; ++h) {
-                for (int t = 0; t < 16; ++t)
-                    v[16 * h + t] = t < nt ? bf16x16_to_ps(x + token_index[t0 + t] * ldx + b * G + 16 * h)
-                                           : _mm512_setzero_ps();
-                transpose16(v + 16 * h);
-            }
-            quantize_store<G>(v, nt, q + b * G * m + 4 * t0, 4 * m, scales + b * m + t0);
-        }
-    }
+    quantize_tokens_avx512<G>(x, ldx, token_index, m, k, [&](int64_t t, int64_t b, const int8_t* q, float scale) {
+        put_quads<G>(values, scales, m, t, b, q, scale);
+    });
 }
 
-// The partials are [row][token]: G rows of 16 tokens are a group's columns with the tokens
-// in lanes already. silu and the part sums as silu_mul_pack_avx512 computes them.
 template <int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    int8_t* q = static_cast<int8_t*>(packed);
+    int8_t* values = static_cast<int8_t*>(packed);
     float* scales = token_scales(packed, m, i_total);
-    for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
-        for (int64_t t0 = 0; t0 < m; t0 += 16) {
-            const int nt = static_cast<int>(m - t0 < 16 ? m - t0 : 16);
-            const __mmask16 tmask = tail_mask16(nt);
-            __m512 v[G];
-            for (int j = 0; j < G; ++j) {
-                const int64_t offset = (i0 + j) * ld + t0;
-                v[j] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, offset, tmask)),
-                                     sum_parts(up_parts, n_parts, offset, tmask));
-            }
-            quantize_store<G>(v, nt, q + i0 * m + 4 * t0, 4 * m, scales + (i0 / G) * m + t0);
-        }
-    }
+    quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m,
+                                [&](int64_t t, int64_t b, const int8_t* q, float scale) {
+                                    put_quads<G>(values, scales, m, t, b, q, scale);
+                                });
 }
 
 // ---------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 //   partials  parts[p][r * ld + t] fp32 (weight row r, token t)
 //   plain     act[t * i_total + i] bf16 (dot-product kernels' token operand)
 //   pairs     act[(i / 2) * 2 * m + 2 * t + i % 2] bf16 (AMX B operand, "VNNI" pairs)
+//   int8      per token and group of G columns: G values in column order and a scale, handed
+//             to the integer kernel's own writer
 #pragma once
 
 #include <immintrin.h>
@@ -233,6 +235,86 @@ inline void store_down_avx512(const float* const* parts, int n_parts, int64_t ld
                     _mm256_mask_storeu_epi16(static_cast<bf16*>(out) + offset, hmask, to_bf16x16(v[tt]));
                 else
                     _mm512_mask_storeu_ps(static_cast<float*>(out) + offset, hmask, v[tt]);
+            }
+        }
+    }
+}
+
+
+// ---------------------------------------------------------------------------------------
+// The integer kernels' token rule (docs/quantization.md), shared so that every AVX-512 and
+// AMX integer table quantizes the same way; each kernel writes the bytes in its own layout
+// through `put(t, b, q, scale)`: token t, group b, G int8 values in column order.
+
+inline __m512 bf16x16_to_ps(const uint16_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// G values (G / 16 vectors, columns in the lanes) -> symmetric int8 with scale amax / 127,
+// as quantize_block of ref_quant.cpp: the same division (not a reciprocal) and
+// round-half-even, so the same bytes. One token at a time: G / 16 divisions a group.
+template <int64_t G>
+inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
+    __m512 amax = _mm512_abs_ps(v[0]);
+    for (int64_t i = 1; i < G / 16; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    const float s = _mm512_reduce_max_ps(amax) / 127.0f;
+    *scale = s;
+    if (!(s > 0.0f)) {
+        std::memset(q, 0, G);
+        return;
+    }
+    const __m512 sv = _mm512_set1_ps(s), limit = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
+    for (int64_t i = 0; i < G / 16; ++i) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, limit), low))));
+    }
+}
+
+// The gather: token t is row token_index[t] of x, k / G groups of it quantized in turn.
+template <int64_t G, class Put>
+void quantize_tokens_avx512(const uint16_t* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k,
+                            Put&& put) {
+    alignas(64) int8_t q[G];
+    for (int64_t t = 0; t < m; ++t) {
+        const uint16_t* row = x + token_index[t] * ldx;
+        for (int64_t b = 0; b < k / G; ++b) {
+            __m512 v[G / 16];
+            for (int64_t i = 0; i < G / 16; ++i) v[i] = bf16x16_to_ps(row + b * G + 16 * i);
+            float scale;
+            quantize_block<G>(v, q, &scale);
+            put(t, b, q, scale);
+        }
+    }
+}
+
+// The gate/up epilogue, silu(g) * u quantized per token and group of the intermediate
+// columns [i_begin, i_end): the partials are [row][token], the operand [token][column], so
+// 16 rows x 16 tokens tiles are transposed in registers, G / 16 per group.
+template <int64_t G, class Put>
+void quantize_silu_mul_avx512(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                              int64_t i_begin, int64_t i_end, int64_t m, Put&& put) {
+    alignas(64) int8_t q[G];
+    for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
+        for (int64_t t0 = 0; t0 < m; t0 += 16) {
+            const int64_t nt = m - t0 < 16 ? m - t0 : 16;
+            const __mmask16 tmask = tail_mask16(nt);
+            __m512 act[16][G / 16];  // [token][16 columns]
+            for (int64_t sub = 0; sub < G / 16; ++sub) {
+                __m512 v[16];
+                for (int ii = 0; ii < 16; ++ii) {
+                    const int64_t offset = (i0 + sub * 16 + ii) * ld + t0;
+                    v[ii] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, offset, tmask)),
+                                          sum_parts(up_parts, n_parts, offset, tmask));
+                }
+                transpose16(v);
+                for (int tt = 0; tt < 16; ++tt) act[tt][sub] = v[tt];
+            }
+            for (int64_t tt = 0; tt < nt; ++tt) {
+                float scale;
+                quantize_block<G>(act[tt], q, &scale);
+                put(t0 + tt, i0 / G, q, scale);
             }
         }
     }

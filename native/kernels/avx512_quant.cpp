@@ -208,78 +208,21 @@ struct TokenWriter {
     bool lanes, row_lanes;
 };
 
-// G values (G / 16 vectors) -> symmetric int8 with scale amax / 127, as quantize_block of
-// ref_quant.cpp: the same division (not a reciprocal) and round-half-even, so the same bytes.
-template <int64_t G>
-inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
-    __m512 amax = _mm512_abs_ps(v[0]);
-    for (int64_t i = 1; i < G / 16; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-    const float s = _mm512_reduce_max_ps(amax) / 127.0f;
-    *scale = s;
-    if (!(s > 0.0f)) {
-        std::memset(q, 0, G);
-        return;
-    }
-    const __m512 sv = _mm512_set1_ps(s), limit = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
-    for (int64_t i = 0; i < G / 16; ++i) {
-        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
-                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, limit), low))));
-    }
-}
-
-inline __m512 bf16x16_to_ps(const bf16* p) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 template <Format F, int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
     const TokenWriter<F, G> out(packed, m, k);
     out.fill_padding(0, k);
-    alignas(64) int8_t q[G];
-    for (int64_t t = 0; t < m; ++t) {
-        const bf16* row = x + token_index[t] * ldx;
-        for (int64_t b = 0; b < k / G; ++b) {
-            __m512 v[G / 16];
-            for (int64_t i = 0; i < G / 16; ++i) v[i] = bf16x16_to_ps(row + b * G + 16 * i);
-            float scale;
-            quantize_block<G>(v, q, &scale);
-            out.put(t, b, q, scale);
-        }
-    }
+    quantize_tokens_avx512<G>(x, ldx, token_index, m, k,
+                              [&](int64_t t, int64_t b, const int8_t* q, float scale) { out.put(t, b, q, scale); });
 }
 
-// The gate/up epilogue: the partials are [row][token], the operand [token][column], so
-// 16 rows x 16 tokens tiles are transposed in registers, G / 16 per group of columns.
 template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
     const TokenWriter<F, G> out(packed, m, i_total);
     out.fill_padding(i_begin, i_end);
-    alignas(64) int8_t q[G];
-    for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
-        for (int64_t t0 = 0; t0 < m; t0 += 16) {
-            const int64_t nt = m - t0 < 16 ? m - t0 : 16;
-            const __mmask16 tmask = tail_mask16(nt);
-            __m512 act[16][G / 16];  // [token][16 columns]
-            for (int64_t sub = 0; sub < G / 16; ++sub) {
-                __m512 v[16];
-                for (int ii = 0; ii < 16; ++ii) {
-                    const int64_t offset = (i0 + sub * 16 + ii) * ld + t0;
-                    v[ii] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, offset, tmask)),
-                                          sum_parts(up_parts, n_parts, offset, tmask));
-                }
-                transpose16(v);
-                for (int tt = 0; tt < 16; ++tt) act[tt][sub] = v[tt];
-            }
-            for (int64_t tt = 0; tt < nt; ++tt) {
-                float scale;
-                quantize_block<G>(act[tt], q, &scale);
-                out.put(t0 + tt, i0 / G, q, scale);
-            }
-        }
-    }
+    quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m,
+                                [&](int64_t t, int64_t b, const int8_t* q, float scale) { out.put(t, b, q, scale); });
 }
 
 // ---------------------------------------------------------------------------------------
