@@ -263,10 +263,13 @@ inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kCh
 
 // The segment columns [k0, k1) (whole groups) of one block: per group, G / K tile
 // products accumulated in C, then the fp32 epilogue; out += the sums at the end.
+// With `prefetch` (streamed weights), each weight line read requests one line of the row
+// block after next.
 template <Format F, int64_t G>
 void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const int8_t* q, const float* xs, int64_t m,
-               bool stream_weights, Scratch& scratch) {
+               bool stream_weights, LinePrefetcher* prefetch, Scratch& scratch) {
     constexpr int64_t K = columns_per_product<G>();
+    const int block_rows = blk.shape.rows[0] + blk.shape.rows[1];
     const TileShape& shape = blk.shape;
     float (&acc)[4][256] = scratch.acc;
     int32_t (&dots)[4][256] = scratch.dots;
@@ -311,6 +314,8 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
                     TILE_LOADD(kA0, a, 64);
                     if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * 64, 64);
                 }
+                if (prefetch)
+                    for (int i = 0; i < block_rows; ++i) prefetch->next<column_bytes<F>(K)>();
                 TILE_DPBSSD(kC00, kA0, kB0);
                 if (shape.tokens[1]) TILE_DPBSSD(kC01, kA0, kB1);
                 if (shape.rows[1]) {
@@ -362,6 +367,9 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
         for (int64_t j = j_lo; j < j_hi; j += 32) {
             const int rows = static_cast<int>(j_hi - j < 32 ? j_hi - j : 32);
             const int64_t r = seg.row0 + j * stride;
+            // Streamed weights (one token block) are requested a row block ahead of the next.
+            LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + 64 * stride) * row_bytes,
+                                 column_bytes<F>(seg.k0), column_bytes<F>(seg.k1), stride * row_bytes);
             for (int64_t t0 = 0; t0 < m; t0 += 32) {
                 const int nt = static_cast<int>(m - t0 < 32 ? m - t0 : 32);
                 Block blk{static_cast<const uint8_t*>(w.data) + r * row_bytes,
@@ -378,7 +386,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     configure(blk.shape);
                     current = blk.shape;
                 }
-                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, scratch);
+                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, stream_weights ? &ahead : nullptr,
+                                scratch);
             }
         }
     });

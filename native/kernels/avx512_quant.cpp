@@ -288,26 +288,6 @@ struct RowGeometry {
     int64_t stride, row_bytes, scale_bytes;
 };
 
-// The lines of a later row block in address order: row by row, bytes [begin, end) of
-// each (a segment's columns), one request per call, kBytes on (int4's 32-byte steps ask
-// for each line twice). Past the segment's last row it requests lines no one reads:
-// prefetch never faults.
-struct LinePrefetcher {
-    const uint8_t* row;
-    int64_t at, begin, end, step;
-    LinePrefetcher(const uint8_t* first_row, int64_t begin_, int64_t end_, int64_t step_)
-        : row(first_row), at(begin_), begin(begin_), end(end_), step(step_) {}
-    template <int64_t kBytes = 64>
-    void next() {
-        _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T2);
-        at += kBytes;
-        if (at >= end) {
-            at = begin;
-            row += step;
-        }
-    }
-};
-
 template <int R>
 RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, int64_t j, int64_t j_hi, float* out,
                          int64_t ldo) {
