@@ -56,6 +56,12 @@ namespace {
 
 constexpr int kChunkGroups = 16;  // groups per transposed scale table
 
+// Streamed weights are requested this many bytes of segment span ahead of the block being
+// read, when that is at least the next whole 32-row block (rows of up to 4 KiB): measured
+// from memory, 128 KiB ahead was best for 2 and 4 KiB rows, twice that slower, and with
+// 14 KiB rows every distance of whole blocks was slower than none (docs/kernels.md).
+constexpr int64_t kPrefetchAheadBytes = 128 * 1024;
+
 // Columns per tdpbssd for groups of G columns: a whole 64-byte line of each weight row
 // unless a group is narrower.
 template <int64_t G>
@@ -364,11 +370,13 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     std::memset(scratch.acc, 0, sizeof(scratch.acc));
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
+        if (seg.k1 <= seg.k0) return;  // an empty column range (valid) reads nothing
+        const int64_t ahead_rows = kPrefetchAheadBytes / column_bytes<F>(seg.k1 - seg.k0);
+        const bool prefetch = stream_weights && ahead_rows >= 32;
         for (int64_t j = j_lo; j < j_hi; j += 32) {
             const int rows = static_cast<int>(j_hi - j < 32 ? j_hi - j : 32);
             const int64_t r = seg.row0 + j * stride;
-            // Streamed weights (one token block) are requested a row block ahead of the next.
-            LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + 64 * stride) * row_bytes,
+            LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + ahead_rows * stride) * row_bytes,
                                  column_bytes<F>(seg.k0), column_bytes<F>(seg.k1), stride * row_bytes);
             for (int64_t t0 = 0; t0 < m; t0 += 32) {
                 const int nt = static_cast<int>(m - t0 < 32 ? m - t0 : 32);
@@ -386,8 +394,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     configure(blk.shape);
                     current = blk.shape;
                 }
-                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, stream_weights ? &ahead : nullptr,
-                                scratch);
+                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, prefetch ? &ahead : nullptr, scratch);
             }
         }
     });
