@@ -16,8 +16,9 @@ with the weights summed (the same sum the transformers loop computes with index_
 
 Kernel choice, per expert from its own token count and weight format: AMX (AMX-BF16, or
 AMX-INT8 for int8 / int4 weights, when the CPU and OS allow it) from ``amx_min_tokens``
-tokens (default 1), otherwise AVX-512 (BF16, or VNNI for integer weights), AVX2 (bf16
-only), the scalar reference; never the AMX software model unless forced. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
+tokens (default: 1 for bf16, 6 for int8, 12 for int4, where AMX-INT8 starts to read
+faster than AVX-512-VNNI; docs/kernels.md), otherwise AVX-512 (BF16, or VNNI for integer weights),
+AVX2, the scalar reference; never the AMX software model unless forced. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
 
 Thread safety: one layer runs one forward at a time (a per-layer lock; its partial
 buffers are reused between calls); layers sharing a worker pool are serialised by the
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import operator
 import os
 import threading
 import weakref
@@ -148,6 +150,22 @@ _layer_ids = itertools.count(1)
 _layers: "weakref.WeakValueDictionary[int, MoELayer]" = weakref.WeakValueDictionary()
 
 
+def _amx_min_tokens(value) -> int:
+    """MoELayer's amx_min_tokens as the native layer takes it: 0 for None (each weight
+    format's default), else an integer >= 1."""
+    if value is None:
+        return 0
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        tokens = operator.index(value)
+    except TypeError:
+        raise ValueError(f"amx_min_tokens must be an integer >= 1 or None, got {value!r}") from None
+    if tokens < 1:
+        raise ValueError(f"amx_min_tokens must be an integer >= 1 or None, got {tokens}")
+    return tokens
+
+
 class MoELayer:
     """A NUMA-partitioned MoE layer (see the module docstring).
 
@@ -165,7 +183,8 @@ class MoELayer:
     """
 
     def __init__(self, experts, tables, *, topology=None, node_cpus=None, isa: str | None = None,
-                 amx_min_tokens: int = 1, pin: bool = True, verify_tables: bool = True, keep_alive=()):
+                 amx_min_tokens: int | None = None, pin: bool = True, verify_tables: bool = True, keep_alive=()):
+        amx_min_tokens = _amx_min_tokens(amx_min_tokens)
         if node_cpus is None:
             topology = topology if topology is not None else _default_topology()
             node_ids, cpus = topology_node_cpus(topology)
@@ -202,7 +221,7 @@ class MoELayer:
             self.experts.append(mats)
         self.isa = isa if isa is not None else kernels.forced_isa()
         self._core.set_isa(self.isa)
-        self._core.set_amx_min_tokens(int(amx_min_tokens))
+        self._core.set_amx_min_tokens(amx_min_tokens)
         self.layer_id = next(_layer_ids)
         self.forward_calls = 0  # forwards run, whichever front end called (eager, the op, numpy)
         self._stacked = None

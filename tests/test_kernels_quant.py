@@ -214,30 +214,42 @@ def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_neve
 
 
 LAYER_ISAS = [None] + [isa for isa in ("amx_model", "amx") if isa in kernels.available_isas("int8")]
+# The per-expert rule's integer defaults (docs/kernels.md): AMX-INT8 from these token counts.
+AMX_MIN_TOKENS = {"int8": 6, "int4": 12}
+
+
+def default_integer_isa(fmt, m):
+    """The per-expert rule, restated: AMX (where this CPU has it) from the format's default
+    token count, else the fastest of the others; never the model."""
+    order = [isa for isa in ("amx", "avx512", "avx2", "ref") if isa in kernels.available_isas(fmt)]
+    return order[1] if order[0] == "amx" and m < AMX_MIN_TOKENS[fmt] else order[0]
+
+
+def integer_layer(rng, fmt, n_nodes, group=64, **kwargs):
+    """A 3-expert layer of random int8 / int4 experts (hidden 128, intermediate 192) on a
+    virtual topology, and its experts."""
+    from numa_moe.segments import SegmentTable
+    from numa_moe.topology import Topology
+
+    hidden, inter = 128, 192
+    experts = [tuple(random_qm(rng, r, c, fmt, group)[1] for r, c in ((inter, hidden), (inter, hidden),
+                                                                      (hidden, inter))) for _ in range(3)]
+    topo = Topology.virtual(n_nodes)
+    tables = [{kind: SegmentTable.theoretical(*qm.shape, fmt, 4096, topo.node_ids) for kind, qm in
+               zip(("gate", "up", "down"), e)} for e in experts]
+    return MoELayer(experts, tables, topology=topo, **kwargs), experts, tables
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n_nodes", [1, 2, 3])
 @pytest.mark.parametrize("isa", LAYER_ISAS)
 def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
-    from numa_moe.segments import SegmentTable
-    from numa_moe.topology import Topology
-
-    hidden, inter, group, n_experts = 128, 192, 64, 3
-    experts = [tuple(random_qm(rng, r, c, fmt, group)[1] for r, c in ((inter, hidden), (inter, hidden),
-                                                                      (hidden, inter))) for _ in range(n_experts)]
-    topo = Topology.virtual(n_nodes)
-
-    def table(qm):
-        rows, cols = qm.shape
-        return SegmentTable.theoretical(rows, cols, fmt, 4096, topo.node_ids)
-
-    tables = [{kind: table(qm) for kind, qm in zip(("gate", "up", "down"), e)} for e in experts]
-    layer = MoELayer(experts, tables, topology=topo, isa=isa)
-    # unforced: the fastest ISA with kernels for the format (amx, else avx512 where the CPU
-    # has VNNI), never the model
+    layer, experts, tables = integer_layer(rng, fmt, n_nodes, isa=isa)
+    hidden = layer.hidden
+    # unforced: the per-expert rule (AMX from the format's default token count, where the
+    # CPU has it; VNNI below), never the model
     assert layer.weight_format == fmt
-    assert layer.isa_for_tokens(1) == (kernels.fastest_isa(fmt) if isa is None else isa)
+    assert layer.isa_for_tokens(1) == (default_integer_isa(fmt, 1) if isa is None else isa)
     n_tokens = 4 if isa is None else 37  # AMX: more than a 32-token block for expert 1
     x = rng.standard_normal((n_tokens, hidden)).astype(BF16)
     ids = np.array([[0, 2], [1, 1], [2, 0], [1, 2]] + [[1, 0]] * (n_tokens - 4))
@@ -252,8 +264,39 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
     assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < FFN_BOUND
     if isa is not None and "avx512" in kernels.available_isas(fmt):
         # the same quantized operands and fp32 sums: equal to the avx512 layer bit for bit
-        y_avx512 = MoELayer(experts, tables, topology=topo, isa="avx512").forward_numpy(x, ids, w, out_dtype="float32")
+        y_avx512 = MoELayer(experts, tables, topology=layer.topology, isa="avx512").forward_numpy(
+            x, ids, w, out_dtype="float32")
         np.testing.assert_array_equal(y, y_avx512)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_integer_experts_take_amx_from_the_formats_default_token_count(rng, fmt):
+    """Each expert of a step gets its kernels from its own token count: AMX-INT8 from 6
+    (int8) or 12 (int4) tokens where the CPU has it, AVX-512-VNNI below; amx_min_tokens
+    overrides the default; the output is the reference's either way."""
+    layer, experts, _ = integer_layer(rng, fmt, 1)
+    for m in range(1, 18):
+        assert layer.isa_for_tokens(m) == default_integer_isa(fmt, m), m
+    threshold = AMX_MIN_TOKENS[fmt]
+    n_tokens = threshold + 1  # expert 0: every token, expert 1: one, expert 2: threshold
+    ids = np.array([[0, 1]] + [[0, 2]] * (n_tokens - 1))
+    x = rng.standard_normal((n_tokens, layer.hidden)).astype(BF16)
+    w = rng.random((n_tokens, 2)).astype(np.float32)
+    y = layer.forward_numpy(x, ids, w, out_dtype="float32")
+    assert layer.last_stats()["expert_isa"] == [default_integer_isa(fmt, m) for m in (n_tokens, 1, threshold)]
+    expected = np.array([sum(w[t, j] * ffn_reference(x, experts[ids[t, j]], [t])[0] for j in range(2))
+                         for t in range(n_tokens)])
+    assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < FFN_BOUND
+    always = integer_layer(rng, fmt, 1, amx_min_tokens=1)[0]
+    assert always.isa_for_tokens(1) == kernels.fastest_isa(fmt)
+    late = integer_layer(rng, fmt, 1, amx_min_tokens=100)[0]
+    assert late.isa_for_tokens(99) == default_integer_isa(fmt, 1)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_amx_min_tokens_must_be_a_positive_integer(rng, bad):
+    with pytest.raises(ValueError, match="amx_min_tokens must be an integer >= 1 or None"):
+        integer_layer(rng, "int8", 1, amx_min_tokens=bad)
 
 
 def test_an_expert_with_two_group_sizes_is_refused(rng):

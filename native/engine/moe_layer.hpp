@@ -53,6 +53,7 @@ public:
     // forced: run every expert with this ISA (std::invalid_argument when this CPU cannot);
     // otherwise the rule in isa_for_tokens.
     void set_isa(bool forced, Isa isa);
+    // 0: each weight format's default (default_amx_min_tokens, pipeline.hpp).
     void set_amx_min_tokens(int64_t m) { amx_min_tokens_ = m; }
     // Per-node fp32 partial memory a group of experts may use before the step is split
     // into several pool runs.
@@ -82,7 +83,7 @@ private:
     std::vector<ExpertParts> experts_;
     bool isa_forced_ = false;
     Isa forced_isa_ = Isa::ref;
-    int64_t amx_min_tokens_ = 1;
+    int64_t amx_min_tokens_ = 0;
     int64_t group_budget_bytes_ = int64_t(256) << 20;
 
     // reused between steps

@@ -102,6 +102,7 @@ void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants,
 
 const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens) {
     using kernels::Isa;
+    if (amx_min_tokens <= 0) amx_min_tokens = default_amx_min_tokens(format);
     if (m >= amx_min_tokens)
         if (const KernelOps* ops = kernels::kernel_ops(Isa::amx, format, group)) return ops;
     for (Isa isa : {Isa::avx512, Isa::avx2, Isa::ref})

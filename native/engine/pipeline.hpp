@@ -139,10 +139,25 @@ struct StepShape {
 // "The per-expert rule"); the MoE layer and expert_ffn both go through it.
 //
 // Kernels (not forced by the caller): AMX (real, when this CPU and OS allow it) from
-// amx_min_tokens tokens, else AVX-512, else AVX2, else ref, the first with kernels for the
-// format (and group). Within the table, the token layout and k blocking follow from m
-// (KernelOps.token_layout, the kernel files).
+// amx_min_tokens tokens (0: the format's default below), else AVX-512, else AVX2, else
+// ref, the first with kernels for the format (and group). Within the table, the token
+// layout and k blocking follow from m (KernelOps.token_layout, the kernel files).
 const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens);
+// AMX from one token for bf16 (the AMX-BF16 kernel reads at the memory's rate from one
+// token); int8 from 6 and int4 from 12 tokens: below those the AVX-512-VNNI kernels read
+// faster than AMX-INT8 on the Intel Xeon measured, and both give the same bits
+// (docs/kernels.md, "The per-expert rule").
+constexpr int64_t kAmxMinTokensBf16 = 1;
+constexpr int64_t kAmxMinTokensInt8 = 6;
+constexpr int64_t kAmxMinTokensInt4 = 12;
+inline int64_t default_amx_min_tokens(kernels::Format format) {
+    switch (format) {
+        case kernels::Format::int8: return kAmxMinTokensInt8;
+        case kernels::Format::int4: return kAmxMinTokensInt4;
+        case kernels::Format::bf16: break;
+    }
+    return kAmxMinTokensBf16;
+}
 //
 // Blocking: below token_split_min_tokens(participants) tokens, and always on several nodes
 // (where a node may only touch its own segments), the expert's rows are split over the
