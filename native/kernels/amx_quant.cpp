@@ -59,7 +59,8 @@ constexpr int kChunkGroups = 16;  // groups per transposed scale table
 // Streamed weights are requested this many bytes of segment span ahead of the block being
 // read, when that is at least the next whole 32-row block (rows of up to 4 KiB): measured
 // from memory, 128 KiB ahead was best for 2 and 4 KiB rows, twice that slower, and with
-// 14 KiB rows every distance of whole blocks was slower than none (docs/kernels.md).
+// 14 KiB rows every distance of whole blocks was slower than none (docs/kernels.md); such
+// rows are read 16 at a time instead.
 constexpr int64_t kPrefetchAheadBytes = 128 * 1024;
 
 // Columns per tdpbssd for groups of G columns: a whole 64-byte line of each weight row
@@ -351,8 +352,9 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
         }
 }
 
-// Each segment in row blocks of 32 and, within one, token blocks of 32 (a block's weights
-// are read once per token block: from memory once when m <= 32, hence tileloadt1 then).
+// Each segment in row blocks of 32 (16 for unprefetched rows at <= 16 tokens) and, within
+// one, token blocks of 32 (a block's weights are read once per token block: from memory
+// once when m <= 32, hence tileloadt1 then).
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
@@ -373,8 +375,12 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
         if (seg.k1 <= seg.k0) return;  // an empty column range (valid) reads nothing
         const int64_t ahead_rows = kPrefetchAheadBytes / column_bytes<F>(seg.k1 - seg.k0);
         const bool prefetch = stream_weights && ahead_rows >= 32;
-        for (int64_t j = j_lo; j < j_hi; j += 32) {
-            const int rows = static_cast<int>(j_hi - j < 32 ? j_hi - j : 32);
+        // Rows the software does not request are left to the hardware prefetchers, which
+        // follow 16 rows read side by side better than 32 (at up to 16 tokens one A tile
+        // per block costs no more tile loads per weight byte).
+        const int64_t block_rows = !prefetch && m <= 16 ? 16 : 32;
+        for (int64_t j = j_lo; j < j_hi; j += block_rows) {
+            const int rows = static_cast<int>(j_hi - j < block_rows ? j_hi - j : block_rows);
             const int64_t r = seg.row0 + j * stride;
             LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + ahead_rows * stride) * row_bytes,
                                  column_bytes<F>(seg.k0), column_bytes<F>(seg.k1), stride * row_bytes);
