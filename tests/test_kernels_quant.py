@@ -134,6 +134,34 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
 
 
 @pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
+def test_matmul_segments_long_rows(rng, fmt, isa):
+    """Segment spans over 4 KiB of weights a row (Mixtral's and DeepSeek-V3's shapes): the
+    AMX kernel requests no lines ahead for them and, at <= 16 tokens, takes 16-row blocks
+    (docs/kernels.md); strided segments of such rows, a thread's row range, token counts
+    on both sides of 16 and 32. Equal to ref bit for bit, and to the float64 sums."""
+    rows, group = 41, 128
+    cols = 4224 if fmt == "int8" else 8448  # 4224 bytes a row either way
+    _, qm = random_qm(rng, rows, cols, fmt, group)
+    segments = np.array([[0, 2, 21, 0, cols], [1, 2, 20, 0, 2 * group], [1, 2, 20, 2 * group, cols]], np.int64)
+    row_begin, row_end = 3, 40
+    covered = np.zeros(rows, bool)
+    covered[row_begin:row_end] = True
+    for m in (1, 7, 16, 17, 33):
+        x = rng.standard_normal((m, cols)).astype(BF16)
+        start = rng.standard_normal((rows, m)).astype(np.float32)
+        out, ref_out = start.copy(), start.copy()
+        out[~covered] = ref_out[~covered] = np.nan
+        kernels.matmul_segments(qm, segments, x, out, isa=isa, row_begin=row_begin, row_end=row_end)
+        kernels.matmul_segments(qm, segments, x, ref_out, isa="ref", row_begin=row_begin, row_end=row_end)
+        assert np.all(np.isnan(out[~covered])), "rows outside the thread's range were written"
+        x_q, x_s = quantize_tokens(x.astype(np.float32), group)
+        rs = np.arange(row_begin, row_end)
+        expected = start[rs].astype(np.float64) + reference_matmul(qm, x_q, x_s, rs, 0, cols)
+        assert np.abs(out[rs] - expected).max() / np.abs(expected).max() < 1e-5, m
+        np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
 def test_matmul_segments_with_subnormal_fp16_scales(rng, fmt, isa):
     """Tiny weights: fp16 scales below 2^-14 are subnormal; kernels that convert fp16 with
     integer operations (avx2) must take them exactly, as ref does."""

@@ -7,29 +7,28 @@
 //     logic over emulated tiles, run by the tests on CPUs without AMX.
 // Both with -ffp-contract=off: the fp32 epilogue must round as ref_quant.cpp does.
 //
-// Operand layouts (tdpbssd C[m][n] += sum_k A[m][k] * B[k/4][4n + k%4], all int8 / int32):
+// Operand layouts (tdpbssd C[m][n] += sum_k A[m][k] * B[k/4][4n + k%4], all int8 / int32),
+// K = 64 columns per tdpbssd, or 32 for groups of 32 (the tile rule below):
 //   A  weights  int8 w[r * ld + c] row-major, straight from the checkpoint: a tile is 16 rows
-//               of one segment (r = row0 + j * row_stride) x 32 columns, loaded at stride
+//               of one segment (r = row0 + j * row_stride) x K columns, loaded at stride
 //               row_stride * ld bytes (tileloadt1 when m <= 32).
 //               int4 (byte (r * ld + c) / 2, even column in the low nibble) is unpacked to
 //               sign-extended int8 in registers, K columns of each row at a time, into a
 //               staging buffer the A tile is loaded from (stride 64 bytes)
 //   B  tokens   the quad layout TokenLayout {4, 1}: q[(c / 4) * 4m + 4t + c % 4] int8 (m * k
 //               bytes, padded to 64), then fp32 scale[b * m + t] per group b of G columns
-//               (group-major, so that one vector holds 16 tokens' scales); the token rule
-//               (per token and group, s = amax / 127, round half even) is ref_quant.cpp's,
-//               quantize_block's of avx512_common.hpp, so the values and scales are the
-//               same numbers in another order. A tile is
-//               K / 4 quad rows (K columns) x min(tokens, 16) tokens, stride 4m bytes
+//               (group-major, so that one vector holds 16 tokens' scales). The values and
+//               scales are quantize_block's (avx512_common.hpp), i.e. ref_quant.cpp's token
+//               rule, in another order. A tile is K / 4 quad rows x min(tokens, 16)
+//               tokens, stride 4m bytes
 //   C  int32 dots of one group (G / K tdpbssd), stored to a scratch tile; the fp32 sums
 //               live in accumulators and are added to out[r * ldo + t] once per segment
-// Tile rule: K = 64 per tdpbssd (A colsb 64: a whole cache line of each row; B rows 16)
-// when the group is 64 columns or more, K = 32 (A colsb 32, B rows 8) for groups of 32
-// (Q8_0 and Q4_0 imports), whose products must be scaled on their own; a group's G / K
-// products accumulate in the C tiles. Rows and
-// tokens in blocks of 32 as 2 x 2 C tiles (tmm0..3), A in tmm4/5, B in tmm6/7; smaller
-// tiles for fewer rows or tokens. Per group: tilezero, the products, tilestored, then the
-// epilogue
+// Tile rule: K = 64 (A colsb 64: a whole line of each row; B rows 16) when the group is 64
+// columns or more, K = 32 (A colsb 32, B rows 8) for groups of 32 (Q8_0 and Q4_0 imports),
+// whose products must be scaled on their own; a group's G / K products accumulate in the C
+// tiles. Rows and tokens in blocks of 32 as 2 x 2 C tiles (tmm0..3), A in tmm4/5, B in
+// tmm6/7; smaller tiles for fewer rows or tokens (16-row blocks for unprefetched rows at
+// <= 16 tokens). Per group: tilezero, the products, tilestored, then the epilogue
 //     acc[r][t] += float(dot) * (s_w[r][group] * s_x[t][group])
 // over the stored tile read flat (16 (row, token) pairs a vector, whatever the token count,
 // with the two scale vectors spread by permutes): the reference's fp32 terms in its block
@@ -270,8 +269,8 @@ inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kCh
 
 // The segment columns [k0, k1) (whole groups) of one block: per group, G / K tile
 // products accumulated in C, then the fp32 epilogue; out += the sums at the end.
-// With `prefetch` (streamed weights), each weight line read requests one line of the row
-// block after next.
+// With `prefetch` (streamed weights, matmul_segments' rule), each weight line read requests
+// one line of the rows kPrefetchAheadBytes of segment span ahead.
 template <Format F, int64_t G>
 void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const int8_t* q, const float* xs, int64_t m,
                bool stream_weights, LinePrefetcher* prefetch, Scratch& scratch) {
