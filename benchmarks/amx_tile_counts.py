@@ -4,7 +4,8 @@ the AMX software model: one gate matrix [I, H] of an expert shape, int8 or int4,
 token count M, through kernels.matmul_segments(isa="amx_model") on this thread. Counts,
 not times (the model says nothing about speed); they show what the tile rule costs per
 KiB of weights and how full the tdpbssd tiles are (useful products over 16 x 16 x K per
-instruction, K = min(group, 64) the tile rule's columns per tdpbssd). Needs an extension built with test hooks (tools/setup.sh does)."""
+instruction, K = min(group, 64) the tile rule's columns per tdpbssd). Needs an extension
+built with test hooks (tools/setup.sh does)."""
 
 from __future__ import annotations
 

@@ -178,7 +178,9 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              },
              py::arg("isa"), "Force one ISA for every expert, or None for the per-expert rule.")
         .def("set_amx_min_tokens", [](PyLayer& l, int64_t m) {
-            if (m < 0) throw std::invalid_argument("amx_min_tokens must be >= 1 (or 0 for the format's default), got " + std::to_string(m));
+            if (m < 0)
+                throw std::invalid_argument("amx_min_tokens must be >= 1 (or 0 for the format's default), got " +
+                                            std::to_string(m));
             l.core->set_amx_min_tokens(m);
         }, py::arg("m"), "AMX from m tokens; 0: each weight format's default (bf16 1, int8 6, int4 12).")
         .def("set_group_budget_bytes", [](PyLayer& l, int64_t b) {

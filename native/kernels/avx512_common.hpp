@@ -262,7 +262,6 @@ inline void store_down_avx512(const float* const* parts, int n_parts, int64_t ld
     }
 }
 
-
 // ---------------------------------------------------------------------------------------
 // The integer kernels' token rule (docs/quantization.md), shared so that every AVX-512 and
 // AMX integer table quantizes the same way; each kernel writes the bytes in its own layout
