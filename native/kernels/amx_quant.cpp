@@ -14,13 +14,16 @@
 //               row_stride * ld bytes (tileloadt1 when m <= 32).
 //               int4 (byte (r * ld + c) / 2, even column in the low nibble) is unpacked to
 //               sign-extended int8 in registers, K columns of each row at a time, into a
-//               staging buffer the A tile is loaded from (stride 64 bytes)
+//               staging buffer the A tile is loaded from (stride 64 bytes), in the int4
+//               order: each K-column chunk as its even columns, then its odd ones (the
+//               low nibbles, then the high ones: no byte crosses a vector lane)
 //   B  tokens   the quad layout TokenLayout {4, 1}: q[(c / 4) * 4m + 4t + c % 4] int8 (m * k
 //               bytes, padded to 64), then fp32 scale[b * m + t] per group b of G columns
-//               (group-major, so that one vector holds 16 tokens' scales). The values and
-//               scales are quantize_block's (avx512_common.hpp), i.e. ref_quant.cpp's token
-//               rule, in another order. A tile is K / 4 quad rows x min(tokens, 16)
-//               tokens, stride 4m bytes
+//               (group-major, so that one vector holds 16 tokens' scales); for int4 weights
+//               c counts columns in the int4 order. The values and scales are
+//               quantize_block's (avx512_common.hpp), i.e. ref_quant.cpp's token rule, in
+//               another order. A tile is K / 4 quad rows x min(tokens, 16) tokens, stride
+//               4m bytes
 //   C  int32 dots of one group (G / K tdpbssd), stored to a scratch tile; the fp32 sums
 //               live in accumulators and are added to out[r * ldo + t] once per segment
 // Tile rule: K = 64 (A colsb 64: a whole line of each row; B rows 16) when the group is 64
@@ -117,10 +120,36 @@ float* token_scales(const void* packed, int64_t m, int64_t k) {
     return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) + values_bytes(m, k));
 }
 
+// A token's quantized group in the order of the int4 A rows (unpack_int4): each K-column
+// chunk as its even columns, then its odd ones. Bytes are sorted within 16-byte lanes,
+// then the lanes' 8-byte halves.
+template <int64_t G>
+inline void int4_column_order(const int8_t* q, int8_t* out) {
+    constexpr int64_t K = columns_per_product<G>();
+    if constexpr (K == 64) {
+        const __m512i in_lane = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m512i halves = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+        for (int64_t c = 0; c < G; c += 64) {
+            const __m512i v = _mm512_shuffle_epi8(_mm512_loadu_si512(q + c), in_lane);
+            _mm512_storeu_si512(out + c, _mm512_permutexvar_epi64(halves, v));
+        }
+    } else {
+        const __m256i in_lane = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), in_lane);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(v, 0xd8));
+    }
+}
+
 // Token t's G bytes of group b into the quad layout: dword d of the group is quad row
 // b * G / 4 + d, at byte 4t of that row.
-template <int64_t G>
+template <Format F, int64_t G>
 inline void put_quads(int8_t* values, float* scales, int64_t m, int64_t t, int64_t b, const int8_t* q, float scale) {
+    alignas(64) int8_t reordered[G];
+    if constexpr (F == Format::int4) {
+        int4_column_order<G>(q, reordered);
+        q = reordered;
+    }
     int8_t* dst = values + b * G * m + 4 * t;
     if (m == 1) {
         std::memcpy(dst, q, G);
@@ -130,23 +159,23 @@ inline void put_quads(int8_t* values, float* scales, int64_t m, int64_t t, int64
     scales[b * m + t] = scale;
 }
 
-template <int64_t G>
+template <Format F, int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
     int8_t* values = static_cast<int8_t*>(packed);
     float* scales = token_scales(packed, m, k);
     quantize_tokens_avx512<G>(x, ldx, token_index, m, k, [&](int64_t t, int64_t b, const int8_t* q, float scale) {
-        put_quads<G>(values, scales, m, t, b, q, scale);
+        put_quads<F, G>(values, scales, m, t, b, q, scale);
     });
 }
 
-template <int64_t G>
+template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
     int8_t* values = static_cast<int8_t*>(packed);
     float* scales = token_scales(packed, m, i_total);
     quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m,
                                 [&](int64_t t, int64_t b, const int8_t* q, float scale) {
-                                    put_quads<G>(values, scales, m, t, b, q, scale);
+                                    put_quads<F, G>(values, scales, m, t, b, q, scale);
                                 });
 }
 
@@ -199,17 +228,24 @@ void row_scale_table(ScaleType type, const uint8_t* first_row, int64_t row_step,
     for (int g = 0; g < kChunkGroups; ++g) _mm512_store_ps(table[g], v[g]);
 }
 
-// K (64 or 32) columns of an int4 row as sign-extended int8 in column order: byte 0x?HL
-// widened to the word 0x00HL becomes the bytes (L, H) by (w | w << 4) & 0x0f0f, then
-// (x ^ 8) - 8 sign-extends each nibble.
+// K (64 or 32) columns of an int4 row as sign-extended int8 in the kernel's int4 order:
+// the low nibbles of the K / 2 bytes (the even columns), then the high nibbles (the odd
+// columns). The bytes are broadcast to both halves of a vector and the upper half shifted
+// by 4, so no byte moves across lanes; (n & 15 ^ 8) - 8 sign-extends each nibble n.
 template <int64_t K>
 inline void unpack_int4(const uint8_t* src, int8_t* dst) {
-    const __m256i raw = K == 64 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
-                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    const __m512i wide = _mm512_cvtepu8_epi16(raw);
-    const __m512i nibbles = _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
-    const __m512i eight = _mm512_set1_epi8(8);
-    _mm512_store_si512(dst, _mm512_sub_epi8(_mm512_xor_si512(nibbles, eight), eight));
+    constexpr long long kHighHalf = 0x0004000400040004;  // 16-bit shift counts of 4
+    if constexpr (K == 64) {
+        const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        const __m512i shifted = _mm512_srlv_epi16(raw, _mm512_set_epi64(kHighHalf, kHighHalf, kHighHalf, kHighHalf, 0, 0, 0, 0));
+        const __m512i biased = _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi8(0x0f), _mm512_set1_epi8(8), 0x6a);
+        _mm512_store_si512(dst, _mm512_sub_epi8(biased, _mm512_set1_epi8(8)));
+    } else {
+        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+        const __m256i shifted = _mm256_srlv_epi16(raw, _mm256_set_epi64x(kHighHalf, kHighHalf, 0, 0));
+        const __m256i biased = _mm256_ternarylogic_epi32(shifted, _mm256_set1_epi8(0x0f), _mm256_set1_epi8(8), 0x6a);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_sub_epi8(biased, _mm256_set1_epi8(8)));
+    }
 }
 
 // Where one block of up to 32 rows x 32 tokens of a segment reads and writes.
@@ -420,8 +456,8 @@ const KernelOps& table() {
     constexpr Isa isa = Isa::amx;
     constexpr const char* name = "amx";
 #endif
-    static const KernelOps ops{isa, name, F, G, quads_layout, packed_bytes<G>, gather<G>, matmul_segments<F, G>,
-                               silu_mul_pack<G>, combine_down_avx512, store_down_avx512};
+    static const KernelOps ops{isa, name, F, G, quads_layout, packed_bytes<G>, gather<F, G>, matmul_segments<F, G>,
+                               silu_mul_pack<F, G>, combine_down_avx512, store_down_avx512};
     return ops;
 }
 

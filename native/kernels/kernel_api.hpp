@@ -65,7 +65,8 @@ constexpr bool is_integer_group(int64_t group) { return group == 32 || group == 
 // weights' G columns, in each table's own layout (ref_quant.cpp: plain, q[t * k + c] then
 // scale[t * (k / G) + b]; avx512_quant.cpp: plain, interleaved by weight dword (with a
 // bias term per token and group) or 16-token lanes, by token count; amx_quant.cpp: the
-// AMX B operand's quads B[c / 4][4t + c % 4] {4, 1}, then scale[b * m + t]).
+// AMX B operand's quads B[c / 4][4t + c % 4] {4, 1}, then scale[b * m + t]; for int4
+// weights each 64 (or 32) columns in the order even columns, then odd).
 struct TokenLayout {
     int64_t block_columns;
     int64_t token_multiple;
