@@ -173,6 +173,44 @@ def test_matmul_segments_with_subnormal_fp16_scales(rng, fmt, isa):
     check_whole_matrix(rng, qm, x, isa)
 
 
+@pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_token_quantization_rounds_halves_as_the_reference(rng, fmt, isa, group):
+    """Tokens whose x / s lies within 2^-10 of a half-integer, every such bf16 value for
+    a few block maxima: 127 (s = 1: exact ties, to even), 100, and maxima in [1, 2) for
+    which x * (1 / s) rounds to another integer than x / s for some x (a reciprocal
+    shortcut would differ there). Every kernel's gather (each quantizes the tokens itself)
+    must give ref's bytes: outputs equal bit for bit, and to the float64 sums of the
+    restated token rule."""
+    every_bf16 = np.arange(0, 0x7F80, dtype=np.uint16).view(BF16).astype(np.float32)
+    every_bf16 = np.concatenate([every_bf16, -every_bf16])
+
+    def near_halves(amax):
+        s = np.float32(amax) / np.float32(127)
+        x = every_bf16[np.abs(every_bf16) <= amax]
+        frac = np.abs(x / s) % 1
+        return x[np.abs(frac - 0.5) < 2.0 ** -10], s
+
+    shortcut_differs = []
+    for amax in np.arange(0x3F80, 0x4000, dtype=np.uint16).view(BF16).astype(np.float32):
+        x, s = near_halves(amax)
+        if np.any(np.rint(x / s) != np.rint(x * (np.float32(1) / s))):
+            shortcut_differs.append(amax)
+    assert len(shortcut_differs) >= 4, "the search must find maxima where the shortcut differs"
+    blocks = []
+    for amax in [127.0, 100.0, *shortcut_differs[:4]]:
+        x, _ = near_halves(amax)
+        rng.shuffle(x)
+        for i in range(0, x.size, group - 1):
+            chunk = x[i:i + group - 1]
+            blocks.append(np.concatenate([[amax], chunk, np.zeros(group - 1 - chunk.size)]))
+    cols = 4 * group
+    tokens = np.concatenate(blocks)[: len(blocks) * group // cols * cols].reshape(-1, cols)
+    _, qm = random_qm(rng, 16, cols, fmt, group)
+    for m0 in range(0, tokens.shape[0], 37):  # several token counts, each through the gather
+        check_whole_matrix(rng, qm, tokens[m0:m0 + 37].astype(BF16), isa)
+
+
 @pytest.mark.parametrize("isa", kernels.available_isas("int8"))
 def test_int8_weights_at_minus_128(rng, isa):
     """quant.quantize writes [-127, 127], but an imported int8 block may hold -128: every

@@ -273,8 +273,12 @@ inline __m512 bf16x16_to_ps(const uint16_t* p) {
 }
 
 // G values (G / 16 vectors, columns in the lanes) -> symmetric int8 with scale amax / 127,
-// as quantize_block of ref_quant.cpp: the same division (not a reciprocal) and
-// round-half-even, so the same bytes. One token at a time: G / 16 divisions a group.
+// as quantize_block of ref_quant.cpp: the same division (not a reciprocal) and rounding
+// (nearbyint there, the conversion here: both by the current rounding mode, half-even
+// unless a caller changes it), so the same bytes. The rounded quotients lie in [-127, 127]
+// (s is amax / 127 rounded), so the only clamp keeps a NaN lane (INT32_MIN) out of -128.
+// Four vectors are narrowed at a time (two packs, one dword permute): half the cost of
+// narrowing each alone. One token at a time: G / 16 divisions a group.
 template <int64_t G>
 inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
     __m512 amax = _mm512_abs_ps(v[0]);
@@ -285,12 +289,22 @@ inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
         std::memset(q, 0, G);
         return;
     }
-    const __m512 sv = _mm512_set1_ps(s), limit = _mm512_set1_ps(127.0f), low = _mm512_set1_ps(-127.0f);
-    for (int64_t i = 0; i < G / 16; ++i) {
-        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
-                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, limit), low))));
+    const __m512 sv = _mm512_set1_ps(s);
+    auto rounded = [&](int64_t i) {
+        return _mm512_cvtps_epi32(_mm512_div_ps(v[i], sv));
+    };
+    int64_t i = 0;
+    // The packs leave dword 4l + j of the result holding vector j's lanes 4l..4l+3.
+    const __m512i vector_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; i + 4 <= G / 16; i += 4) {
+        const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(rounded(i), rounded(i + 1)),
+                                                 _mm512_packs_epi32(rounded(i + 2), rounded(i + 3)));
+        _mm512_storeu_si512(q + 16 * i,
+                            _mm512_max_epi8(_mm512_permutexvar_epi32(vector_order, bytes), _mm512_set1_epi8(-127)));
     }
+    for (; i < G / 16; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
+                         _mm512_cvtsepi32_epi8(_mm512_max_epi32(rounded(i), _mm512_set1_epi32(-127))));
 }
 
 // The gather: token t is row token_index[t] of x, k / G groups of it quantized in turn.
