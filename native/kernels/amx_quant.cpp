@@ -141,42 +141,78 @@ inline void int4_column_order(const int8_t* q, int8_t* out) {
     }
 }
 
-// Token t's G bytes of group b into the quad layout: dword d of the group is quad row
-// b * G / 4 + d, at byte 4t of that row.
+// The quantized tokens into the quad layout: dword d of token t's group b goes to quad row
+// b * G / 4 + d, byte 4t. The producers (quantize_tokens_avx512, quantize_silu_mul_avx512)
+// hand over a block of up to 16 tokens one group at a time, token after token; the block's
+// group is collected and written as 16 x 16 dword transposes, one 64-byte store per quad
+// row and block, where storing each token's dwords alone would write 4 bytes to each of
+// G / 4 lines.
 template <Format F, int64_t G>
-inline void put_quads(int8_t* values, float* scales, int64_t m, int64_t t, int64_t b, const int8_t* q, float scale) {
-    alignas(64) int8_t reordered[G];
-    if constexpr (F == Format::int4) {
-        int4_column_order<G>(q, reordered);
-        q = reordered;
+class QuadWriter {
+    // Below this many tokens each token's dwords are stored alone: the lines they touch are
+    // few, and a transpose would cost more than the stores it saves.
+    static constexpr int64_t kTransposeFromTokens = 4;
+
+public:
+    QuadWriter(int8_t* values, float* scales, int64_t m) : values_(values), scales_(scales), m_(m) {}
+
+    void operator()(int64_t t, int64_t b, const int8_t* q, float scale) {
+        scales_[b * m_ + t] = scale;
+        const int64_t t0 = t / 16 * 16, nt = m_ - t0 < 16 ? m_ - t0 : 16;
+        int8_t* row = m_ < kTransposeFromTokens ? block_[0] : block_[t - t0];
+        if constexpr (F == Format::int4)
+            int4_column_order<G>(q, row);
+        else
+            std::memcpy(row, q, G);
+        if (m_ >= kTransposeFromTokens) {
+            if (t - t0 == nt - 1) store_block(t0, nt, b);
+        } else if (m_ == 1) {
+            std::memcpy(values_ + b * G, row, G);
+        } else {
+            int8_t* dst = values_ + b * G * m_ + 4 * t;
+            for (int64_t d = 0; d < G / 4; ++d) std::memcpy(dst + d * 4 * m_, row + 4 * d, 4);
+        }
     }
-    int8_t* dst = values + b * G * m + 4 * t;
-    if (m == 1) {
-        std::memcpy(dst, q, G);
-    } else {
-        for (int64_t d = 0; d < G / 4; ++d) std::memcpy(dst + d * 4 * m, q + 4 * d, 4);
+
+private:
+    void store_block(int64_t t0, int64_t nt, int64_t b) {
+        const __mmask16 tokens = tail_mask16(static_cast<int>(nt));
+        constexpr int64_t kChunk = G < 64 ? G : 64;  // columns a transpose covers
+        for (int64_t c = 0; c < G; c += kChunk) {
+            __m512 rows[16];
+            for (int i = 0; i < 16; ++i) {
+                const void* src = block_[i] + c;
+                if (i >= nt)
+                    rows[i] = _mm512_setzero_ps();
+                else if (kChunk == 64)
+                    rows[i] = _mm512_load_ps(static_cast<const float*>(src));
+                else
+                    rows[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(0x00ff, src));
+            }
+            transpose16(rows);  // rows[d]: dword d of the 16 tokens
+            int8_t* dst = values_ + (b * G + c) * m_ + 4 * t0;
+            for (int64_t d = 0; d < kChunk / 4; ++d)
+                _mm512_mask_storeu_epi32(dst + 4 * d * m_, tokens, _mm512_castps_si512(rows[d]));
+        }
     }
-    scales[b * m + t] = scale;
-}
+
+    int8_t* values_;
+    float* scales_;
+    int64_t m_;
+    alignas(64) int8_t block_[16][G];
+};
 
 template <Format F, int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    int8_t* values = static_cast<int8_t*>(packed);
-    float* scales = token_scales(packed, m, k);
-    quantize_tokens_avx512<G>(x, ldx, token_index, m, k, [&](int64_t t, int64_t b, const int8_t* q, float scale) {
-        put_quads<F, G>(values, scales, m, t, b, q, scale);
-    });
+    QuadWriter<F, G> put(static_cast<int8_t*>(packed), token_scales(packed, m, k), m);
+    quantize_tokens_avx512<G>(x, ldx, token_index, m, k, put);
 }
 
 template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    int8_t* values = static_cast<int8_t*>(packed);
-    float* scales = token_scales(packed, m, i_total);
-    quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m,
-                                [&](int64_t t, int64_t b, const int8_t* q, float scale) {
-                                    put_quads<F, G>(values, scales, m, t, b, q, scale);
-                                });
+    QuadWriter<F, G> put(static_cast<int8_t*>(packed), token_scales(packed, m, i_total), m);
+    quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, put);
 }
 
 // ---------------------------------------------------------------------------------------

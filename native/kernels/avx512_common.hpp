@@ -307,19 +307,25 @@ inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
                          _mm512_cvtsepi32_epi8(_mm512_max_epi32(rounded(i), _mm512_set1_epi32(-127))));
 }
 
-// The gather: token t is row token_index[t] of x, k / G groups of it quantized in turn.
+// The gather: token t is row token_index[t] of x, quantized group by group. Tokens are
+// taken in blocks of 16, each group of a block token after token (the order
+// quantize_silu_mul_avx512 has too), so that a writer may collect a block's group and
+// store it at once.
 template <int64_t G, class Put>
 void quantize_tokens_avx512(const uint16_t* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k,
                             Put&& put) {
     alignas(64) int8_t q[G];
-    for (int64_t t = 0; t < m; ++t) {
-        const uint16_t* row = x + token_index[t] * ldx;
+    for (int64_t t0 = 0; t0 < m; t0 += 16) {
+        const int64_t nt = m - t0 < 16 ? m - t0 : 16;
         for (int64_t b = 0; b < k / G; ++b) {
-            __m512 v[G / 16];
-            for (int64_t i = 0; i < G / 16; ++i) v[i] = bf16x16_to_ps(row + b * G + 16 * i);
-            float scale;
-            quantize_block<G>(v, q, &scale);
-            put(t, b, q, scale);
+            for (int64_t t = t0; t < t0 + nt; ++t) {
+                const uint16_t* group = x + token_index[t] * ldx + b * G;
+                __m512 v[G / 16];
+                for (int64_t i = 0; i < G / 16; ++i) v[i] = bf16x16_to_ps(group + 16 * i);
+                float scale;
+                quantize_block<G>(v, q, &scale);
+                put(t, b, q, scale);
+            }
         }
     }
 }
