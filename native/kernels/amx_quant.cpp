@@ -299,7 +299,7 @@ struct Block {
 // A thread's working memory for one matmul_segments call (about 12 KiB, L1-resident).
 struct Scratch {
     alignas(64) float acc[4][256];        // fp32 sums per C tile, pairs in the flat order
-    alignas(64) int32_t dots[4][256];     // the C tiles of the current block, flat
+    alignas(64) int32_t dots[2][4][256];  // the C tiles of a group, flat; alternate groups
     alignas(64) int8_t stage[32][64];     // int4 rows unpacked to int8 (64 columns)
     alignas(64) float sw_table[2][kChunkGroups][16];  // weight scales, [group][row] per A tile
 };
@@ -350,13 +350,21 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
     const int block_rows = blk.shape.rows[0] + blk.shape.rows[1];
     const TileShape& shape = blk.shape;
     float (&acc)[4][256] = scratch.acc;
-    int32_t (&dots)[4][256] = scratch.dots;
     int8_t (&stage)[32][64] = scratch.stage;
     float (&sw_table)[2][kChunkGroups][16] = scratch.sw_table;
     for (int a = 0; a < 2; ++a)
         for (int tb = 0; tb < 2; ++tb)
             std::memset(acc[2 * a + tb], 0, sizeof(float) * shape.rows[a] * shape.tokens[tb]);
     const int64_t g_first = k0 / G, g_end = k1 / G;
+    // A group's epilogue runs after the next group's tile work is issued, so that the vector
+    // work overlaps the tile unit's (the stored C tiles alternate between two buffers).
+    // (The last group of a chunk of kChunkGroups waits for none: the next table replaces its.)
+    int64_t pending = -1;
+    auto finish_pending = [&](int64_t g0) {
+        if (pending < 0) return;
+        scale_and_add(shape, sw_table, pending - g0, xs + pending * m + blk.t0, scratch.dots[pending & 1], acc);
+        pending = -1;
+    };
     for (int64_t g0 = g_first; g0 < g_end; g0 += kChunkGroups) {
         const int n_groups = static_cast<int>(g_end - g0 < kChunkGroups ? g_end - g0 : kChunkGroups);
         for (int a = 0; a < 2; ++a)
@@ -375,40 +383,44 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
                             unpack_int4<K>(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c),
                                            stage[16 * a + i]);
                 }
+                // Each load as late as the products allow: tiles are not renamed, so a load
+                // waits for the last product that reads the tile's previous contents.
                 const int8_t* bq = q + c * m + 4 * blk.t0;
+                const uint8_t* a_rows = F == Format::int8 ? blk.w + c : reinterpret_cast<const uint8_t*>(stage[0]);
+                const int64_t a_stride = F == Format::int8 ? blk.w_step_bytes : 64;
+                const bool stream_a = F == Format::int8 && stream_weights;
+                if (stream_a)
+                    TILE_STREAM_LOADD(kA0, a_rows, a_stride);
+                else
+                    TILE_LOADD(kA0, a_rows, a_stride);
                 TILE_LOADD(kB0, bq, 4 * m);
-                if (shape.tokens[1]) TILE_LOADD(kB1, bq + 64, 4 * m);
-                if constexpr (F == Format::int8) {
-                    const uint8_t* a = blk.w + c;
-                    if (stream_weights) {
-                        TILE_STREAM_LOADD(kA0, a, blk.w_step_bytes);
-                        if (shape.rows[1]) TILE_STREAM_LOADD(kA1, a + 16 * blk.w_step_bytes, blk.w_step_bytes);
-                    } else {
-                        TILE_LOADD(kA0, a, blk.w_step_bytes);
-                        if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * blk.w_step_bytes, blk.w_step_bytes);
-                    }
-                } else {
-                    const int8_t* a = stage[0];
-                    TILE_LOADD(kA0, a, 64);
-                    if (shape.rows[1]) TILE_LOADD(kA1, a + 16 * 64, 64);
-                }
-                if (prefetch)
-                    for (int i = 0; i < block_rows; ++i) prefetch->next<column_bytes<F>(K)>();
                 TILE_DPBSSD(kC00, kA0, kB0);
-                if (shape.tokens[1]) TILE_DPBSSD(kC01, kA0, kB1);
+                if (shape.tokens[1]) {
+                    TILE_LOADD(kB1, bq + 64, 4 * m);
+                    TILE_DPBSSD(kC01, kA0, kB1);
+                }
                 if (shape.rows[1]) {
+                    if (stream_a)
+                        TILE_STREAM_LOADD(kA1, a_rows + 16 * a_stride, a_stride);
+                    else
+                        TILE_LOADD(kA1, a_rows + 16 * a_stride, a_stride);
                     TILE_DPBSSD(kC10, kA1, kB0);
                     if (shape.tokens[1]) TILE_DPBSSD(kC11, kA1, kB1);
                 }
+                if (prefetch)
+                    for (int i = 0; i < block_rows; ++i) prefetch->next<column_bytes<F>(K)>();
             }
+            int32_t (&dots)[4][256] = scratch.dots[g & 1];
             TILE_STORED(kC00, dots[0], 4 * shape.tokens[0]);
             if (shape.tokens[1]) TILE_STORED(kC01, dots[1], 4 * shape.tokens[1]);
             if (shape.rows[1]) {
                 TILE_STORED(kC10, dots[2], 4 * shape.tokens[0]);
                 if (shape.tokens[1]) TILE_STORED(kC11, dots[3], 4 * shape.tokens[1]);
             }
-            scale_and_add(shape, sw_table, g - g0, xs + g * m + blk.t0, dots, acc);
+            finish_pending(g0);
+            pending = g;
         }
+        finish_pending(g0);
     }
     for (int a = 0; a < 2; ++a)
         for (int tb = 0; tb < 2; ++tb) {
