@@ -5,16 +5,20 @@
 // can be compared by pointing KERNEL at a copy of the previous file.
 //
 //   g++ -O3 -DNDEBUG -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mavx512vnni
-//       -ffp-contract=off -Inative -DKERNEL='"kernels/avx512_quant.cpp"'
+//       -ffp-contract=off -falign-functions=64 -falign-loops=64 -Inative
+//       -DKERNEL='"kernels/avx512_quant.cpp"'
 //       benchmarks/quant_kernel_loop.cpp native/common/util.cpp native/common/segment.cpp
 //       native/common/cpu_features.cpp -o /tmp/quant_loop
-//   (one command line). The AMX-INT8 kernel: add -mamx-tile -mamx-int8
+//   (one command line; the alignment flags keep code placement from deciding a comparison:
+//   docs/kernels.md, "Measuring kernel loops"). The AMX-INT8 kernel: add -mamx-tile -mamx-int8
 //   -DKERNEL='"kernels/amx_quant.cpp"' -DOPS=amx_integer_ops. Against the kernel of an
 //   earlier commit REV: git show REV:native/kernels/avx512_quant.cpp > /tmp/prev.cpp, then
 //   -DKERNEL='"/tmp/prev.cpp"'; run the two alternately, several times (the machines are
 //   shared).
-//   /tmp/quant_loop int8|int4 ROWS K M[,M...] [CALLS]   (group 128, fp16 scales; e.g. int8
-//                                 256 2048 4,8: 512 KB of weights, in L2; CALLS per M, 2000)
+//   /tmp/quant_loop int8|int4 ROWS K M[,M...] [CALLS [CHUNK_ROWS]]   (group 128, fp16 scales;
+//       e.g. int8 256 2048 4,8: 512 KB of weights, in L2; CALLS per M, 2000). CHUNK_ROWS > 0
+//       runs the rows as ranges of that many, the even ranges first, then the odd ones: the
+//       short row ranges of a layer's threads, whose neighbours are read at another time.
 //   From memory on both cores (docs/kernels.md, "Prefetch in address order"):
 //   taskset -c 0 /tmp/quant_loop int8 40000 2048 1,8 60 & taskset -c 1 /tmp/quant_loop int8 40000 2048 1,8 60
 //
@@ -46,15 +50,16 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 }  // namespace
 
 int main(int argc, char** argv) {
-    if ((argc != 5 && argc != 6) || (std::strcmp(argv[1], "int8") != 0 && std::strcmp(argv[1], "int4") != 0)) {
-        std::fprintf(stderr, "usage: %s int8|int4 ROWS K M[,M...] [CALLS]\n", argv[0]);
+    if ((argc < 5 || argc > 7) || (std::strcmp(argv[1], "int8") != 0 && std::strcmp(argv[1], "int4") != 0)) {
+        std::fprintf(stderr, "usage: %s int8|int4 ROWS K M[,M...] [CALLS [CHUNK_ROWS]]\n", argv[0]);
         return 2;
     }
     const Format format = std::strcmp(argv[1], "int8") == 0 ? Format::int8 : Format::int4;
     const int64_t group = 128, rows = std::atoll(argv[2]), k = std::atoll(argv[3]);
-    const int calls = argc == 6 ? std::atoi(argv[5]) : 2000;
-    if (rows < 1 || k < group || k % group != 0 || calls < 1) {
-        std::fprintf(stderr, "ROWS >= 1, K a multiple of %ld, CALLS >= 1\n", static_cast<long>(group));
+    const int calls = argc >= 6 ? std::atoi(argv[5]) : 2000;
+    const int64_t chunk_rows = argc == 7 ? std::atoll(argv[6]) : 0;
+    if (rows < 1 || k < group || k % group != 0 || calls < 1 || chunk_rows < 0) {
+        std::fprintf(stderr, "ROWS >= 1, K a multiple of %ld, CALLS >= 1, CHUNK_ROWS >= 0\n", static_cast<long>(group));
         return 2;
     }
     request_amx_permission();  // before any AMX kernel runs; a no-op question elsewhere
@@ -98,7 +103,14 @@ int main(int argc, char** argv) {
             const double t0 = now();
             ops.gather(x.data(), k, index.data(), m, k, packed);
             const double t1 = now();
-            ops.matmul_segments(w, &segment, 1, 0, rows, packed, m, k, out.data(), m);
+            if (chunk_rows == 0) {
+                ops.matmul_segments(w, &segment, 1, 0, rows, packed, m, k, out.data(), m);
+            } else {  // the even row ranges, then the odd ones
+                for (int64_t parity = 0; parity < 2; ++parity)
+                    for (int64_t r0 = parity * chunk_rows; r0 < rows; r0 += 2 * chunk_rows)
+                        ops.matmul_segments(w, &segment, 1, r0, std::min(rows, r0 + chunk_rows), packed, m, k,
+                                            out.data(), m);
+            }
             matmul.push_back(now() - t1);
             gather.push_back(t1 - t0);
         }

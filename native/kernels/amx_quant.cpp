@@ -465,6 +465,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
         for (int64_t j = j_lo; j < j_hi; j += block_rows) {
             const int rows = static_cast<int>(j_hi - j < block_rows ? j_hi - j : block_rows);
             const int64_t r = seg.row0 + j * stride;
+            // Rows past the thread's range are another thread's or no one's: not requested.
+            const bool request_ahead = prefetch && j + ahead_rows < j_hi;
             LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + ahead_rows * stride) * row_bytes,
                                  column_bytes<F>(seg.k0), column_bytes<F>(seg.k1), stride * row_bytes);
             for (int64_t t0 = 0; t0 < m; t0 += 32) {
@@ -483,7 +485,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     configure(blk.shape);
                     current = blk.shape;
                 }
-                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, prefetch ? &ahead : nullptr, scratch);
+                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, request_ahead ? &ahead : nullptr,
+                                scratch);
             }
         }
     });
