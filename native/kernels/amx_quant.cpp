@@ -31,7 +31,9 @@
 // whose products must be scaled on their own; a group's G / K products accumulate in the C
 // tiles. Rows and tokens in blocks of 32 as 2 x 2 C tiles (tmm0..3), A in tmm4/5, B in
 // tmm6/7; smaller tiles for fewer rows or tokens (16-row blocks for unprefetched rows at
-// <= 16 tokens). Per group: tilezero, the products, tilestored, then the epilogue
+// <= 16 tokens). Per group: tilezero, the products (each tile loaded just before its
+// first one), tilestored into one of two buffers, then, after the next group's tile work
+// is issued, the epilogue
 //     acc[r][t] += float(dot) * (s_w[r][group] * s_x[t][group])
 // over the stored tile read flat (16 (row, token) pairs a vector, whatever the token count,
 // with the two scale vectors spread by permutes): the reference's fp32 terms in its block
@@ -296,7 +298,7 @@ struct Block {
     TileShape shape;
 };
 
-// A thread's working memory for one matmul_segments call (about 12 KiB, L1-resident).
+// A thread's working memory for one matmul_segments call (16 KiB, L1-resident).
 struct Scratch {
     alignas(64) float acc[4][256];        // fp32 sums per C tile, pairs in the flat order
     alignas(64) int32_t dots[2][4][256];  // the C tiles of a group, flat; alternate groups
