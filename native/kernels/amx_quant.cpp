@@ -161,12 +161,19 @@ public:
     void operator()(int64_t t, int64_t b, const int8_t* q, float scale) {
         scales_[b * m_ + t] = scale;
         const int64_t t0 = t / 16 * 16, nt = m_ - t0 < 16 ? m_ - t0 : 16;
-        int8_t* row = m_ < kTransposeFromTokens ? block_[0] : block_[t - t0];
-        if constexpr (F == Format::int4)
-            int4_column_order<G>(q, row);
-        else
-            std::memcpy(row, q, G);
-        if (m_ >= kTransposeFromTokens) {
+        const bool transposed = m_ >= kTransposeFromTokens;
+        // The group in the kernel's column order: collected for the block, or (int4) reordered
+        // into a slot of its own; int8 stored alone is written from q as it is.
+        const int8_t* row = q;
+        if (F == Format::int4 || transposed) {
+            int8_t* slot = transposed ? block_[t - t0] : block_[0];
+            if constexpr (F == Format::int4)
+                int4_column_order<G>(q, slot);
+            else
+                std::memcpy(slot, q, G);
+            row = slot;
+        }
+        if (transposed) {
             if (t - t0 == nt - 1) store_block(t0, nt, b);
         } else if (m_ == 1) {
             std::memcpy(values_ + b * G, row, G);
