@@ -40,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from numa_moe import _native, kernels
@@ -313,8 +314,6 @@ class MoELayer:
                         scale_dtype, **kwargs) -> "MoELayer":
         """from_tensors for integer formats: each expert matrix quantized into interleaved
         value and scale buffers stacked like the bf16 ones; tables of the value buffers."""
-        import ml_dtypes
-
         from numa_moe import memory, quant
         from numa_moe.segments import SegmentTable
 
@@ -396,15 +395,22 @@ class MoELayer:
     __call__ = forward
 
     def forward_numpy(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16") -> np.ndarray:
-        import ml_dtypes
-
+        # A decode step's Python work runs with cold caches (the experts' bytes streamed
+        # through them since the last step), where every Python-level call costs
+        # microseconds: the usual input (arrays already of the native dtypes) goes straight
+        # to the native layer, whose checks are the same either way.
+        if (type(hidden) is np.ndarray and hidden.dtype is _BF16 and out_dtype == "bfloat16"
+                and _is_native_array(topk_ids, _INT64) and _is_native_array(topk_weights, _FLOAT32)):
+            out = np.empty(hidden.shape, dtype=_BF16)
+            self._run(hidden.view(np.uint16), topk_ids, topk_weights, out.view(np.uint16))
+            return out
         _check_out_dtype(out_dtype)
         x = self._check_hidden(np.asarray(hidden))
         ids, weights = self._check_routing(topk_ids, np.asarray(topk_weights))
         if out_dtype == "float32":
             out = np.empty(x.shape, dtype=np.float32)
         else:
-            out = np.empty(x.shape, dtype=ml_dtypes.bfloat16)
+            out = np.empty(x.shape, dtype=_BF16)
         self._run(x.view(np.uint16), ids, weights, out if out_dtype == "float32" else out.view(np.uint16))
         return out
 
@@ -414,16 +420,22 @@ class MoELayer:
         _check_out_dtype(out_dtype)
         if hidden.dtype != torch.bfloat16:
             raise TypeError(f"hidden: expected torch.bfloat16, got {hidden.dtype}")
-        check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
+        if not (hidden.is_cpu and topk_ids.is_cpu and topk_weights.is_cpu):
+            check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
         if not topk_weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights: expected a floating-point tensor, got {topk_weights.dtype}")
-        x = hidden.detach().view(torch.int16).numpy().view(np.uint16)
-        weights = topk_weights.detach()
-        ids, weights = self._check_routing(topk_ids, (weights if weights.dtype == torch.float32 else
-                                                      weights.to(torch.float32)).numpy())
+        # As few torch calls as the input allows (see forward_numpy): no detach without
+        # autograd, no conversion of routing that is already int64 / float32 and contiguous.
+        x = (hidden.detach() if hidden.requires_grad else hidden).view(torch.int16).numpy()
+        if (topk_ids.dtype is torch.int64 and topk_weights.dtype is torch.float32 and not topk_weights.requires_grad
+                and topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+            ids, weights = topk_ids.numpy(), topk_weights.numpy()
+        else:
+            weights = topk_weights.detach()
+            ids, weights = self._check_routing(topk_ids, (weights if weights.dtype == torch.float32 else
+                                                          weights.to(torch.float32)).numpy())
         out = torch.empty(tuple(x.shape), dtype=torch.float32 if out_dtype == "float32" else torch.bfloat16)
-        out_np = out.numpy() if out_dtype == "float32" else out.view(torch.int16).numpy().view(np.uint16)
-        self._run(x, ids, weights, out_np)
+        self._run(x, ids, weights, out.numpy() if out_dtype == "float32" else out.view(torch.int16).numpy())
         return out
 
     def _check_hidden(self, x: np.ndarray, is_bits: bool = False) -> np.ndarray:
@@ -546,6 +558,16 @@ def get_layer(layer_id: int) -> MoELayer:
 
 
 # ---- helpers ------------------------------------------------------------------------
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_INT64 = np.dtype(np.int64)
+_FLOAT32 = np.dtype(np.float32)
+
+
+def _is_native_array(value, dtype: np.dtype) -> bool:
+    """A C-contiguous numpy array of exactly ``dtype``: what the native layer takes as it is."""
+    return type(value) is np.ndarray and value.dtype is dtype and value.flags.c_contiguous
+
 
 def _check_out_dtype(out_dtype) -> None:
     if out_dtype not in OUT_DTYPES:

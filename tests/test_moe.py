@@ -240,6 +240,26 @@ def test_non_integer_topk_ids_are_refused_not_truncated(rng):
         np.testing.assert_array_equal(layer.forward_numpy(x, same, w).view(np.uint16), expected.view(np.uint16))
 
 
+def test_inputs_that_need_converting_give_the_direct_path_result(rng):
+    """forward_numpy hands int64 / float32 C-contiguous routing and bfloat16 hidden states
+    to the native layer as they are, and converts anything else first: both must give the
+    same bits, and the reference's result."""
+    weights = make_weights(rng, n_experts=3)
+    layer = make_layer(weights, 2, rng)
+    x = random_bf16(rng, (5, H))
+    ids, w = routing(rng, 5, 2, n_experts=3)
+    direct = layer.forward_numpy(x, ids, w)
+    assert rel_error(direct, moe_reference(x, ids, w, *weights)) < TOL_REF
+    wide_ids = np.zeros((5, 4), np.int64)
+    wide_ids[:, ::2] = ids
+    wide_w = np.zeros((5, 4), np.float32)
+    wide_w[:, ::2] = w
+    converted = ((x, wide_ids[:, ::2], w), (x, ids, wide_w[:, ::2]), (x, ids, w.astype(np.float64)),
+                 (x.view(np.uint16), ids, w), (x, ids.astype(">i8"), w))
+    for args in converted:
+        np.testing.assert_array_equal(layer.forward_numpy(*args).view(np.uint16), direct.view(np.uint16))
+
+
 def test_isa_rule_and_forcing(rng):
     weights = make_weights(rng, n_experts=2)
     layer = make_layer(weights, 1, kind="whole")

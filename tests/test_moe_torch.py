@@ -63,6 +63,23 @@ def test_forward_on_torch_tensors_matches_transformers_loop(rng):
     assert rel_error(y2.float().numpy(), transformers_moe_loop(x, ids, w.to(torch.bfloat16), gate_up, down).numpy()) < 1e-2
 
 
+def test_torch_inputs_that_need_converting_give_the_direct_path_result(rng):
+    """Eager torch input already in the native dtypes (bf16 hidden, int64 ids, float32
+    weights, contiguous, no autograd) goes to the native layer without conversions;
+    anything else is converted first: the same bits either way."""
+    layer, gate_up, down = make(rng)
+    x = torch.from_numpy(rng.standard_normal((5, H))).to(torch.bfloat16)
+    ids, w = routing(rng, 5, 2)
+    direct = layer(x, ids, w)
+    assert rel_error(direct.float().numpy(), transformers_moe_loop(x, ids, w, gate_up, down).numpy()) < 1e-2
+    converted = ((x.clone().requires_grad_(True), ids, w), (x, ids.t().contiguous().t(), w),
+                 (x, ids, w.t().contiguous().t()), (x, ids, w.clone().requires_grad_(True)), (x, ids, w.double()))
+    for args in converted:
+        assert not args[1].is_contiguous() or not args[2].is_contiguous() or any(a.requires_grad for a in args) \
+            or args[2].dtype != torch.float32
+        assert torch.equal(layer(*args).view(torch.int16), direct.view(torch.int16))
+
+
 def test_duplicate_ids_follow_the_transformers_loop(rng):
     layer, gate_up, down = make(rng, 3)
     x = torch.from_numpy(rng.standard_normal((4, H))).to(torch.bfloat16)
