@@ -60,12 +60,13 @@ namespace {
 
 constexpr int kChunkGroups = 16;  // groups per transposed scale table
 
-// Streamed weights are requested this many bytes of segment span ahead of the block being
-// read, when that is at least the next whole 32-row block (rows of up to 4 KiB): measured
-// from memory, 128 KiB ahead was best for 2 and 4 KiB rows, twice that slower, and with
-// 14 KiB rows every distance of whole blocks was slower than none (docs/kernels.md); such
-// rows are read 16 at a time instead.
-constexpr int64_t kPrefetchAheadBytes = 128 * 1024;
+// Streamed weights are requested one row block (32 rows) ahead of the block being read,
+// when their rows are at most 4 KiB: measured from memory on both cores, one block ahead
+// read int8 768- and 2048-byte rows 20% and 4-7% faster than 128 KiB ahead, int4 384- and
+// 1024-byte rows 37% and 8% faster; with 14 KiB rows every distance of whole blocks was
+// slower than none (docs/kernels.md), and such rows are read 16 at a time instead.
+constexpr int64_t kPrefetchAheadRows = 32;
+constexpr int64_t kPrefetchMaxRowBytes = 4096;
 
 // Columns per tdpbssd for groups of G columns: a whole 64-byte line of each weight row
 // unless a group is narrower.
@@ -361,7 +362,7 @@ __attribute__((noinline)) void add_sums(const float* sums, int rows, int n, floa
 // The segment columns [k0, k1) (whole groups) of one block: per group, G / K tile
 // products accumulated in C, then the fp32 epilogue; out += the sums at the end.
 // With `prefetch` (streamed weights, matmul_segments' rule), each weight line read requests
-// one line of the rows kPrefetchAheadBytes of segment span ahead.
+// one line of the rows kPrefetchAheadRows ahead.
 template <Format F, int64_t G>
 void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const int8_t* q, const float* xs, int64_t m,
                bool stream_weights, LinePrefetcher* prefetch, Scratch& scratch) {
@@ -478,8 +479,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
         if (seg.k1 <= seg.k0) return;  // an empty column range (valid) reads nothing
-        const int64_t ahead_rows = kPrefetchAheadBytes / column_bytes<F>(seg.k1 - seg.k0);
-        const bool prefetch = stream_weights && ahead_rows >= 32;
+        const int64_t ahead_rows = kPrefetchAheadRows;
+        const bool prefetch = stream_weights && column_bytes<F>(seg.k1 - seg.k0) <= kPrefetchMaxRowBytes;
         // Rows the software does not request are left to the hardware prefetchers, which
         // follow 16 rows read side by side better than 32 (at up to 16 tokens one A tile
         // per block costs no more tile loads per weight byte).
