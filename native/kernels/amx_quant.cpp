@@ -351,12 +351,48 @@ inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kCh
 
 // out[i * out_step + t] += sums[i * n + t] for a C tile of rows x n < 16 tokens. The sums
 // were just stored as whole vectors of flat pairs, and a row of fewer than 16 lies inside
-// or across them: a vector (masked) load of it waits for those stores to reach the cache
-// (a quarter of a 768-column matrix's time at 8 tokens), a float load inside one store is
-// forwarded. Out of line, so that the kernel's loops keep their code.
+// or across two of them: a load of the row itself (masked, or straddling two stores) waits
+// for those stores to reach the cache (a quarter of a 768-column matrix's time at 8
+// tokens), while a load of a whole stored vector is forwarded from it. So each row is
+// taken out of the (one or two) whole vectors it lies in with a two-source permute.
+// Out of line, so that the kernel's loops keep their code.
 __attribute__((noinline)) void add_sums(const float* sums, int rows, int n, float* out, int64_t out_step) {
-    for (int i = 0; i < rows; ++i)
-        for (int t = 0; t < n; ++t) out[i * out_step + t] += sums[i * n + t];
+    if (n == 8) {  // each row half of a stored vector: a load inside one store is forwarded too
+        for (int i = 0; i < rows; ++i) {
+            float* o = out + i * out_step;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_load_ps(sums + 8 * i)));
+        }
+        return;
+    }
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < rows; ++i) {
+        const int first = i * n / 16, offset = i * n % 16;
+        const __m512 low = _mm512_load_ps(sums + 16 * first);
+        // The second vector only where the row reaches into it (the buffer may end here).
+        const __m512 high = offset + n > 16 ? _mm512_load_ps(sums + 16 * (first + 1)) : low;
+        const __m512 row = _mm512_permutex2var_ps(low, _mm512_add_epi32(lanes, _mm512_set1_epi32(offset)), high);
+        // The out row in pieces of 8, 4, 2 and 1 floats, each an exact-size unmasked access:
+        // masked ones wait behind the masked stores to the neighbouring rows.
+        float* o = out + i * out_step;
+        int c = 0;
+        if (n & 8) {
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm512_castps512_ps256(row)));
+            c = 8;
+        }
+        const auto piece = [&](int at) {
+            return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(at)), row));
+        };
+        if (n & 4) {
+            _mm_storeu_ps(o + c, _mm_add_ps(_mm_loadu_ps(o + c), piece(c)));
+            c += 4;
+        }
+        if (n & 2) {
+            const __m128 sum = _mm_add_ps(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + c))), piece(c));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), _mm_castps_si128(sum));
+            c += 2;
+        }
+        if (n & 1) _mm_store_ss(o + c, _mm_add_ss(_mm_load_ss(o + c), piece(c)));
+    }
 }
 
 // The segment columns [k0, k1) (whole groups) of one block: per group, G / K tile
