@@ -397,21 +397,20 @@ class MoELayer:
     def forward_numpy(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16") -> np.ndarray:
         # A decode step's Python work runs with cold caches (the experts' bytes streamed
         # through them since the last step), where every Python-level call costs
-        # microseconds: the usual input (arrays already of the native dtypes) goes straight
-        # to the native layer, whose checks are the same either way.
-        if (type(hidden) is np.ndarray and hidden.dtype is _BF16 and out_dtype == "bfloat16"
+        # microseconds: the usual input (arrays already of the native dtypes) skips the
+        # Python-level conversions; the native layer checks every input the same way.
+        if not (type(hidden) is np.ndarray and hidden.dtype is _BF16 and out_dtype in OUT_DTYPES
                 and _is_native_array(topk_ids, _INT64) and _is_native_array(topk_weights, _FLOAT32)):
-            out = np.empty(hidden.shape, dtype=_BF16)
-            self._run(hidden.view(np.uint16), topk_ids, topk_weights, out.view(np.uint16))
-            return out
-        _check_out_dtype(out_dtype)
-        x = self._check_hidden(np.asarray(hidden))
-        ids, weights = self._check_routing(topk_ids, np.asarray(topk_weights))
+            _check_out_dtype(out_dtype)
+            hidden = self._check_hidden(np.asarray(hidden))
+            topk_ids, topk_weights = self._check_routing(topk_ids, np.asarray(topk_weights))
         if out_dtype == "float32":
-            out = np.empty(x.shape, dtype=np.float32)
+            out = np.empty(hidden.shape, dtype=np.float32)
+            out_native = out
         else:
-            out = np.empty(x.shape, dtype=_BF16)
-        self._run(x.view(np.uint16), ids, weights, out if out_dtype == "float32" else out.view(np.uint16))
+            out = np.empty(hidden.shape, dtype=_BF16)
+            out_native = out.view(np.uint16)
+        self._run(hidden.view(np.uint16), topk_ids, topk_weights, out_native)
         return out
 
     def _forward_torch(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16"):

@@ -515,7 +515,6 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
         if (seg.k1 <= seg.k0) return;  // an empty column range (valid) reads nothing
-        const int64_t ahead_rows = kPrefetchAheadRows;
         const bool prefetch = stream_weights && column_bytes<F>(seg.k1 - seg.k0) <= kPrefetchMaxRowBytes;
         // Rows the software does not request are left to the hardware prefetchers, which
         // follow 16 rows read side by side better than 32 (at up to 16 tokens one A tile
@@ -525,8 +524,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             const int rows = static_cast<int>(j_hi - j < block_rows ? j_hi - j : block_rows);
             const int64_t r = seg.row0 + j * stride;
             // Rows past the thread's range are another thread's or no one's: not requested.
-            const bool request_ahead = prefetch && j + ahead_rows < j_hi;
-            LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + ahead_rows * stride) * row_bytes,
+            const bool request_ahead = prefetch && j + kPrefetchAheadRows < j_hi;
+            LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + kPrefetchAheadRows * stride) * row_bytes,
                                  column_bytes<F>(seg.k0), column_bytes<F>(seg.k1), stride * row_bytes);
             for (int64_t t0 = 0; t0 < m; t0 += 32) {
                 const int nt = static_cast<int>(m - t0 < 32 ? m - t0 : 32);
