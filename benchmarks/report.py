@@ -110,8 +110,9 @@ def kernel_plot(result: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("ms per expert FFN (median)")
     axes[0][0].legend(fontsize=8)
-    peak = (f"peak {result['peak_gflop_s']:.0f} GFLOP/s ({result.get('peak_instruction')})"
-            if result.get("peak_gflop_s") else "no peak loop for this ISA")
+    peaks = [f"{result['peak_instructions'][isa]} {value:.0f} GFLOP/s" for isa, value in result["peaks_gflop_s"].items()
+             if value]
+    peak = "peak " + ", ".join(peaks) if peaks else "no peak loop for this ISA"
     fig.suptitle(f"Expert FFN, {result['threads']} threads, {peak}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -27,6 +27,7 @@ __all__ = [
     "default_isa",
     "fastest_isa",
     "forced_isa",
+    "isa_for_tokens",
     "expert_ffn",
     "matmul_segments",
     "silu_mul_pack",
@@ -65,6 +66,14 @@ def forced_isa() -> str | None:
     if not os.environ.get(ISA_ENV):
         return None
     return default_isa()
+
+
+def isa_for_tokens(m: int, fmt: str = "bf16") -> str:
+    """The ISA an ``MoELayer`` without an ``isa`` of its own (and with the default
+    ``amx_min_tokens``) runs an expert of `m` tokens with: ``NUMA_MOE_ISA`` if set, else
+    AMX from the weight format's crossover (bf16 1, int8 6, int4 8 tokens) where this CPU
+    runs it, else the fastest other."""
+    return forced_isa() or _native.kernel_isa_for_tokens(int(m), fmt)
 
 
 def _resolve_isa(isa: str | None, fmt: str = "bf16") -> str:

@@ -96,11 +96,11 @@ def test_rows_rescored_against_a_higher_peak():
     # memory-bound: a higher peak leaves the roofline at the read
     row = _row(16, [1.25], [1.0], 500.0)
     assert kernel_bench.rescore(row, 1000.0).fraction_of_roofline == pytest.approx(0.8)
-    result = kernel_bench.Result(isa="avx512", threads=2, repeats=1, page="2m", min_seconds=0.0, peak_gflop_s=500.0,
-                                 l3_bytes=1, rows=[row], peak_end_gflop_s=1000.0,
-                                 rescored_rows=[kernel_bench.rescore(row, 1000.0)])
+    result = kernel_bench.Result(isa="avx512", threads=2, repeats=1, page="2m", min_seconds=0.0,
+                                 peaks_gflop_s={"avx512": 500.0}, l3_bytes=1, rows=[row],
+                                 peaks_end_gflop_s={"avx512": 1000.0}, rescored_rows=[kernel_bench.rescore(row, 1000.0)])
     table = kernel_bench.format_table(result)
-    assert "against the best peak of the run, the end one (1000 GFLOP/s, start 500)" in table
+    assert "against the best peak of the run, the end one (avx512: 1000 GFLOP/s, start 500)" in table
     assert "  qwen3-30b-a3b M=16: /peak 0.00 /roof 0.80 max(mem,compute) 0.80>=0.80" in table.splitlines()
 
 
@@ -140,7 +140,7 @@ def test_a_run_on_an_isa_without_a_peak_loop_divides_by_no_other_peak():
     # before: every ISA was divided by the avx512 vdpbf16ps peak
     result = kernel_bench.run(shapes=["qwen3-30b-a3b"], m_values=[1, 2], repeats=2, isa="ref", with_torch=False,
                               page="4k", min_seconds=0.0, progress=lambda line: None)
-    assert result.peak_gflop_s is None and result.peak_instruction is None
+    assert result.peaks_gflop_s == {"ref": None} and result.peak_instructions == {"ref": None}
     assert all(row.fraction_of_peak is None for row in result.rows)
     assert "no peak loop for isa ref" in kernel_bench.format_table(result).splitlines()[0]
 
@@ -154,7 +154,7 @@ def test_a_peak_that_moves_between_start_and_end_warns_that_the_machine_is_busy(
     isa = kernels.fastest_isa()
     result = kernel_bench.run(shapes=["qwen3-30b-a3b"], m_values=[1], repeats=2, isa=isa, with_torch=False,
                               page="4k", min_seconds=0.0, progress=lambda line: None, table=lines.append)
-    assert result.peak_end_gflop_s == 350.0
+    assert result.peaks_end_gflop_s == {isa: 350.0}
     assert any(f"{native_loops.peak_instruction(isa)} peak moved 26%" in w and "machine is busy" in w for w in result.warnings)
     assert lines[-1] == result.warnings[-1]  # printed after the table
 
@@ -171,7 +171,8 @@ def test_bench_kernels_prints_the_table_once_header_first():
     header = [i for i, line in enumerate(lines) if line.startswith("shape ")]
     rows = [i for i, line in enumerate(lines) if line.startswith("qwen3-30b-a3b ")]
     assert len(header) == 1 and len(rows) == 2 and header[0] < rows[0]
-    assert f"{native_loops.peak_instruction(kernels.fastest_isa())} peak" in result.stderr  # status lines stay off the table
+    # status lines stay off the table
+    assert f"{native_loops.peak_instruction(kernels.isa_for_tokens(1))} peak" in result.stderr
 
 
 def test_the_native_peak_loops_are_the_ones_named():
@@ -206,3 +207,47 @@ def test_integer_runs_count_the_scales_and_compare_with_torchs_low_bit_kernels(m
     copies = kernel_bench.expert_copies(np.random.default_rng(0), 256, 128, 2, "4k", fmt, group)
     assert len(copies) == 2 and all(len(c) == 6 for c in copies)
     assert sum(a.nbytes for a in copies[0]) == result.rows[0].weight_bytes
+
+
+def test_isa_for_tokens_refuses_what_names_no_expert():
+    with pytest.raises(ValueError, match="tokens must be >= 1, got 0"):
+        kernels.isa_for_tokens(0, "int8")
+    with pytest.raises(ValueError, match="format 'int3' is not one of bf16, int8, int4"):
+        kernels.isa_for_tokens(1, "int3")
+
+
+def test_isa_for_tokens_follows_numa_moe_isa(monkeypatch):
+    monkeypatch.setenv("NUMA_MOE_ISA", "ref")
+    assert kernels.isa_for_tokens(64, "int4") == "ref"
+
+
+def test_without_an_isa_each_m_runs_what_the_layer_runs_and_is_scored_against_its_own_peak(monkeypatch):
+    """Default kernels: the layer's per-M choice (for int4 on an AMX CPU VNNI at one token,
+    AMX from 8), each row against the peak of the ISA that ran it, measured at both ends."""
+    monkeypatch.setitem(kernel_bench.SHAPES, "tiny", (256, 128))
+    monkeypatch.setattr(kernel_bench, "MAX_ROTATION_BYTES", 2 << 20)
+    measured = []
+    real_peak = kernel_bench.measure_peak_gflop_s
+
+    def peak(isa, threads, **kwargs):
+        measured.append(isa)
+        return real_peak(isa, threads, seconds=0.01, tries=1, **kwargs)
+
+    monkeypatch.setattr(kernel_bench, "measure_peak_gflop_s", peak)
+    lines, status = [], []
+    result = kernel_bench.run(shapes=["tiny"], m_values=[1, 8], repeats=2, min_seconds=0.0, page="4k",
+                              with_torch=False, weight_format="int4", progress=status.append, table=lines.append)
+    expected = {m: kernels.isa_for_tokens(m, "int4") for m in (1, 8)}
+    assert result.isa == kernel_bench.AUTO_ISA and [row.isa for row in result.rows] == [expected[1], expected[8]]
+    with_loop = [isa for isa in dict.fromkeys(expected.values()) if native_loops.peak_instruction(isa, "int4")]
+    assert measured == list(dict.fromkeys(expected.values())) + with_loop  # at the start, then the end
+    for row in result.rows:
+        peak_of_isa = result.peaks_gflop_s[row.isa]
+        assert row.fraction_of_peak == (pytest.approx(row.gflop_s / peak_of_isa) if peak_of_isa else None)
+        assert f" {row.isa} " in kernel_bench.format_row(row)
+    assert lines[0].startswith("isa=auto (each M the ISA the MoE layer runs it with)")
+    by_isa = {}
+    for m in (1, 8):
+        by_isa.setdefault(expected[m], []).append(str(m))
+    described = "; ".join(f"{isa} at M = {', '.join(ms)}" for isa, ms in by_isa.items())
+    assert f"isa auto ({described});" in status[0]

@@ -343,6 +343,7 @@ def test_integer_experts_take_amx_from_the_formats_default_token_count(rng, fmt)
     layer, experts, _ = integer_layer(rng, fmt, 1)
     for m in range(1, 18):
         assert layer.isa_for_tokens(m) == default_integer_isa(fmt, m), m
+        assert kernels.isa_for_tokens(m, fmt) == layer.isa_for_tokens(m), m  # what bench kernels runs
     threshold = AMX_MIN_TOKENS[fmt]
     n_tokens = threshold + 1  # expert 0: every token, expert 1: one, expert 2: threshold
     ids = np.array([[0, 1]] + [[0, 2]] * (n_tokens - 1))

@@ -27,7 +27,8 @@ def _int_list(text: str) -> list[int]:
 @click.option("--min-seconds", default=0.25, show_default=True, type=click.FloatRange(min=0.0),
               help="... and enough calls per point to span this long (small experts).")
 @click.option("--threads", default=None, type=int, help="Threads (default: CPUs in the affinity mask).")
-@isa_option("the dispatcher's choice (NUMA_MOE_ISA, else the fastest this CPU runs)")
+@isa_option("at each token count the ISA the MoE layer runs an expert of that many tokens with (NUMA_MOE_ISA, "
+            "else AMX from the format's crossover, else the fastest other; the table's isa column)")
 @click.option("--no-torch", is_flag=True, help="Skip the torch F.linear baseline.")
 @click.option("--page", type=click.Choice(PAGES), default="2m", show_default=True,
               help="Page size of the weight copies. The default is 2m (transparent huge pages), unlike the "

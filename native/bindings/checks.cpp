@@ -85,6 +85,12 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
     return bf16;
 }
 
+kernels::Format weight_format_named(const std::string& name) {
+    kernels::Format format;
+    if (!kernels::parse_format(name.c_str(), &format)) fail("format '" + name + "' is not one of bf16, int8, int4");
+    return format;
+}
+
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format, int64_t group) {
     kernels::Isa parsed;
     if (!kernels::parse_isa(isa.c_str(), &parsed))

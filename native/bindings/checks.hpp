@@ -42,6 +42,9 @@ py::array checked_layout(const py::object& obj, const std::string& name, int ndi
 // Returns whether it is bf16.
 bool check_output(const py::array& out, const std::string& name, int64_t rows, int64_t cols);
 
+// A weight format name: bf16, int8 or int4 (anything else is refused).
+kernels::Format weight_format_named(const std::string& name);
+
 // The KernelOps of an ISA name for a weight format; unknown or unavailable names are
 // refused.
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16,

@@ -182,16 +182,13 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
                 throw std::invalid_argument("amx_min_tokens must be >= 1 (or 0 for the format's default), got " +
                                             std::to_string(m));
             l.core->set_amx_min_tokens(m);
-        }, py::arg("m"), "AMX from m tokens; 0: each weight format's default (bf16 1, int8 6, int4 12).")
+        }, py::arg("m"), "AMX from m tokens; 0: each weight format's default (engine::default_amx_min_tokens).")
         .def("set_group_budget_bytes", [](PyLayer& l, int64_t b) {
             if (b < 0) throw std::invalid_argument("group budget must be >= 0 bytes, got " + std::to_string(b));
             l.core->set_group_budget_bytes(b);
         })
         .def("isa_for_tokens", [](const PyLayer& l, int64_t m, const std::string& format) {
-            kernels::Format f;
-            if (!kernels::parse_format(format.c_str(), &f))
-                throw std::invalid_argument("format '" + format + "' is not one of bf16, int8, int4");
-            return std::string(l.core->isa_for_tokens(m, f)->name);
+            return std::string(l.core->isa_for_tokens(m, weight_format_named(format))->name);
         }, py::arg("m"), py::arg("format") = "bf16")
         .def("thread_rows",
              [](const PyLayer& l, int64_t expert, const std::string& kind) {

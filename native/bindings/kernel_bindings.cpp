@@ -144,22 +144,23 @@ void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& 
 
 void register_kernels(py::module_& m) {
     m.def("kernel_isas", [](const std::string& format) {
-        kernels::Format f;
-        if (!kernels::parse_format(format.c_str(), &f))
-            throw std::invalid_argument("format '" + format + "' is not one of bf16, int8, int4");
+        const kernels::Format f = weight_format_named(format);
         std::vector<std::string> names;
         for (Isa isa : {Isa::ref, Isa::avx2, Isa::avx512, Isa::amx_model, Isa::amx})
             if (kernels::kernel_ops(isa, f)) names.emplace_back(kernels::isa_name(isa));
         return names;
     }, py::arg("format") = "bf16", "Names of the kernel ISAs this CPU (and OS) can run for a weight format, slowest first.");
     m.def("fastest_kernel_isa", [](const std::string& format) {
-        kernels::Format f;
-        if (!kernels::parse_format(format.c_str(), &f))
-            throw std::invalid_argument("format '" + format + "' is not one of bf16, int8, int4");
-        return std::string(kernels::isa_name(kernels::fastest_isa(f)));
+        return std::string(kernels::isa_name(kernels::fastest_isa(weight_format_named(format))));
     }, py::arg("format") = "bf16",
           "The fastest ISA with kernels for a weight format here (amx > avx512 > avx2 > ref; never amx_model), "
           "NUMA_MOE_ISA not consulted.");
+    m.def("kernel_isa_for_tokens", [](int64_t m, const std::string& format) {
+        if (m < 1) throw std::invalid_argument("tokens must be >= 1, got " + std::to_string(m));
+        return std::string(engine::kernels_for_tokens(m, weight_format_named(format), kernels::kDefaultGroup, 0)->name);
+    }, py::arg("m"), py::arg("format") = "bf16",
+          "The ISA an MoE layer with the default amx_min_tokens runs an expert of m tokens with (AMX from the "
+          "format's crossover, else the fastest other), NUMA_MOE_ISA not consulted.");
     m.def("default_kernel_isa", [] { return std::string(kernels::isa_name(kernels::default_isa())); },
           "The ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("matmul_segments", &py_matmul_segments, py::arg("isa"), py::arg("weight"), py::arg("segments"),

@@ -1,7 +1,9 @@
 """Expert-FFN kernel benchmark: our kernel vs torch ``F.linear`` (bf16, same thread count)
 vs a streaming read of the same weight bytes (the in-run bandwidth ceiling), plus the
 measured register-only peak of the ISA that ran (vdpbf16ps for avx512; see
-native_loops.PEAK_INSTRUCTIONS) for the compute-bound rows.
+native_loops.PEAK_INSTRUCTIONS) for the compute-bound rows. Without an ISA given, each
+token count runs the ISA the MoE layer would run an expert of that many tokens with
+(kernels.isa_for_tokens: for the integer formats VNNI below the AMX crossover).
 
 Weights rotate over enough expert copies that they are not in cache (>= 4x L3, at least
 2 copies); every time is a median over repetitions, all in one run so that they share
@@ -48,6 +50,7 @@ SHAPES: dict[str, tuple[int, int]] = {
 M_VALUES = (1, 2, 4, 8, 16, 32, 128)
 ROTATION_TARGET_FACTOR = 4        # rotate over >= 4x the L3 size of weights
 MAX_ROTATION_BYTES = 3 * 1024**3  # ... but never allocate more than this
+AUTO_ISA = "auto"  # Result.isa when no ISA was given: each M runs kernels.isa_for_tokens(M)
 
 
 @dataclass
@@ -86,17 +89,18 @@ class Row:
 
 @dataclass
 class Result:
-    isa: str
+    isa: str  # the ISA asked for, or AUTO_ISA: each M the layer's choice (Row.isa)
     threads: int
     repeats: int
     page: str
     min_seconds: float
-    peak_gflop_s: float | None  # of the ISA that ran; None: no peak loop for it
+    # Per ISA that ran: its peak (None: no peak loop for it) and the loop's instruction.
+    peaks_gflop_s: dict[str, float | None]
     l3_bytes: int
     rows: list[Row] = field(default_factory=list)
     torch_version: str | None = None
-    peak_instruction: str | None = None
-    peak_end_gflop_s: float | None = None  # measured again after the last point
+    peak_instructions: dict[str, str | None] = field(default_factory=dict)
+    peaks_end_gflop_s: dict[str, float] = field(default_factory=dict)  # measured again after the last point
     # The rows scored again against the best of the start and end peaks, when the end one
     # was higher (a neighbour slowed the start measurement; a low peak flatters fractions).
     rescored_rows: list[Row] = field(default_factory=list)
@@ -261,35 +265,40 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
         import torch
 
         torch_version = torch.__version__
-    peak = measure_peak_gflop_s(isa, threads, weight_format=weight_format)
-    instruction = native_loops.peak_instruction(isa, weight_format) if peak else None
-    unit = "GFLOP/s" if weight_format == "bf16" else "GOP/s"
-    peak_text = (f"{instruction} peak: {peak.best:.0f} {unit}" if peak else f"no peak loop for isa {isa} "
-                 f"and {weight_format}")
+    isa_of = (lambda m: isa) if isa != AUTO_ISA else (lambda m: kernels.isa_for_tokens(m, weight_format))
+    isas = list(dict.fromkeys(isa_of(m) for m in m_values))
+    peaks = {name: measure_peak_gflop_s(name, threads, weight_format=weight_format) for name in isas}
+    instructions = {name: native_loops.peak_instruction(name, weight_format) if peaks[name] else None
+                    for name in isas}
+    unit = peak_unit(weight_format)
+    peak_text = "; ".join(f"{instructions[name]} peak: {peaks[name].best:.0f} {unit}" if peaks[name]
+                          else f"no peak loop for isa {name} and {weight_format}" for name in isas)
     cache = l3_bytes()
-    progress(f"{peak_text} on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa}; {page} pages; "
-             f"{weight_format} weights")
+    progress(f"{peak_text} on {threads} threads; L3 {cache / 2**20:.0f} MiB; isa {isa_text(isa, m_values, isa_of)}; "
+             f"{page} pages; {weight_format} weights")
     result = Result(isa=isa, threads=threads, repeats=repeats, page=page, min_seconds=min_seconds,
-                    peak_gflop_s=peak.best if peak else None, l3_bytes=cache, torch_version=torch_version,
-                    peak_instruction=instruction, weight_format=weight_format,
-                    group=group if weight_format != "bf16" else None)
+                    peaks_gflop_s={name: peaks[name].best if peaks[name] else None for name in isas},
+                    l3_bytes=cache, torch_version=torch_version, peak_instructions=instructions,
+                    weight_format=weight_format, group=group if weight_format != "bf16" else None)
     for line in table_header(result):
         table(line)
     rng = np.random.default_rng(seed)
     for name in shapes:
-        _run_shape(name, result, m_values, rng, with_torch, min_seconds, progress, table, peak)
+        _run_shape(name, result, m_values, rng, with_torch, min_seconds, progress, table, isa_of)
     if with_torch:
         import torch
 
         torch.set_num_threads(threads)
-    if peak:
-        peak_end = measure_peak_gflop_s(isa, threads, weight_format=weight_format)
-        result.peak_end_gflop_s = peak_end.best
-        warning = busy_warning(f"{instruction} peak", Yardstick.from_windows([peak, peak_end]), "GFLOP/s")
+    for name, peak in peaks.items():
+        if not peak:
+            continue
+        peak_end = measure_peak_gflop_s(name, threads, weight_format=weight_format)
+        result.peaks_end_gflop_s[name] = peak_end.best
+        warning = busy_warning(f"{instructions[name]} peak", Yardstick.from_windows([peak, peak_end]), "GFLOP/s")
         if warning:
             result.warnings.append(warning)
         if peak_end.best > peak.best:
-            result.rescored_rows = [rescore(row, peak_end.best) for row in result.rows]
+            result.rescored_rows += [rescore(row, peak_end.best) for row in result.rows if row.isa == name]
     for line in table_footer(result):
         table(line)
     return result
@@ -312,12 +321,21 @@ def _checked_arguments(shapes, page, min_seconds, isa, weight_format):
     if isa is not None and isa not in available:
         for_format = "" if weight_format == "bf16" else f" for {weight_format} weights"
         raise ValueError(f"isa {isa!r} is not available on this CPU{for_format} (available: {', '.join(available)})")
-    if isa is None:
-        isa = kernels.default_isa() if weight_format == "bf16" else kernels.fastest_isa(weight_format)
-    return shapes, page, isa
+    return shapes, page, isa if isa is not None else AUTO_ISA
 
 
-def _run_shape(name, result: Result, m_values, rng, with_torch, min_seconds, progress, table, peak) -> None:
+def isa_text(isa: str, m_values, isa_of) -> str:
+    """'amx', or for AUTO_ISA which ISA takes which token counts: 'auto (avx512 at M = 1, 2,
+    4; amx at M = 8, 16)'."""
+    if isa != AUTO_ISA:
+        return isa
+    by_isa: dict[str, list[int]] = {}
+    for m in m_values:
+        by_isa.setdefault(isa_of(m), []).append(m)
+    return f"{AUTO_ISA} ({'; '.join(f'{name} at M = ' + ', '.join(map(str, ms)) for name, ms in by_isa.items())})"
+
+
+def _run_shape(name, result: Result, m_values, rng, with_torch, min_seconds, progress, table, isa_of) -> None:
     """Every M of one shape: our kernel against the read of a same-size copy, interleaved
     call by call (see the module docstring), then torch."""
     hidden, inter = SHAPES[name]
@@ -332,10 +350,11 @@ def _run_shape(name, result: Result, m_values, rng, with_torch, min_seconds, pro
     for m in m_values:
         x = random_bf16_bits(rng, (m, hidden))
         index = np.arange(m, dtype=np.int64)
-        warm_ours, warm_read = native_loops.expert_ffn_vs_read(result.isa, x, index, experts, threads, copies)
+        isa = isa_of(m)
+        warm_ours, warm_read = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, copies)
         reps = repetitions(result.repeats, copies, statistics.median(warm_ours) + statistics.median(warm_read),
                            min_seconds)
-        ours, read_s = native_loops.expert_ffn_vs_read(result.isa, x, index, experts, threads, reps)
+        ours, read_s = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, reps)
         torch_s = None
         if with_torch:
             import torch
@@ -345,8 +364,8 @@ def _run_shape(name, result: Result, m_values, rng, with_torch, min_seconds, pro
             x_t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).clone()
             _torch_ffn_times(experts_t, x_t, copies, threads, fmt, group)
             torch_s = _torch_ffn_times(experts_t, x_t, reps, threads, fmt, group)
-        row = make_row(name, hidden, inter, m, result.isa, threads, expert_bytes, ours, read_s, torch_s,
-                       peak.best if peak else None, fmt)
+        row = make_row(name, hidden, inter, m, isa, threads, expert_bytes, ours, read_s, torch_s,
+                       result.peaks_gflop_s[isa], fmt)
         row.repetitions = reps
         result.rows.append(row)
         point_ceilings.append(Yardstick.from_samples([expert_bytes / t / 1e9 for t in read_s]))
@@ -410,7 +429,7 @@ def rescore(row: Row, peak: float) -> Row:
     return new
 
 
-_HEADER = (f"{'shape':<14} {'M':>4} {'ours ms':>9} {'GB/s':>6} {'/read':>6} {'GFLOP/s':>8} {'/peak':>6} "
+_HEADER = (f"{'shape':<14} {'M':>4} {'isa':>6} {'ours ms':>9} {'GB/s':>6} {'/read':>6} {'GFLOP/s':>8} {'/peak':>6} "
            f"{'/roof':>6} {'read ms':>8} {'torch ms':>9} {'speedup':>8} {'target':>34}")
 
 
@@ -428,17 +447,23 @@ def target_cell(row: Row) -> str:
 def format_row(row: Row) -> str:
     torch_ms = f"{row.torch_ms:9.3f}" if row.torch_ms is not None else f"{'-':>9}"
     speedup = f"{row.speedup_vs_torch:7.2f}x" if row.speedup_vs_torch is not None else f"{'-':>8}"
-    return (f"{row.shape:<14} {row.m:>4} {row.ours_ms:9.3f} {row.ours_gb_s:6.1f} {ratio_cell(row.fraction_of_read)} "
+    return (f"{row.shape:<14} {row.m:>4} {row.isa:>6} {row.ours_ms:9.3f} {row.ours_gb_s:6.1f} {ratio_cell(row.fraction_of_read)} "
             f"{row.gflop_s:8.1f} {ratio_cell(row.fraction_of_peak)} "
             f"{ratio_cell(row.fraction_of_roofline)} {row.read_ms:8.3f} {torch_ms} {speedup} "
             f"{target_cell(row):>34}")
 
 
+def peak_unit(weight_format: str) -> str:
+    """The integer formats' peaks count int8 operations, as flops are counted."""
+    return "GFLOP/s" if weight_format == "bf16" else "GOP/s"
+
+
 def table_header(result: Result) -> list[str]:
-    peak = (f"peak={result.peak_gflop_s:.0f} GFLOP/s ({result.peak_instruction})" if result.peak_gflop_s
-            else f"peak=- (no peak loop for isa {result.isa})")
+    peak = " ".join(f"peak={value:.0f} {peak_unit(result.weight_format)} ({result.peak_instructions.get(isa)})" if value
+                    else f"peak=- (no peak loop for isa {isa})" for isa, value in result.peaks_gflop_s.items())
     weights = result.weight_format + (f" (group {result.group})" if result.group else "")
-    return [f"isa={result.isa} threads={result.threads} repeats={result.repeats} pages={result.page} "
+    isa = result.isa + (" (each M the ISA the MoE layer runs it with)" if result.isa == AUTO_ISA else "")
+    return [f"isa={isa} threads={result.threads} repeats={result.repeats} pages={result.page} "
             f"weights={weights} {peak} torch={result.torch_version}",
             "ours ms: median call; read ms: fastest read of a same-size copy, interleaved (the ceiling); "
             "/roof: max(read ms, flops / peak) over ours ms",
@@ -447,12 +472,15 @@ def table_header(result: Result) -> list[str]:
 
 def table_footer(result: Result) -> list[str]:
     lines = []
-    if result.rescored_rows:
+    for isa, end in result.peaks_end_gflop_s.items():
+        rescored = [row for row in result.rescored_rows if row.isa == isa]
+        if not rescored:
+            continue
         # indented, so that the table itself stays the one block a reader (or a script) finds
-        lines.append(f"against the best peak of the run, the end one ({result.peak_end_gflop_s:.0f} GFLOP/s, start "
-                     f"{result.peak_gflop_s:.0f}):")
+        lines.append(f"against the best peak of the run, the end one ({isa}: {end:.0f} {peak_unit(result.weight_format)}, start "
+                     f"{result.peaks_gflop_s[isa]:.0f}):")
         lines += [f"  {row.shape} M={row.m}: /peak {ratio_cell(row.fraction_of_peak, 0)} /roof "
-                  f"{ratio_cell(row.fraction_of_roofline, 0)} {target_cell(row)}" for row in result.rescored_rows]
+                  f"{ratio_cell(row.fraction_of_roofline, 0)} {target_cell(row)}" for row in rescored]
     if any(row.measurement_problem for row in result.rows + result.rescored_rows):
         lines.append(MEASUREMENT_NOTE)
     return lines + list(result.warnings)
