@@ -101,3 +101,37 @@ def test_errors_on_the_team_are_raised_and_the_team_keeps_working():
             testing.throwing_job(pool, 3, 1, thrower)
         assert testing.barrier_check(pool, 3) == (3 * pool.participants, 0)
     assert not pool.started
+
+
+@needs_hooks
+def test_the_loader_is_asked_for_libgomp_only_after_it_loaded_something():
+    """Without torch every run looked for libgomp with a dlopen that searched the file
+    system (about 100 us a step here); now only a load since the last look makes it look
+    again, and torch imported later is still found."""
+    import subprocess
+    import sys
+
+    script = """
+import numpy as np
+from numa_moe import _native, kernels
+from test_kernels import random_expert
+x, wg, wu, wd = random_expert(np.random.default_rng(0), 128, 192, n_tokens=3)
+kernels.expert_ffn(x, wg, wu, wd, threads=2)
+before = _native.testing.openmp_lookups()
+for _ in range(5):
+    kernels.expert_ffn(x, wg, wu, wd, threads=2)
+print(before, _native.testing.openmp_lookups(), _native.thread_backend().split()[0])
+import torch
+torch.set_num_threads(2)
+(torch.randn(64, 64) @ torch.randn(64, 64)).sum()
+kernels.expert_ffn(x, wg, wu, wd, threads=2)
+print(_native.thread_backend().split()[0])
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NUMA_MOE_THREADS", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    before, after, backend = first.split()
+    assert backend == "own" and int(before) >= 1 and int(after) == int(before)
+    assert second == "openmp"

@@ -17,21 +17,42 @@ bool own_threads_requested() {
 }
 
 std::atomic<bool> g_forked{false};
+std::atomic<long long> g_lookups{0};
 
 std::string library_path(void* symbol) {
     Dl_info info;
     return dladdr(symbol, &info) && info.dli_fname ? info.dli_fname : "libgomp.so.1";
 }
 
+// How many objects the dynamic loader has loaded so far (dlpi_adds: it only grows).
+unsigned long long objects_loaded() {
+    unsigned long long adds = 0;
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* out) {
+            *static_cast<unsigned long long*>(out) = info->dlpi_adds;
+            return 1;  // the count is the same in every entry: one is enough
+        },
+        &adds);
+    return adds;
+}
+
 // Looks the runtime up once it is loaded; until then every call looks again (a dlopen
-// with RTLD_NOLOAD finds only what is already there, and loads nothing).
+// with RTLD_NOLOAD finds only what is already there, and loads nothing), but only when
+// something was loaded since the last look: a failing dlopen searches the file system
+// (ld.so.cache, the library's path), and its munmap interrupts the other CPUs, which cost
+// a step 60-100 us without torch.
 const OpenMpRuntime* find_runtime() {
     static std::mutex mutex;
     static OpenMpRuntime runtime;
     static std::atomic<bool> found{false};
+    static unsigned long long objects_at_last_look = 0;
     if (found.load(std::memory_order_acquire)) return &runtime;
     std::lock_guard<std::mutex> lock(mutex);
     if (found.load()) return &runtime;
+    const unsigned long long objects = objects_loaded();
+    if (objects == objects_at_last_look) return nullptr;
+    objects_at_last_look = objects;
+    g_lookups.fetch_add(1, std::memory_order_relaxed);
     void* handle = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (!handle) return nullptr;
     OpenMpRuntime r;
@@ -58,6 +79,8 @@ const OpenMpRuntime* loaded_openmp() {
     if (g_forked.load(std::memory_order_relaxed) || own_threads_requested()) return nullptr;
     return find_runtime();
 }
+
+long long openmp_lookups() { return g_lookups.load(); }
 
 std::string thread_backend() {
     if (const OpenMpRuntime* omp = loaded_openmp()) return "openmp (" + omp->path + ")";

@@ -25,8 +25,13 @@ struct OpenMpRuntime {
 
 // The libgomp this process has loaded, or nullptr when there is none (yet), when
 // NUMA_MOE_THREADS=own asks for numa-moe's own threads, or in a forked child (libgomp's
-// team does not survive fork). Cheap enough to call per run: a found runtime is cached.
+// team does not survive fork). Cheap enough to call per run: a found runtime is cached,
+// and the loader is asked again only after it has loaded something.
 const OpenMpRuntime* loaded_openmp();
+
+// How many times the loader has been asked for libgomp so far (the test hooks' view of
+// the rule above).
+long long openmp_lookups();
 
 // "openmp (<path>)" or "own threads (<why>)", for diagnostics.
 std::string thread_backend();

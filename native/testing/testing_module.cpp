@@ -153,6 +153,9 @@ void register_testing(py::module_& parent) {
           "(thread ids, CPU affinities) of the participants of one run, by participant index.");
     m.def("openmp_team_threads", &openmp_team_threads, py::arg("n"),
           "Thread ids of a team of n threads of the loaded OpenMP runtime (empty: none loaded).");
+    m.def("openmp_lookups", &openmp_lookups,
+          "How many times the dynamic loader has been asked for libgomp (it is asked again only after it loaded "
+          "something).");
     m.def("amx_model_tile_dot", &amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"), py::arg("a"),
           py::arg("b"), "One TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
     m.def("amx_model_counts", [](bool reset) {
