@@ -182,7 +182,8 @@ def expert_ffn(
     x: ``[T, H]`` bf16; w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (all bf16, row-major,
     torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 with group scales,
     tokens then quantized per group of columns, docs/quantization.md). token_index: the
-    rows of x to use (default all, in order).
+    rows of x to use (default all, in order). isa: default the ISA an MoE layer runs an
+    expert of that many tokens with (isa_for_tokens).
     out_dtype: float32 or bfloat16 (numpy, ml_dtypes or torch dtype); out: optional
     preallocated ``[M, H]`` output of that dtype (same library as x). threads: worker
     threads (default: the CPUs in this process's affinity mask). *_segments: optional
@@ -211,8 +212,9 @@ def expert_ffn(
         threads = 0
     elif threads < 1:
         raise ValueError(f"threads: must be >= 1, got {threads}")
+    fmt = _weight_format(w_gate)
     _native.expert_ffn(
-        _resolve_isa(isa, _weight_format(w_gate)),
+        (isa_for_tokens(m, fmt) if isa is None and m > 0 else _resolve_isa(isa, fmt)),
         x_u16,
         index,
         wg,

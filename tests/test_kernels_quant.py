@@ -268,6 +268,20 @@ def test_expert_ffn_matches_the_quantized_reference_and_the_float_model(rng, fmt
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_expert_ffn_without_an_isa_runs_what_the_layer_runs_for_its_token_count(rng, fmt, monkeypatch):
+    qms = [random_qm(rng, r, c, fmt, 64)[1] for r, c in ((128, 64), (128, 64), (64, 128))]
+    x = rng.standard_normal((16, 64)).astype(BF16)
+    asked = []
+    real = _native.expert_ffn
+    monkeypatch.setattr(_native, "expert_ffn", lambda isa, *args, **kwargs: (asked.append(isa), real(isa, *args, **kwargs)))
+    for m in (1, 16):
+        out = kernels.expert_ffn(x, *qms, token_index=np.arange(m))
+        expected = ffn_reference(x, qms, np.arange(m))
+        assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < FFN_BOUND
+    assert asked == [kernels.isa_for_tokens(1, fmt), kernels.isa_for_tokens(16, fmt)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_never(fmt):
     available = kernels.available_isas(fmt)
     assert "amx_model" in available or "avx2" not in kernels.available_isas(), "the model runs wherever avx2 does"
