@@ -226,6 +226,22 @@ def test_int8_weights_at_minus_128(rng, isa):
     check_whole_matrix(rng, qm, x, isa)
 
 
+@pytest.mark.parametrize("isa", kernels.available_isas("int4"))
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_weights_at_their_extremes(rng, isa, group):
+    """Nibbles at -8 and 7 against tokens at +-127: the largest dots of every kernel's int4
+    unpacking (AMX at groups of 128 multiplies each nibble by 16 and shifts the dots back)."""
+    rows, cols, m = 40, 256, 17
+    q = np.where(rng.random((rows, cols)) < 0.5, -8, 7).astype(np.int8)
+    q[:8] = -8  # rows whose dots reach 8 * 127 * group
+    scales = (rng.random((rows, cols // group)) + 0.5).astype(np.float16)
+    qm = quant.QuantizedMatrix("int4", group, quant.pack_int4(q), scales)
+    x = rng.standard_normal((m, cols)).astype(BF16)
+    x[0] = -1.0  # token 0: every value -127
+    x[1] = np.where(np.arange(cols) % 3 == 0, 1.0, -1.0)
+    check_whole_matrix(rng, qm, x, isa)
+
+
 def ffn_reference(x, qms, index):
     """float64 FFN on the same quantized operands: tokens quantized for gate/up, silu(g) * u
     (fp32, as the kernels compute it) quantized again for down."""
@@ -295,7 +311,7 @@ def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_neve
 
 LAYER_ISAS = [None] + [isa for isa in ("amx_model", "amx") if isa in kernels.available_isas("int8")]
 # The per-expert rule's integer defaults (docs/kernels.md): AMX-INT8 from these token counts.
-AMX_MIN_TOKENS = {"int8": 6, "int4": 8}
+AMX_MIN_TOKENS = {"int8": 6, "int4": 7}
 
 
 def default_integer_isa(fmt, m):
@@ -352,7 +368,7 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_integer_experts_take_amx_from_the_formats_default_token_count(rng, fmt):
     """Each expert of a step gets its kernels from its own token count: AMX-INT8 from 6
-    (int8) or 8 (int4) tokens where the CPU has it, AVX-512-VNNI below; amx_min_tokens
+    (int8) or 7 (int4) tokens where the CPU has it, AVX-512-VNNI below; amx_min_tokens
     overrides the default; the output is the reference's either way."""
     layer, experts, _ = integer_layer(rng, fmt, 1)
     for m in range(1, 18):

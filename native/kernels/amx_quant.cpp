@@ -13,14 +13,19 @@
 //               of one segment (r = row0 + j * row_stride) x K columns, loaded at stride
 //               row_stride * ld bytes (tileloadt1 when m <= 32).
 //               int4 (byte (r * ld + c) / 2, even column in the low nibble) is unpacked to
-//               sign-extended int8 in registers, K columns of each row at a time, into a
-//               staging buffer the A tile is loaded from (stride 64 bytes), in the int4
-//               order: each K-column chunk as its even columns, then its odd ones (the
-//               low nibbles, then the high ones: no byte crosses a vector lane)
+//               int8 in registers into a staging buffer the A tile is loaded from (stride
+//               64 bytes), in the int4 order. Groups of 128: a row's 64 bytes of the
+//               group at once, the low nibbles (the group's even columns) as one K-step
+//               and the high ones (its odd columns) as the next, each nibble q as the
+//               byte 16q (a mask, and a shift for the low ones), so C holds 16 x the dot
+//               and the epilogue shifts it back (exact). Groups of 64 and 32: K columns
+//               of a row at a time, sign-extended, each K-column chunk as its even
+//               columns, then its odd ones (no byte crosses a vector lane)
 //   B  tokens   the quad layout TokenLayout {4, 1}: q[(c / 4) * 4m + 4t + c % 4] int8 (m * k
 //               bytes, padded to 64), then fp32 scale[b * m + t] per group b of G columns
 //               (group-major, so that one vector holds 16 tokens' scales); for int4 weights
-//               c counts columns in the int4 order. The values and scales are
+//               c counts columns in the int4 order (groups of 128: each group's even
+//               columns, then its odd ones; else per K-column chunk). The values and scales are
 //               quantize_block's (avx512_common.hpp), i.e. ref_quant.cpp's token rule, in
 //               another order. A tile is K / 4 quad rows x min(tokens, 16) tokens, stride
 //               4m bytes
@@ -123,18 +128,33 @@ float* token_scales(const void* packed, int64_t m, int64_t k) {
     return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) + values_bytes(m, k));
 }
 
-// A token's quantized group in the order of the int4 A rows (unpack_int4): each K-column
-// chunk as its even columns, then its odd ones. Bytes are sorted within 16-byte lanes,
-// then the lanes' 8-byte halves.
+// Groups of 128 columns split into their even and odd columns (the low and high nibbles
+// of a row's 64 bytes of the group), each one K-step of 64 columns; narrower groups are
+// unpacked K columns at a time.
+template <int64_t G>
+constexpr bool unpacks_whole_groups() {
+    return G == 128;
+}
+
+// A token's quantized group in the order of the int4 A rows: groups of 128 as their even
+// columns, then their odd ones (unpack_group_int4); else each K-column chunk so
+// (unpack_int4). Bytes are sorted within 16-byte lanes, then the lanes' 8-byte halves
+// (a 64-column chunk: its 32 even columns, then its 32 odd ones), then, for a group of
+// 128, the two chunks' even halves and odd halves paired.
 template <int64_t G>
 inline void int4_column_order(const int8_t* q, int8_t* out) {
     constexpr int64_t K = columns_per_product<G>();
     if constexpr (K == 64) {
         const __m512i in_lane = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
         const __m512i halves = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
-        for (int64_t c = 0; c < G; c += 64) {
-            const __m512i v = _mm512_shuffle_epi8(_mm512_loadu_si512(q + c), in_lane);
-            _mm512_storeu_si512(out + c, _mm512_permutexvar_epi64(halves, v));
+        __m512i chunks[G / 64];
+        for (int64_t c = 0; c < G; c += 64)
+            chunks[c / 64] = _mm512_permutexvar_epi64(halves, _mm512_shuffle_epi8(_mm512_loadu_si512(q + c), in_lane));
+        if constexpr (unpacks_whole_groups<G>()) {
+            _mm512_storeu_si512(out, _mm512_shuffle_i64x2(chunks[0], chunks[1], 0x44));
+            _mm512_storeu_si512(out + 64, _mm512_shuffle_i64x2(chunks[0], chunks[1], 0xee));
+        } else {
+            for (int64_t c = 0; c < G; c += 64) _mm512_storeu_si512(out + c, chunks[c / 64]);
         }
     } else {
         const __m256i in_lane = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
@@ -294,6 +314,24 @@ inline void unpack_int4(const uint8_t* src, int8_t* dst) {
     }
 }
 
+// A row's 64 bytes of a group of 128 columns as two K-steps of int8, each nibble q as 16q:
+// the low nibbles (the even columns) shifted up and masked, the high ones (the odd
+// columns) masked in place. C then holds 16 x the dot (at most 16 x 128 x 8 x 127 in
+// magnitude), which the epilogue shifts back exactly.
+inline void unpack_group_int4(const uint8_t* src, int8_t* even, int8_t* odd) {
+    const __m512i packed = _mm512_loadu_si512(src);
+    const __m512i high_nibbles = _mm512_set1_epi8(static_cast<char>(0xf0));
+    _mm512_store_si512(even, _mm512_and_si512(_mm512_slli_epi16(packed, 4), high_nibbles));
+    _mm512_store_si512(odd, _mm512_and_si512(packed, high_nibbles));
+}
+
+// log2 of the factor the A rows carry (unpack_group_int4), which the epilogue divides
+// out of the dots.
+template <Format F, int64_t G>
+constexpr int dot_shift() {
+    return F == Format::int4 && unpacks_whole_groups<G>() ? 4 : 0;
+}
+
 // Where one block of up to 32 rows x 32 tokens of a segment reads and writes.
 struct Block {
     const uint8_t* w;           // weight row r, column 0
@@ -306,17 +344,26 @@ struct Block {
     TileShape shape;
 };
 
-// A thread's working memory for one matmul_segments call (16 KiB, L1-resident).
+// A thread's working memory for one matmul_segments call (20 KiB, L1-resident).
 struct Scratch {
     alignas(64) float acc[4][256];        // fp32 sums per C tile, pairs in the flat order
     alignas(64) int32_t dots[2][4][256];  // the C tiles of a group, flat; alternate groups
-    alignas(64) int8_t stage[32][64];     // int4 rows unpacked to int8 (64 columns)
+    alignas(64) int8_t stage[2][32][64];  // int4 rows unpacked to int8: a group's two K-steps
     alignas(64) float sw_table[2][kChunkGroups][16];  // weight scales, [group][row] per A tile
 };
 
-// The epilogue of one group: acc[tile] += float(dots[tile]) * (s_w * s_x) over each C
-// tile read flat (16 (row, token) pairs a vector), sw_table[a][g] the A tile's row scales
-// and xs the tokens' scales of the group from the block's first token.
+// 16 dots of a stored C tile as floats, divided by 2^kShift (dot_shift: exact, the dots
+// being multiples of it).
+template <int kShift>
+inline __m512 dots_as_floats(const int32_t* dots) {
+    const __m512i d = _mm512_load_si512(dots);
+    return _mm512_cvtepi32_ps(kShift ? _mm512_srai_epi32(d, kShift) : d);
+}
+
+// The epilogue of one group: acc[tile] += float(dots[tile] >> kShift) * (s_w * s_x) over
+// each C tile read flat (16 (row, token) pairs a vector), sw_table[a][g] the A tile's row
+// scales and xs the tokens' scales of the group from the block's first token.
+template <int kShift>
 inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kChunkGroups][16], int64_t g,
                           const float* xs, const int32_t (&dots)[4][256], float (&acc)[4][256]) {
     for (int a = 0; a < 2; ++a) {
@@ -331,7 +378,7 @@ inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kCh
             if (n == 16) {  // vector v is row v: its weight scale broadcast, no permutes
                 for (int v = 0; v < vectors; ++v) {
                     const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sw_rows[v]), sx);
-                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[tile] + 16 * v));
+                    const __m512 dot = dots_as_floats<kShift>(dots[tile] + 16 * v);
                     _mm512_store_ps(acc[tile] + 16 * v,
                                     _mm512_add_ps(_mm512_load_ps(acc[tile] + 16 * v), _mm512_mul_ps(dot, scale)));
                 }
@@ -341,7 +388,7 @@ inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kCh
                 const __m512i ri = _mm512_load_si512(kFlatIndex.row[n][v]);
                 const __m512i ti = _mm512_load_si512(kFlatIndex.token[n][v]);
                 const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(ri, sw), _mm512_permutexvar_ps(ti, sx));
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[tile] + 16 * v));
+                const __m512 dot = dots_as_floats<kShift>(dots[tile] + 16 * v);
                 _mm512_store_ps(acc[tile] + 16 * v,
                                 _mm512_add_ps(_mm512_load_ps(acc[tile] + 16 * v), _mm512_mul_ps(dot, scale)));
             }
@@ -406,7 +453,7 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
     const int block_rows = blk.shape.rows[0] + blk.shape.rows[1];
     const TileShape& shape = blk.shape;
     float (&acc)[4][256] = scratch.acc;
-    int8_t (&stage)[32][64] = scratch.stage;
+    int8_t (&stage)[2][32][64] = scratch.stage;
     float (&sw_table)[2][kChunkGroups][16] = scratch.sw_table;
     for (int a = 0; a < 2; ++a)
         for (int tb = 0; tb < 2; ++tb)
@@ -418,7 +465,8 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
     int64_t pending = -1;
     auto finish_pending = [&](int64_t g0) {
         if (pending < 0) return;
-        scale_and_add(shape, sw_table, pending - g0, xs + pending * m + blk.t0, scratch.dots[pending & 1], acc);
+        scale_and_add<dot_shift<F, G>()>(shape, sw_table, pending - g0, xs + pending * m + blk.t0,
+                                         scratch.dots[pending & 1], acc);
         pending = -1;
     };
     for (int64_t g0 = g_first; g0 < g_end; g0 += kChunkGroups) {
@@ -433,16 +481,25 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
             if (shape.rows[1]) TILE_ZERO(kC10);
             if (shape.rows[1] && shape.tokens[1]) TILE_ZERO(kC11);
             for (int64_t c = g * G; c < (g + 1) * G; c += K) {
-                if constexpr (F == Format::int4) {
+                const int step = static_cast<int>((c - g * G) / K);  // the int4 rows' stage
+                if constexpr (F == Format::int4 && unpacks_whole_groups<G>()) {
+                    if (step == 0)
+                        for (int a = 0; a < 2; ++a)
+                            for (int i = 0; i < shape.rows[a]; ++i)
+                                unpack_group_int4(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c),
+                                                  stage[0][16 * a + i], stage[1][16 * a + i]);
+                } else if constexpr (F == Format::int4) {
                     for (int a = 0; a < 2; ++a)
                         for (int i = 0; i < shape.rows[a]; ++i)
                             unpack_int4<K>(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c),
-                                           stage[16 * a + i]);
+                                           stage[0][16 * a + i]);
                 }
                 // Each load as late as the products allow: tiles are not renamed, so a load
                 // waits for the last product that reads the tile's previous contents.
                 const int8_t* bq = q + c * m + 4 * blk.t0;
-                const uint8_t* a_rows = F == Format::int8 ? blk.w + c : reinterpret_cast<const uint8_t*>(stage[0]);
+                const uint8_t* a_rows = F == Format::int8 ? blk.w + c
+                                                          : reinterpret_cast<const uint8_t*>(
+                                                                stage[unpacks_whole_groups<G>() ? step : 0][0]);
                 const int64_t a_stride = F == Format::int8 ? blk.w_step_bytes : 64;
                 const bool stream_a = F == Format::int8 && stream_weights;
                 if (stream_a)
