@@ -110,7 +110,8 @@ def kernel_plot(result: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("ms per expert FFN (median)")
     axes[0][0].legend(fontsize=8)
-    peaks = [f"{result['peak_instructions'][isa]} {value:.0f} GFLOP/s" for isa, value in result["peaks_gflop_s"].items()
+    unit = "GFLOP/s" if result.get("weight_format", "bf16") == "bf16" else "GOP/s"
+    peaks = [f"{result['peak_instructions'][isa]} {value:.0f} {unit}" for isa, value in result["peaks_gflop_s"].items()
              if value]
     peak = "peak " + ", ".join(peaks) if peaks else "no peak loop for this ISA"
     fig.suptitle(f"Expert FFN, {result['threads']} threads, {peak}", fontsize=11)

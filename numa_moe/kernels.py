@@ -214,7 +214,7 @@ def expert_ffn(
         raise ValueError(f"threads: must be >= 1, got {threads}")
     fmt = _weight_format(w_gate)
     _native.expert_ffn(
-        (isa_for_tokens(m, fmt) if isa is None and m > 0 else _resolve_isa(isa, fmt)),
+        str(isa) if isa is not None else isa_for_tokens(max(m, 1), fmt),
         x_u16,
         index,
         wg,

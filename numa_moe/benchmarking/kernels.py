@@ -294,7 +294,7 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
             continue
         peak_end = measure_peak_gflop_s(name, threads, weight_format=weight_format)
         result.peaks_end_gflop_s[name] = peak_end.best
-        warning = busy_warning(f"{instructions[name]} peak", Yardstick.from_windows([peak, peak_end]), "GFLOP/s")
+        warning = busy_warning(f"{instructions[name]} peak", Yardstick.from_windows([peak, peak_end]), unit)
         if warning:
             result.warnings.append(warning)
         if peak_end.best > peak.best:
