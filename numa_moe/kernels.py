@@ -71,7 +71,7 @@ def forced_isa() -> str | None:
 def isa_for_tokens(m: int, fmt: str = "bf16") -> str:
     """The ISA an ``MoELayer`` without an ``isa`` of its own (and with the default
     ``amx_min_tokens``) runs an expert of `m` tokens with: ``NUMA_MOE_ISA`` if set, else
-    AMX from the weight format's crossover (bf16 1, int8 6, int4 7 tokens) where this CPU
+    AMX from the weight format's crossover (bf16 1, int8 and int4 5 tokens) where this CPU
     runs it, else the fastest other."""
     return forced_isa() or _native.kernel_isa_for_tokens(int(m), fmt)
 

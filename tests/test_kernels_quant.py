@@ -312,7 +312,7 @@ def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_neve
 
 LAYER_ISAS = [None] + [isa for isa in ("amx_model", "amx") if isa in kernels.available_isas("int8")]
 # The per-expert rule's integer defaults (docs/kernels.md): AMX-INT8 from these token counts.
-AMX_MIN_TOKENS = {"int8": 6, "int4": 7}
+AMX_MIN_TOKENS = {"int8": 5, "int4": 5}
 
 
 def default_integer_isa(fmt, m):
@@ -368,8 +368,8 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_integer_experts_take_amx_from_the_formats_default_token_count(rng, fmt):
-    """Each expert of a step gets its kernels from its own token count: AMX-INT8 from 6
-    (int8) or 7 (int4) tokens where the CPU has it, AVX-512-VNNI below; amx_min_tokens
+    """Each expert of a step gets its kernels from its own token count: AMX-INT8 from 5
+    tokens (int8 and int4) where the CPU has it, AVX-512-VNNI below; amx_min_tokens
     overrides the default; the output is the reference's either way."""
     layer, experts, _ = integer_layer(rng, fmt, 1)
     for m in range(1, 18):

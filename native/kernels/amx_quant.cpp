@@ -384,10 +384,14 @@ inline void scale_and_add(const TileShape& shape, const float (&sw_table)[2][kCh
                 }
                 continue;
             }
+            // When n divides 16 every vector holds the same tokens in the same lanes.
+            const __m512 sx_lanes = _mm512_permutexvar_ps(_mm512_load_si512(kFlatIndex.token[n][0]), sx);
+            const bool same_tokens = 16 % n == 0;
             for (int v = 0; v < vectors; ++v) {
                 const __m512i ri = _mm512_load_si512(kFlatIndex.row[n][v]);
-                const __m512i ti = _mm512_load_si512(kFlatIndex.token[n][v]);
-                const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(ri, sw), _mm512_permutexvar_ps(ti, sx));
+                const __m512 sx_v =
+                    same_tokens ? sx_lanes : _mm512_permutexvar_ps(_mm512_load_si512(kFlatIndex.token[n][v]), sx);
+                const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(ri, sw), sx_v);
                 const __m512 dot = dots_as_floats<kShift>(dots[tile] + 16 * v);
                 _mm512_store_ps(acc[tile] + 16 * v,
                                 _mm512_add_ps(_mm512_load_ps(acc[tile] + 16 * v), _mm512_mul_ps(dot, scale)));
@@ -520,8 +524,9 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
                     TILE_DPBSSD(kC10, kA1, kB0);
                     if (shape.tokens[1]) TILE_DPBSSD(kC11, kA1, kB1);
                 }
+                // One request a line: the step reads column_bytes(K) of each row.
                 if (prefetch)
-                    for (int i = 0; i < block_rows; ++i) prefetch->next<column_bytes<F>(K)>();
+                    for (int64_t i = 0; i < block_rows * column_bytes<F>(K) / 64; ++i) prefetch->next<64>();
             }
             int32_t (&dots)[4][256] = scratch.dots[g & 1];
             TILE_STORED(kC00, dots[0], 4 * shape.tokens[0]);
