@@ -76,6 +76,25 @@ def test_partitioned_layer_matches_reference_and_unpartitioned(rng, n_nodes):
     assert rel_error(y_bf16, expected) < TOL_REF
 
 
+@pytest.mark.parametrize("hidden", [256, 272, 1024])
+@pytest.mark.parametrize("n_nodes", [1, 2])
+def test_layer_sum_rows_at_any_hidden_size(rng, hidden, n_nodes):
+    """The layer's fp32 sum y has rows spread_row_bytes apart (one line more than the
+    hidden size where that is a multiple of 1 KiB: 256 and 1024 fp32 columns, not 272);
+    the combine writes and the output copy read them at that stride. Experts of 20+
+    tokens fill whole 16 x 16 combine tiles."""
+    weights = make_weights(rng, n_experts=3, hidden=hidden, inter=64)
+    layer = make_layer(weights, n_nodes, rng, kind="random")
+    T = 40
+    x = random_bf16(rng, (T, hidden))
+    ids, w = routing(rng, T, 2, n_experts=3)
+    expected = moe_reference(x, ids, w, *weights)
+    for out_dtype in ("float32", None):
+        y = layer.forward_numpy(x, ids, w, **({"out_dtype": out_dtype} if out_dtype else {}))
+        assert y.shape == (T, hidden)
+        assert rel_error(y, expected) < TOL_REF, out_dtype
+
+
 @pytest.mark.parametrize("n_nodes,page", [(2, 4096), (3, 4096), (4, 4096), (2, 2048)])
 def test_interleave_rule_tables_with_phase(rng, n_nodes, page):
     weights = make_weights(rng)

@@ -15,6 +15,16 @@ int64_t now_ns();
 
 inline size_t round_up(size_t value, size_t align) { return (value + align - 1) / align * align; }
 
+// Bytes between the rows of a scratch matrix whose rows hold `row_bytes`: whole cache lines
+// and, where that is a multiple of 1 KiB, one line more. A stride of a multiple of 4 KiB
+// (any hidden size of 1024 fp32 columns) puts the same column of every row in one L1 set,
+// and code that reads or writes 16 rows at a time (a 16 x 16 transpose) then evicts its own
+// lines; with the extra line 16 rows fall in 16 sets.
+inline size_t spread_row_bytes(size_t row_bytes) {
+    const size_t lines = round_up(row_bytes, 64);
+    return lines % 1024 == 0 ? lines + 64 : lines;
+}
+
 struct FreeDeleter {
     void operator()(void* p) const { std::free(p); }
 };

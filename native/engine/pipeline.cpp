@@ -151,7 +151,8 @@ public:
         : team_(team), tasks_(tasks), shape_(shape), output_(output), arena_(arena), times_(times),
           n_nodes_(team.n_nodes()),
           silu_ranges_(split_even(shape.intermediate, team.participants(), step_row_align(tasks))),
-          h_ranges_(split_even(shape.hidden, team.participants(), kRowAlign)) {}
+          h_ranges_(split_even(shape.hidden, team.participants(), kRowAlign)),
+          y_ld_(static_cast<int64_t>(spread_row_bytes(sizeof(float) * shape.hidden) / sizeof(float))) {}
 
     bool run(const std::function<bool()>& keep_going);
 
@@ -202,6 +203,7 @@ private:
     StepTimes* times_;
     const int n_nodes_;
     const std::vector<Range> silu_ranges_, h_ranges_;
+    const int64_t y_ld_;  // floats between the rows of arena.y (spread_row_bytes)
     std::vector<Placed> placed_;
     std::vector<Group> groups_;
     std::vector<const float*> part_ptrs_;  // [task][gate, up, down][node]
@@ -293,7 +295,7 @@ void StepRun::grow_arena(size_t packed_bytes, size_t partial_floats) {
     for (int n = 0; n < n_nodes_; ++n)
         grow(arena_.node_partials[n], arena_.node_partials_capacity[n], partial_floats * sizeof(float));
     if (!output_.store)
-        grow(arena_.y, arena_.y_capacity, static_cast<size_t>(shape_.n_tokens * shape_.hidden) * sizeof(float));
+        grow(arena_.y, arena_.y_capacity, static_cast<size_t>(shape_.n_tokens * y_ld_) * sizeof(float));
 }
 
 // Node `node`'s partial of task a: which = 0 gate [I, m], 1 up [I, m], 2 down [H, m].
@@ -404,8 +406,8 @@ void StepRun::down(const Group& g, const ThreadInfo& ti) {
 void StepRun::clear_y(Range h) const {
     if (h.empty()) return;
     float* y = static_cast<float*>(arena_.y.get());
-    const int64_t H = shape_.hidden;
-    for (int64_t t = 0; t < shape_.n_tokens; ++t) std::memset(y + t * H + h.begin, 0, sizeof(float) * (h.end - h.begin));
+    for (int64_t t = 0; t < shape_.n_tokens; ++t)
+        std::memset(y + t * y_ld_ + h.begin, 0, sizeof(float) * (h.end - h.begin));
 }
 
 // y[token] += weight * (sum of the node partials of expert a), columns h.
@@ -413,7 +415,7 @@ void StepRun::combine(size_t a, Range h) const {
     if (h.empty()) return;
     const ExpertTask& t = tasks_[a];
     t.ops->combine_down(partial_ptrs(a, 2), n_nodes_, t.m, h.begin, h.end, t.m, t.y_rows, t.y_weights,
-                        static_cast<float*>(arena_.y.get()), shape_.hidden);
+                        static_cast<float*>(arena_.y.get()), y_ld_);
 }
 
 // y -> out, columns h (after the last group).
@@ -421,11 +423,11 @@ void StepRun::write_out(Range h) const {
     const int64_t H = shape_.hidden;
     const float* y = static_cast<const float*>(arena_.y.get());
     for (int64_t t = 0; t < shape_.n_tokens; ++t) {
+        const float* y_row = y + t * y_ld_ + h.begin;
         if (output_.out_bf16)
-            kernels::floats_to_bf16(y + t * H + h.begin, static_cast<bf16*>(output_.out) + t * H + h.begin, h.end - h.begin);
+            kernels::floats_to_bf16(y_row, static_cast<bf16*>(output_.out) + t * H + h.begin, h.end - h.begin);
         else
-            std::memcpy(static_cast<float*>(output_.out) + t * H + h.begin, y + t * H + h.begin,
-                        sizeof(float) * (h.end - h.begin));
+            std::memcpy(static_cast<float*>(output_.out) + t * H + h.begin, y_row, sizeof(float) * (h.end - h.begin));
     }
 }
 
