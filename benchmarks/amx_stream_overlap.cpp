@@ -6,14 +6,13 @@
 // each line of the next block. Prints ns per step and GB/s for W = 0, 2, 4, 8, 12, 16, 24.
 // Not part of the library.
 //
-//   g++ -O2 -std=c++17 -mamx-tile -mamx-int8 -mavx512f benchmarks/amx_stream_overlap.cpp -o /tmp/amx_stream
+//   g++ -O2 -std=c++17 -mamx-tile -mamx-int8 -mavx512f -Inative benchmarks/amx_stream_overlap.cpp
+//       native/common/cpu_features.cpp -o /tmp/amx_stream
 //   /tmp/amx_stream ROWS K REPEATS PREFETCH(0|1)
 //   in L2:        /tmp/amx_stream 256 2048 200 0
 //   from memory:  taskset -c 0 /tmp/amx_stream 600000 2048 2 1 & taskset -c 1 /tmp/amx_stream 600000 2048 2 1
 //   (1.2 GB a copy: above the 480 MiB L3 the development VM reports)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -21,24 +20,21 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#include "common/cpu_features.hpp"
+#include "kernels/amx_tiles.hpp"
 
 namespace {
 
-struct alignas(64) TileConfig {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+using numa_moe::kernels::amx_tiles::TileConfig;
 
 alignas(64) int8_t tokens[64 * 1024];
 alignas(64) int32_t sums[16 * 16];
 __m512i sink;
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-#define LOAD_T1(t, p, s) __asm__ volatile("tileloaddt1 (%0,%1,1), %%tmm" #t ::"r"(p), "r"((long)(s)) : "memory")
-#define LOAD(t, p, s) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(p), "r"((long)(s)) : "memory")
 
 __attribute__((noinline)) long walk(const int8_t* w, long rows, long k, int work, bool prefetch) {
     long steps = 0;
@@ -48,10 +44,10 @@ __attribute__((noinline)) long walk(const int8_t* w, long rows, long k, int work
     for (long r = 0; r + 32 <= rows; r += 32) {
         const int8_t* block = w + r * k;
         for (long c = 0; c < k; c += 64, ++steps) {
-            LOAD_T1(4, block + c, k);
-            LOAD(6, tokens + c, 4);
+            TILE_STREAM_LOADD(4, block + c, k);
+            TILE_LOADD(6, tokens + c, 4);
             _tile_dpbssd(0, 4, 6);
-            LOAD_T1(5, block + 16 * k + c, k);
+            TILE_STREAM_LOADD(5, block + 16 * k + c, k);
             _tile_dpbssd(2, 5, 6);
             if (prefetch && r + 64 <= rows)
                 for (int i = 0; i < 32; ++i) _mm_prefetch(reinterpret_cast<const char*>(block + (32 + i) * k + c), _MM_HINT_T2);
@@ -81,8 +77,9 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "ROWS >= 32, K a multiple of 64 up to 16384, REPEATS >= 1\n");
         return 2;
     }
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) {
-        std::fprintf(stderr, "Linux did not grant the AMX tile state\n");
+    std::string why;
+    if (!numa_moe::request_amx_permission(&why)) {
+        std::fprintf(stderr, "no AMX: %s\n", why.c_str());
         return 1;
     }
     std::vector<int8_t> storage(static_cast<size_t>(rows) * k + 64);
@@ -94,7 +91,7 @@ int main(int argc, char** argv) {
     for (int t : {0, 2}) cfg.rows[t] = 16, cfg.colsb[t] = 4;  // C: 16 rows x 1 token
     for (int t : {4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // A: 16 rows x 64 columns
     cfg.rows[6] = 16, cfg.colsb[6] = 4;                        // B: 64 columns x 1 token
-    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+    TILE_LOADCONFIG(&cfg);
     _tile_zero(0);
     _tile_zero(2);
     for (int work : {0, 2, 4, 8, 12, 16, 24}) {

@@ -6,12 +6,10 @@
 // sixteen accumulators). Prints ns per iteration for T alone, V alone and both; were
 // the two overlapped, both would take the longer of the two. Not part of the library.
 //
-//   g++ -O2 -std=c++17 -ffp-contract=off -mamx-tile -mamx-int8 -mavx512f benchmarks/amx_vector_overlap.cpp
-//       -o /tmp/amx_vector
+//   g++ -O2 -std=c++17 -ffp-contract=off -mamx-tile -mamx-int8 -mavx512f -Inative
+//       benchmarks/amx_vector_overlap.cpp native/common/cpu_features.cpp -o /tmp/amx_vector
 //   /tmp/amx_vector [ITERATIONS]   (default 2000000; rounds of N = 1, 8, 16 tokens and V = 16, 32, 64)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,14 +17,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+
+#include "common/cpu_features.hpp"
+#include "kernels/amx_tiles.hpp"
 
 namespace {
 
-struct alignas(64) TileConfig {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+using numa_moe::kernels::amx_tiles::TileConfig;
 
 alignas(64) int8_t operand[4][16 * 64];
 
@@ -40,15 +38,15 @@ void configure(int tokens) {
     for (int t = 0; t < 4; ++t) cfg.colsb[t] = static_cast<uint16_t>(4 * tokens);  // C
     cfg.colsb[4] = cfg.colsb[5] = 64;                                               // A
     cfg.colsb[6] = cfg.colsb[7] = static_cast<uint16_t>(4 * tokens);                // B
-    _tile_loadconfig(&cfg);
-    _tile_loadd(4, operand[0], 64);
-    _tile_loadd(5, operand[1], 64);
-    _tile_loadd(6, operand[2], 64);
-    _tile_loadd(7, operand[3], 64);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    TILE_LOADCONFIG(&cfg);
+    TILE_LOADD(kA0, operand[0], 64);
+    TILE_LOADD(kA1, operand[1], 64);
+    TILE_LOADD(kB0, operand[2], 64);
+    TILE_LOADD(kB1, operand[3], 64);
+    TILE_ZERO(kC00);
+    TILE_ZERO(kC01);
+    TILE_ZERO(kC10);
+    TILE_ZERO(kC11);
 }
 
 alignas(64) int32_t stored_dots[16][16];  // a stored C tile, as the epilogue reads it
@@ -64,10 +62,10 @@ double run(long iterations, bool tiles) {
     const double t0 = now();
     for (long n = 0; n < iterations; ++n) {
         if (tiles) {
-            _tile_dpbssd(0, 4, 6);
-            _tile_dpbssd(1, 4, 7);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbssd(3, 5, 7);
+            TILE_DPBSSD(kC00, kA0, kB0);
+            TILE_DPBSSD(kC01, kA0, kB1);
+            TILE_DPBSSD(kC10, kA1, kB0);
+            TILE_DPBSSD(kC11, kA1, kB1);
         }
 #pragma GCC unroll 64
         for (int v = 0; v < kVectors; ++v) {
@@ -103,9 +101,9 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "usage: %s [ITERATIONS > 0]\n", argv[0]);
         return 2;
     }
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) != 0) {
-        std::fprintf(stderr, "AMX tile data not granted by the kernel\n");
+    std::string why;
+    if (!numa_moe::request_amx_permission(&why)) {
+        std::fprintf(stderr, "no AMX: %s\n", why.c_str());
         return 1;
     }
     for (int i = 0; i < 4 * 16 * 64; ++i) operand[i / 1024][i % 1024] = static_cast<int8_t>(i * 7);
