@@ -47,6 +47,8 @@ __all__ = [
     "Checkpoint",
     "read_safetensors_header",
     "open_checkpoint_file",
+    "read_json_file",
+    "resolve_checkpoint_path",
     "tensor_nbytes",
     "parse_kind_map",
     "read_matrix_into",
@@ -143,40 +145,51 @@ def _what_is(mode: int) -> str:
     return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
 
 
-def open_checkpoint_file(path: str | os.PathLike, inside: str | os.PathLike | None = None) -> int:
-    """The one way checkpoint files (shards, index, config.json) are opened: a read-only fd.
+def open_checkpoint_file(path: str | os.PathLike) -> int:
+    """The one way files a user names are opened (checkpoint shards, index, config.json,
+    machine files, tables, traces): a read-only fd of a regular file.
 
-    Refuses, with a ``CheckpointError`` naming the file, what would hang or mislead a
-    reader: anything that is not a regular file (a FIFO would block ``open()`` forever,
-    ``/dev/zero`` never ends), and, when ``inside`` is given, a symlink whose target lies
-    outside that directory (a checkpoint directory holds its own files). The open is
+    Symlinks are followed wherever they point (a Hugging Face cache snapshot is a
+    directory of links into ``../../blobs``; the user can read the targets anyway).
+    Refused, with a ``CheckpointError`` naming the file (and the link's target): what is
+    not a regular file once links are followed (a FIFO would block ``open()`` forever,
+    ``/dev/zero`` never ends, a directory is no file) and a dangling link. The open is
     non-blocking and the type is checked on the open fd, so a file swapped for a FIFO
     between the check and the open cannot hang it either.
     """
     path = Path(path)
-    if inside is not None:
-        try:
-            is_link = path.is_symlink()
-            target = path.resolve(strict=False)
-            root = Path(inside).resolve()
-        except (OSError, RuntimeError) as err:
-            raise CheckpointError(f"{path}: cannot resolve: {err}") from err
-        if is_link and target.parent != root:
-            raise CheckpointError(f"{path}: is a symlink to {os.readlink(path)!r}, outside "
-                                  f"{inside}; a checkpoint's files must lie in its directory")
+
+    def refuse(what: str):
+        link = _link_text(path)
+        if link is not None:
+            return CheckpointError(f"{path}: is a symlink to {link!r}, which {what}")
+        return CheckpointError(f"{path}: {what}")
+
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
-            raise CheckpointError(f"{path}: is {_what_is(mode)}, not a regular file")
+            raise refuse(f"is {_what_is(mode)}, not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as err:
+        if path.is_symlink():
+            raise refuse("does not exist (a dangling link)") from err
+        raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from err
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from err
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise CheckpointError(f"{path}: is {_what_is(mode)}, not a regular file")
+        raise refuse(f"is {_what_is(mode)}, not a regular file")
     os.set_blocking(fd, True)
     return fd
+
+
+def _link_text(path: Path) -> str | None:
+    """The target a symlink names, None for anything else."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
 
 
 class OpenFiles:
@@ -207,25 +220,87 @@ def byte_progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, unit="B", unit_scale=True, disable=not enabled, desc=desc)
 
 
-def _read_json_file(path: Path, inside: Path | None, what: str, limit: int = 100_000_000):
-    """A small JSON file (config.json, an index) opened by ``open_checkpoint_file``."""
-    fd = open_checkpoint_file(path, inside)
+# Bounds of ``read_json_file``: config.json, an index, a machine file or a routing trace
+# is at most some megabytes (a 1000-shard index is ~10 MB); nesting deeper than this is
+# no document this project reads, and Python's own parser would overflow its stack.
+JSON_FILE_LIMIT = 100_000_000
+JSON_MAX_DEPTH = 100
+
+
+def read_json_file(path: str | os.PathLike, what: str, limit: int = JSON_FILE_LIMIT):
+    """The one way a JSON file a user names is read: opened by ``open_checkpoint_file``
+    (a regular file, links followed), at most ``limit`` bytes, UTF-8, nested at most
+    ``JSON_MAX_DEPTH`` deep; anything else is a ``CheckpointError`` naming the file and
+    ``what`` it was read as."""
+    path = Path(path)
+    fd = open_checkpoint_file(path)
     with os.fdopen(fd, "rb") as f:
-        if os.fstat(f.fileno()).st_size > limit:
-            raise CheckpointError(f"{path}: {what} of {os.fstat(f.fileno()).st_size} bytes is "
-                                  f"larger than the {limit} bytes such a file may have")
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise CheckpointError(f"{path}: {what} of {size} bytes is larger than the {limit} "
+                                  "bytes such a file may have")
         raw = f.read(limit + 1)
+    if len(raw) > limit:  # grew since fstat
+        raise CheckpointError(f"{path}: {what} is larger than the {limit} bytes such a file "
+                              "may have")
     return _parse_json(raw, path, what)
 
 
+def _json_depth_over(raw: bytes, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than ``limit`` (checked before
+    parsing: the parser recurses once per level)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    # Strings may hold brackets: blank them out first (escaped quotes taken care of).
+    text = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', raw)
+    depth = 0
+    for match in re.finditer(rb"[\[\]{}]", text):
+        depth += 1 if match.group() in (b"[", b"{") else -1
+        if depth > limit:
+            return True
+    return False
+
+
 def _parse_json(raw: bytes, path: Path, what: str):
+    if _json_depth_over(raw, JSON_MAX_DEPTH):
+        raise CheckpointError(f"{path}: {what} is nested too deeply (more than "
+                              f"{JSON_MAX_DEPTH} levels) to be a plausible one")
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: {what} is not valid JSON: {err}") from err
-    except RecursionError:
-        raise CheckpointError(f"{path}: {what} is nested too deeply to be "
-                              "a plausible one") from None
+
+
+# ORG/NAME as the Hub spells repo ids (huggingface_hub.utils.validate_repo_id)
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+
+
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+    """The path a checkpoint argument names: a path that exists (a dangling link
+    included: opening it says what it is), else a Hugging Face repo id (``ORG/NAME``)
+    whose snapshot is in the local Hugging Face cache (``HF_HUB_CACHE``, or
+    ``HF_HOME/hub``, as ``huggingface_hub`` finds it). Never touches the network: an id
+    not in the cache is a ``CheckpointError`` saying where it looked and how to download."""
+    given = Path(path)
+    if given.exists() or given.is_symlink():
+        return given
+    text = os.fspath(path)
+    if not _REPO_ID.fullmatch(text) or ".." in text:
+        raise CheckpointError(f"{given}: no such file or directory")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise CheckpointError(
+            f"{text}: no such file or directory, and no snapshot of the Hugging Face model "
+            f"{text} in the local cache {constants.HF_HUB_CACHE} (set HF_HUB_CACHE or HF_HOME "
+            f"to use another); download it with `hf download {text}` (or `huggingface-cli "
+            f"download {text}`), or give the checkpoint's path") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{text}: cannot read the Hugging Face cache "
+                              f"{constants.HF_HUB_CACHE}: {err}") from None
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -249,17 +324,16 @@ class TensorInfo:
         return DTYPE_BYTES[self.dtype]
 
 
-def read_safetensors_header(path: str | os.PathLike, inside: str | os.PathLike | None = None
-                            ) -> tuple[dict[str, TensorInfo], dict]:
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
     """Parse and check the header of a safetensors file; returns (tensors, metadata).
 
-    Checks what a loader would trip over later: a file that is not a regular file (or,
-    with ``inside``, a symlink out of that directory), a truncated file, a corrupted or
-    non-JSON header, unknown dtypes, offsets that do not match the shape (computed
+    Checks what a loader would trip over later: a file that is not a regular file, a
+    truncated file, a corrupted or non-JSON header, a tensor name that is not valid
+    Unicode (JSON escapes can spell lone surrogates), unknown dtypes, offsets that do not match the shape (computed
     exactly, never wrapping) or run past the end of the file.
     """
     path = Path(path)
-    fd = open_checkpoint_file(path, inside)
+    fd = open_checkpoint_file(path)
     try:
         with os.fdopen(fd, "rb") as f:
             file_bytes = os.fstat(f.fileno()).st_size
@@ -282,7 +356,11 @@ def read_safetensors_header(path: str | os.PathLike, inside: str | os.PathLike |
     data_start = 8 + header_bytes
     data_bytes = file_bytes - data_start
     tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
+    for index, (name, entry) in enumerate(header.items()):
+        if not _is_unicode(name):
+            raise CheckpointError(f"{path}: the name of tensor #{index} in the header is not valid "
+                                  f"Unicode ({_short(name)}: a lone surrogate); corrupted "
+                                  "safetensors header")
         where = f"{path}: tensor {name!r}"
         try:
             dtype = entry["dtype"]
@@ -307,6 +385,14 @@ def read_safetensors_header(path: str | os.PathLike, inside: str | os.PathLike |
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, expected)
     _check_no_overlap(path, tensors)
     return tensors, metadata
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_no_overlap(path: Path, tensors: dict) -> None:
@@ -518,9 +604,8 @@ class Checkpoint:
     # ---------------------------------------------------------------- opening
     @classmethod
     def open(cls, path: str | os.PathLike, pattern: NamingPattern | None = None) -> "Checkpoint":
-        root = Path(path)
-        if not root.exists():
-            raise CheckpointError(f"{root}: no such file or directory")
+        """Open a checkpoint by path, or by Hugging Face repo id (``resolve_checkpoint_path``)."""
+        root = resolve_checkpoint_path(path)
         gguf_file = _gguf_file_of(root)
         if gguf_file is not None:
             from numa_moe.gguf_checkpoint import open_gguf
@@ -531,7 +616,7 @@ class Checkpoint:
         config = None
         config_path = directory / "config.json"
         if config_path.exists() or config_path.is_symlink():
-            config = _read_json_file(config_path, directory, "config.json")
+            config = read_json_file(config_path, "config.json")
             if not isinstance(config, dict):
                 raise CheckpointError(f"{config_path}: a JSON object was expected")
         checkpoint = cls(root=root, files=files, tensors=tensors, config=config,
@@ -956,15 +1041,14 @@ def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], 
         if len(candidates) == 1:
             index = candidates[0]
     if index.exists() or index.is_symlink():
-        return _read_index(index, inside=root)
+        return _read_index(index)
     files = tuple(sorted(root.glob("*.safetensors")))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files and no model.safetensors.index.json")
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[Path, dict] = {}
     for path in files:
-        # The same rule as an index's shards: files of the directory, no links out of it.
-        header, metadata[path] = read_safetensors_header(path, inside=root)
+        header, metadata[path] = read_safetensors_header(path)
         for name, info in header.items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} is in both {tensors[name].path} and {path}")
@@ -972,9 +1056,8 @@ def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], 
     return files, tensors, metadata
 
 
-def _read_index(index: Path, inside: Path | None = None
-                ) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:
-    document = _read_json_file(index, inside, "safetensors index")
+def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:
+    document = read_json_file(index, "safetensors index")
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: not a valid safetensors index (a JSON object with a "
@@ -996,7 +1079,7 @@ def _read_index(index: Path, inside: Path | None = None
         if not (path.exists() or path.is_symlink()):
             raise CheckpointError(f"{index}: shard {filename!r} (holding e.g. tensor "
                                   f"{by_file[filename][0]!r}) does not exist")
-        header, metadata[path] = read_safetensors_header(path, inside=index.parent)
+        header, metadata[path] = read_safetensors_header(path)
         for name in by_file[filename]:
             if name not in header:
                 raise CheckpointError(f"{path}: missing tensor {_short(name)} (listed for this "

@@ -266,8 +266,9 @@ def _copy_other_files(ck: Checkpoint, src_dir: Path, build: Path,
                       weight_map: dict[str, str]) -> list[str]:
     """The index (rewritten with the scale tensors) and every other regular file of the
     checkpoint directory (config.json, tokenizer, ...), copied as they are; returns what
-    was left out (sub-directories, special files, symlinks out of the directory: a
-    checkpoint directory holds its own files, as for its shards). A checkpoint named by
+    was left out (sub-directories, special files, dangling links). Links are followed,
+    as for the shards (a Hugging Face snapshot is a directory of links into its blobs):
+    the copy holds the files' contents. A checkpoint named by
     one file brings only that file and its directory's config.json."""
     shards = {p.name for p in ck.files}
     index_names = {"model.safetensors.index.json"} | {
@@ -278,9 +279,7 @@ def _copy_other_files(ck: Checkpoint, src_dir: Path, build: Path,
         for p in sorted(src_dir.iterdir()):
             if p.name in shards or p.name.startswith("."):
                 continue
-            if p.is_symlink() and Path(os.path.realpath(p)).parent != Path(os.path.realpath(src_dir)):
-                not_copied.append(f"{p.name} (a symlink out of the directory)")
-            elif p.is_dir():
+            if p.is_dir():
                 not_copied.append(f"{p.name}/ (a directory)")
             elif not p.is_file():
                 not_copied.append(f"{p.name} (not a regular file)")

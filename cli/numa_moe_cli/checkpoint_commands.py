@@ -95,7 +95,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 
 
 @click.command("tables", short_help="Every expert tensor of a checkpoint: its segment tables.")
-@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("checkpoint", metavar="CHECKPOINT")
 @click.option("--nodes", default="2", show_default=True,
               help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
 @page_option()
@@ -118,6 +118,9 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     """Every expert tensor of a checkpoint: the segment tables of its routed-expert buffers.
 
     Read from the checkpoint's headers only (`numa-moe table` does one matrix from its shape).
+
+    CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
+    is in the local cache (nothing is downloaded).
     """
     from numa_moe.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
 
@@ -159,7 +162,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     document = {
         "schema": "numa-moe/checkpoint-tables",
         "version": 1,
-        "checkpoint": str(Path(checkpoint).resolve()),
+        "checkpoint": str(Path(ck.root).resolve()),
         "naming": list(ck.naming),
         "checkpoint_dtype": ck.dtype,
         "source_format": ck.source_format,
@@ -191,7 +194,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
 
 
 @click.command("inspect")
-@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("checkpoint", metavar="CHECKPOINT")
 @click.option("--tensor", "tensor", default=None, metavar="PATTERN",
               help="Only tensors whose name matches this glob (*.experts.0.*) or regex.")
 @click.option("--all-tensors", is_flag=True, help="Every tensor, not only the routed experts.")
@@ -215,7 +218,11 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
 @_pattern_options
 def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json, pages, fmt,
                     group, scale_dtype, pattern, kinds):
-    """Where the checkpoint's expert pages sit in memory now, and the cost of a naive split."""
+    """Where the checkpoint's expert pages sit in memory now, and the cost of a naive split.
+
+    CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
+    is in the local cache (nothing is downloaded).
+    """
     from numa_moe.placement_report import inspect_checkpoint, plot_placement
 
     if pages and not as_json:
@@ -244,7 +251,7 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
 
 
 @click.command("quantize")
-@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("checkpoint", metavar="CHECKPOINT")
 @click.option("--format", "fmt", type=click.Choice(["int8", "int4"]), required=True,
               help="Weight format of the quantized routed experts.")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
@@ -264,6 +271,9 @@ def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pat
     Only routed-expert weights change (values I8/U8 plus a .weight_scale tensor each; see
     docs/quantization.md, "Checkpoints"); everything else is copied. OUTPUT is built in a
     temporary sibling directory and swapped in whole.
+
+    CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
+    is in the local cache (nothing is downloaded).
     """
     from numa_moe.checkpoint import CheckpointError
     from numa_moe.quantize import quantize_checkpoint

@@ -12,7 +12,7 @@ from numa_moe_cli.options import check_output, isa_option, page_option, write_ou
 
 
 @click.command("run")
-@click.argument("checkpoint", required=False, type=click.Path(exists=True))
+@click.argument("checkpoint", required=False)
 @click.option("--tokens", "-t", default=1, show_default=True, type=click.IntRange(1), help="tokens per step")
 @click.option("--steps", "-s", default=10, show_default=True, type=click.IntRange(1), help="decode-like steps")
 @click.option("--nodes", type=click.IntRange(1), default=None,
@@ -32,8 +32,9 @@ from numa_moe_cli.options import check_output, isa_option, page_option, write_ou
 def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed, weight_formats, json_path):
     """Load a checkpoint's routed experts interleaved and run decode-like MoE steps.
 
-    CHECKPOINT defaults to the generated embedded checkpoint (Qwen3-30B-A3B shapes),
-    generated into ~/.cache/numa-moe on first use. Prints per-step time, effective
+    CHECKPOINT (a path, or a Hugging Face repo id in the local cache) defaults to the
+    generated embedded checkpoint (Qwen3-30B-A3B shapes), generated into ~/.cache/numa-moe
+    on first use. Prints per-step time, effective
     weight bandwidth against the read ceiling measured in the same run, and the per-node
     work balance; step 1 is checked against the torch reference (exit status 1 if wrong).
     """

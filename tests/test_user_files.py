@@ -1,0 +1,189 @@
+"""Files as users keep and hand them over (issue 34): Hugging Face cache snapshots and
+repo ids, outputs that must not destroy their sources, small files that claim huge
+contents, and special files given to options.
+
+Whatever could hang or allocate without bound on the code before the fix runs in a
+subprocess under an address-space limit and a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors
+
+from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError
+from numa_moe.synthetic import make_checkpoint
+
+LIMIT_AS = 2 << 30
+TIMEOUT = 60
+H, I, E = 64, 32, 4
+_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def run_limited(code: str, *args, env: dict | None = None, timeout: float = TIMEOUT):
+    """``code`` in a fresh interpreter under RLIMIT_AS and a timeout (no address-space
+    limit under AddressSanitizer, whose shadow memory cannot live under one)."""
+    prelude = textwrap.dedent(f"""
+        import os, resource, sys
+        if os.environ.get("NUMA_MOE_SANITIZED") != "1":
+            resource.setrlimit(resource.RLIMIT_AS, ({LIMIT_AS}, {LIMIT_AS}))
+    """)
+    full_env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH="",
+                    **(env or {}))
+    return subprocess.run([sys.executable, "-P", "-c", prelude + textwrap.dedent(code),
+                           *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+
+
+def cli(*args, env: dict | None = None, timeout: float = TIMEOUT):
+    return run_limited("from numa_moe_cli.main import cli\ncli(sys.argv[1:], prog_name='numa-moe')",
+                       *args, env=env, timeout=timeout)
+
+
+def one_line_error(result, *needles: str) -> str:
+    """Exit 1 with one 'Error: ...' line holding every needle, no traceback."""
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def _original(directory: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for name, entry in safetensors.deserialize(path.read_bytes()):
+            out[name] = np.frombuffer(bytes(entry["data"]), dtype=np.uint16).reshape(entry["shape"])
+    return out
+
+
+@pytest.fixture
+def source(tmp_path, rng):
+    """A small sharded checkpoint (index + 2 shards + config.json)."""
+    return make_checkpoint(tmp_path / "src", "qwen3-30b-a3b", 1, E, int(rng.integers(1 << 31)),
+                           hidden_size=H, intermediate_size=I, progress=False,
+                           max_shard_bytes=30_000)
+
+
+# ------------------------------------------------------------- Hugging Face cache
+
+def hub_cache(root: Path, repo_id: str, checkpoint: Path, revision: str = "0123abcd") -> Path:
+    """A Hugging Face hub cache as the hub's tools lay it out: the files in
+    ``blobs/<sha256>``, ``snapshots/<revision>/<name>`` relative links to them,
+    ``refs/main`` naming the revision. Returns the snapshot directory."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for path in sorted(checkpoint.iterdir()):
+        data = path.read_bytes()
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        (snapshot / path.name).symlink_to(Path("..", "..", "blobs", blob))
+    return snapshot
+
+
+def test_checkpoint_in_a_hub_cache_loads_by_snapshot_path_and_by_repo_id(source, tmp_path,
+                                                                         monkeypatch):
+    import huggingface_hub.constants
+
+    from numa_moe.store import ExpertStore
+
+    cache = tmp_path / "hub"
+    snapshot = hub_cache(cache, "Org/Tiny-MoE", source)
+    assert all(p.is_symlink() for p in snapshot.iterdir())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    original = _original(source)
+    for given in (snapshot, "Org/Tiny-MoE"):
+        ck = Checkpoint.open(given)
+        assert (ck.dims.hidden_size, ck.dims.intermediate_size, ck.dims.n_experts) == (H, I, E)
+        assert ck.root == snapshot and len(ck.files) == 2
+        store = ExpertStore.load(given, nodes=1, progress=False)
+        for kind in KINDS:
+            stacked = np.concatenate([original[f"model.layers.0.mlp.experts.{e}.{_NAMES[kind]}.weight"]
+                                      for e in range(E)])
+            np.testing.assert_array_equal(store.weights(0, kind).view(np.uint16), stacked)
+
+
+def test_cli_finds_a_repo_id_through_hf_hub_cache(source, tmp_path):
+    cache = tmp_path / "hub"
+    snapshot = hub_cache(cache, "Org/Tiny-MoE", source)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    by_id = cli("inspect", "Org/Tiny-MoE", "--json", "--nodes", "1", "--touch", "none", env=env)
+    assert by_id.returncode == 0, by_id.stderr
+    report = json.loads(by_id.stdout)
+    by_path = cli("inspect", snapshot, "--json", "--nodes", "1", "--touch", "none", env=env)
+    assert by_path.returncode == 0, by_path.stderr
+    assert report == json.loads(by_path.stdout)
+    assert str(snapshot) in by_id.stdout
+    # An id with no snapshot: where it looked and how to download; no network attempt
+    # (the hub's endpoint is a closed port, so any request would fail differently).
+    missing = cli("tables", "Org/Absent", "-o", tmp_path / "t.json", "--quiet",
+                  env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"}, timeout=30)
+    one_line_error(missing, "Org/Absent", "local cache", str(cache), "hf download Org/Absent")
+
+
+def test_an_existing_path_wins_over_a_repo_id(source, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    other = make_checkpoint(tmp_path / "other", "qwen3-30b-a3b", 1, 2, 0, hidden_size=H,
+                            intermediate_size=I, progress=False)
+    hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "Org").mkdir()
+    (tmp_path / "Org" / "Tiny-MoE").symlink_to(other)
+    monkeypatch.chdir(tmp_path)
+    assert Checkpoint.open("Org/Tiny-MoE").dims.n_experts == 2  # the local directory
+    (tmp_path / "Org" / "Tiny-MoE").unlink()
+    assert Checkpoint.open("Org/Tiny-MoE").dims.n_experts == E  # the cached snapshot
+
+
+def test_links_that_are_not_regular_files_are_refused_naming_them(source, tmp_path):
+    snapshot = hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
+    shard = next(p for p in sorted(snapshot.iterdir()) if p.name.endswith(".safetensors"))
+    blob = shard.resolve()
+    blob.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: is a symlink to '.*{blob.name}', "
+                                              r"which does not exist \(a dangling link\)"):
+        Checkpoint.open(snapshot)
+    blob.mkdir()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: is a symlink to .*which is a "
+                                              "directory, not a regular file"):
+        Checkpoint.open(snapshot)
+    blob.rmdir()
+    os.mkfifo(blob)
+    result = run_limited("""
+        from numa_moe.checkpoint import Checkpoint, CheckpointError
+        try:
+            Checkpoint.open(sys.argv[1])
+        except CheckpointError as err:
+            print(err)
+    """, snapshot, timeout=30)
+    assert f"{shard.name}: is a symlink to" in result.stdout
+    assert "which is a FIFO (named pipe), not a regular file" in result.stdout, result
+
+
+def test_quantize_copies_linked_files_of_a_snapshot(source, tmp_path):
+    from numa_moe.quantize import quantize_checkpoint
+
+    (source / "tokenizer.json").write_text('{"v": 1}')
+    snapshot = hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
+    result = quantize_checkpoint(snapshot, tmp_path / "q", "int8", 32, progress=False)
+    assert result.not_copied == ()
+    out = tmp_path / "q"
+    assert not any(p.is_symlink() for p in out.iterdir())
+    assert (out / "tokenizer.json").read_text() == '{"v": 1}'
+    assert Checkpoint.open(out).quant.fmt == "int8"
