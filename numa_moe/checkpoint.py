@@ -49,6 +49,7 @@ __all__ = [
     "open_checkpoint_file",
     "read_json_file",
     "resolve_checkpoint_path",
+    "overlapping_source",
     "tensor_nbytes",
     "parse_kind_map",
     "read_matrix_into",
@@ -301,6 +302,18 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{text}: cannot read the Hugging Face cache "
                               f"{constants.HF_HUB_CACHE}: {err}") from None
+
+
+def overlapping_source(output: str | os.PathLike, sources) -> Path | None:
+    """The first of ``sources`` that ``output`` (links resolved) is, contains or lies
+    inside; None when it is apart from all of them. What a command writes (or replaces)
+    must be apart from what it reads."""
+    real = Path(os.path.realpath(output))
+    for source in sources:
+        source = Path(os.path.realpath(source))
+        if real == source or source in real.parents or real in source.parents:
+            return source
+    return None
 
 
 def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -628,6 +641,16 @@ class Checkpoint:
 
             attach_fp8_scales(checkpoint)
         return checkpoint
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """Every path this checkpoint is read from, links resolved: its root (the
+        directory, or the file named), each file, and config.json. An output must not
+        contain or lie inside any of them (``overlapping_source``)."""
+        paths = [self.root, *self.files]
+        if self.config is not None:
+            paths.append((self.root if self.root.is_dir() else self.root.parent) / "config.json")
+        return tuple(dict.fromkeys(Path(os.path.realpath(p)) for p in paths))
 
     @property
     def layer_ids(self) -> tuple[int, ...]:

@@ -30,8 +30,10 @@ from numa_moe import quant as q
 from numa_moe.checkpoint import (FLOAT_FORMATS, QUANT_DTYPES, QUANT_METADATA, SCALE_DTYPE_CODES,
                                  Checkpoint, CheckpointError, ExpertMatrix, NamingPattern,
                                  OpenFiles, TensorInfo, byte_progress, open_checkpoint_file,
+                                 overlapping_source,
                                  read_matrix_into, read_safetensors_header, scale_tensor_name)
-from numa_moe.synthetic import NUMPY_DTYPES, TensorPlan, building_directory, write_safetensors
+from numa_moe.synthetic import (NUMPY_DTYPES, TensorPlan, building_directory, check_replaceable,
+                                write_safetensors)
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
 
@@ -96,18 +98,12 @@ def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> No
                              f"that divides {cols}")
 
 
-def _check_output(src: Path, out: Path, overwrite: bool) -> None:
-    real = Path(os.path.realpath(out))
-    if real.exists() and not real.is_dir():
-        raise ValueError(f"{out}: exists and is not a directory; the output must be a directory")
-    source_dir = Path(os.path.realpath(src if src.is_dir() else src.parent))
-    if real == source_dir or (src.is_dir() and source_dir in real.parents):
-        raise ValueError(f"{out}: is (inside) the directory of the source checkpoint {src}; "
-                         "choose another directory")
-    if real.exists() and any(real.iterdir()) and not overwrite:
-        raise ValueError(f"{out}: exists and is not empty; refusing to replace it. Choose a new "
-                         "or empty directory, or pass --overwrite to replace the directory and "
-                         "everything in it")
+def _check_output(ck: Checkpoint, out: Path, overwrite: bool) -> None:
+    source = overlapping_source(out, ck.sources)
+    if source is not None:
+        raise ValueError(f"{out}: would contain or lie inside {source}, a file or directory of "
+                         "the source checkpoint; choose a directory apart from it")
+    check_replaceable(out, overwrite, "quantize")
 
 
 def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str | os.PathLike,
@@ -118,12 +114,15 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
 
     Refuses (ValueError / CheckpointError, one line): an already quantized or non-float
     checkpoint, a group that does not divide the experts' columns, odd columns for int4,
-    NaN/Inf weights, and an ``output`` that exists and is not empty unless ``overwrite``.
+    NaN/Inf weights, an ``output`` that contains or lies inside a file or directory of the
+    source (links resolved), and an ``output`` that is not empty unless it holds exactly
+    an earlier numa-moe output and ``overwrite`` is given
+    (``synthetic.check_replaceable``).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, pattern=pattern)
     _check_request(ck, fmt, group, scale_dtype)
     out = Path(output)
-    _check_output(ck.root, out, overwrite)
+    _check_output(ck, out, overwrite)
     src_dir = ck.root if ck.root.is_dir() else ck.root.parent
     by_tensor = _matrices_by_tensor(ck)
     bytes_before = sum(p.stat().st_size for p in ck.files)

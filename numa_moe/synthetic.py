@@ -37,6 +37,9 @@ __all__ = [
     "write_safetensors",
     "checkpoint_plan",
     "building_directory",
+    "check_replaceable",
+    "is_earlier_output",
+    "OUTPUT_MARKER",
     "NUMPY_DTYPES",
 ]
 
@@ -285,9 +288,9 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
                     group: int = 128, scale_dtype: str = "fp16") -> Path:
     """Write a generated checkpoint into ``out_dir`` and return the directory.
 
-    ``out_dir`` must be new, empty or a previous output of this function; anything else
-    is refused unless ``overwrite`` (then the whole directory is replaced). The
-    checkpoint is built in a temporary sibling directory and swapped in at the end, so an
+    ``out_dir`` must be new, empty or an earlier numa-moe output (``is_earlier_output``);
+    anything else is refused, ``overwrite`` or not (it is accepted for compatibility and
+    changes nothing: nothing the user wrote is ever replaced). The checkpoint is built in a temporary sibling directory and swapped in at the end, so an
     interrupted run leaves ``out_dir`` as it was.
 
     ``layers``/``experts`` default to the model's small defaults (``MODEL_SPECS``);
@@ -311,7 +314,7 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     if H < 1 or I < 1:
         raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
     given = Path(out_dir)
-    _check_replaceable(_real_output(given), overwrite)
+    check_replaceable(given, overwrite=True, command="make-checkpoint")
     if weight_format is not None:
         from numa_moe.quantize import quantize_checkpoint
 
@@ -346,12 +349,15 @@ def building_directory(out_dir: str | os.PathLike):
     replaced), else removed. An interrupted run leaves ``out_dir`` as it was (the
     previous content or nothing, never a mix) and no temporary behind. A symlinked
     ``out_dir`` is built beside the directory it names; the link stays. The caller
-    decides first whether ``out_dir`` may be replaced."""
+    decides first whether ``out_dir`` may be replaced (``check_replaceable``). The build
+    gets an ``OUTPUT_MARKER`` listing its files, which is what lets a later run tell an
+    earlier output from a directory of the user's."""
     out = _real_output(out_dir)
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
     try:
         yield build
+        _write_marker(build)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(build, 0o777 & ~umask)  # mkdtemp's 0700 would surprise a user sharing it
@@ -360,33 +366,72 @@ def building_directory(out_dir: str | os.PathLike):
         shutil.rmtree(build, ignore_errors=True)  # the new build, or the old checkpoint
 
 
-# Files make_checkpoint writes: a directory holding only these, with a config.json that
-# says it was generated, is a previous output and may be replaced without --overwrite.
+# Every directory numa-moe builds (make-checkpoint, quantize) holds this file, listing
+# the other files it wrote: a directory whose entries are exactly those is an earlier
+# output and may be replaced; anything else may hold the user's files and never is.
+OUTPUT_MARKER = ".numa-moe-output.json"
+_MARKER_LIMIT = 1 << 20
+# Files make_checkpoint wrote before outputs were marked: a directory holding only these,
+# with a config.json that says it was generated, is an earlier output as well.
 _OWN_FILE = re.compile(r"config\.json|model\.safetensors|model\.safetensors\.index\.json"
                        r"|model-\d{5}-of-\d{5}\.safetensors")
 
 
-def _check_replaceable(out: Path, overwrite: bool) -> None:
+def _write_marker(build: Path) -> None:
+    files = sorted(p.name for p in build.iterdir() if p.name != OUTPUT_MARKER)
+    (build / OUTPUT_MARKER).write_text(json.dumps({"written_by": "numa-moe", "files": files},
+                                                  indent=1) + "\n")
+
+
+def is_earlier_output(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds exactly what an earlier make-checkpoint or quantize
+    wrote: its ``OUTPUT_MARKER`` lists exactly its other entries (or, written before
+    the marker existed, only make-checkpoint's file names and a generated config.json)."""
+    from numa_moe.checkpoint import CheckpointError, read_json_file
+
+    directory = Path(directory)
+    entries = sorted(p.name for p in directory.iterdir())
+    if OUTPUT_MARKER in entries:
+        try:
+            marker = read_json_file(directory / OUTPUT_MARKER, "numa-moe output marker",
+                                    _MARKER_LIMIT)
+        except CheckpointError:
+            return False
+        listed = marker.get("files") if isinstance(marker, dict) else None
+        return (isinstance(listed, list) and all(isinstance(n, str) for n in listed)
+                and sorted(listed) == [n for n in entries if n != OUTPUT_MARKER])
+    if not entries or not all(_OWN_FILE.fullmatch(name) for name in entries):
+        return False
+    try:
+        config = read_json_file(directory / "config.json", "config.json", _MARKER_LIMIT)
+    except CheckpointError:
+        return False
+    return isinstance(config, dict) and isinstance(config.get("numa_moe_synthetic"), dict)
+
+
+def check_replaceable(out_dir: str | os.PathLike, overwrite: bool, command: str) -> None:
+    """Refuse (ValueError, one line) to build ``out_dir`` over anything but nothing, an
+    empty directory or an earlier numa-moe output (``is_earlier_output``); an earlier
+    output is replaced only with ``overwrite``. A symlinked ``out_dir`` is judged by the
+    directory it names (the one replaced)."""
+    given = Path(out_dir)
+    out = _real_output(given)
     if not (out.exists() or out.is_symlink()):
         return
     if not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a directory; the output must be a directory")
+        raise ValueError(f"{given}: exists and is not a directory; the output must be a directory")
     entries = sorted(p.name for p in out.iterdir())
-    if not entries or overwrite:
+    if not entries:
         return
-    foreign = [name for name in entries if not _OWN_FILE.fullmatch(name)]
-    generated = False
-    if not foreign:
-        try:
-            config = json.loads((out / "config.json").read_text())
-            generated = isinstance(config, dict) and isinstance(config.get("numa_moe_synthetic"), dict)
-        except (OSError, ValueError, RecursionError):
-            generated = False
-    if foreign or not generated:
-        shown = ", ".join(foreign[:3] or entries[:3]) + (" ..." if len(foreign or entries) > 3 else "")
-        raise ValueError(f"{out}: not empty and not a previous make-checkpoint output (it holds "
-                         f"{shown}); refusing to replace it. Choose a new or empty directory, or "
-                         "pass --overwrite to replace the directory and everything in it")
+    if not is_earlier_output(out):
+        shown = ", ".join(entries[:3]) + (" ..." if len(entries) > 3 else "")
+        raise ValueError(f"{given}: not empty and not an earlier numa-moe output (it holds "
+                         f"{shown}); refusing to replace it, with or without --overwrite. "
+                         "Choose a new or empty directory")
+    if not overwrite:
+        raise ValueError(f"{given}: exists and is not empty (an earlier output of numa-moe); "
+                         f"pass --overwrite to replace it, or choose a new or empty directory "
+                         f"for {command}")
 
 
 _RENAME_EXCHANGE = 2

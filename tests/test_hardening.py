@@ -100,10 +100,15 @@ def test_make_checkpoint_keeps_files_it_did_not_write(tmp_path):
     assert "--overwrite" in result.output
     assert mine.read_bytes() == (ck / "model.safetensors").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "src"]  # no temporary left
+    # --overwrite does not make a directory of the user's replaceable either.
     result = CliRunner().invoke(cli, ["make-checkpoint", "--layers", "1", "--experts", "1", "-o", str(d),
                                       "--quiet", "--overwrite"])
-    assert result.exit_code == 0, result.output
-    assert not mine.exists() and Checkpoint.open(d).dims.n_experts == 1
+    assert result.exit_code == 1 and "my-finetune.safetensors" in result.output, result.output
+    assert mine.read_bytes() == (ck / "model.safetensors").read_bytes()
+    mine.unlink()
+    result = CliRunner().invoke(cli, ["make-checkpoint", "--layers", "1", "--experts", "1", "-o", str(d),
+                                      "--quiet"])
+    assert result.exit_code == 0 and Checkpoint.open(d).dims.n_experts == 1, result.output
     # A previous output is replaced without --overwrite; so is an empty directory.
     result = CliRunner().invoke(cli, ["make-checkpoint", "--layers", "1", "--experts", "2", "-o", str(d),
                                       "--quiet"])
@@ -112,7 +117,7 @@ def test_make_checkpoint_keeps_files_it_did_not_write(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="not a previous make-checkpoint output"):
+    with pytest.raises(ValueError, match="not an earlier numa-moe output"):
         make_checkpoint(other, "qwen3-30b-a3b", 1, 1, progress=False)
     assert (other / "config.json").read_text() == "{}"
 

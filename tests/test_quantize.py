@@ -160,17 +160,18 @@ def test_refuses_odd_cols_for_int4(tmp_path, rng):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_refuses_nan_inf_weights_and_leaves_output_as_it_was(source, tmp_path, bad):
+    out = tmp_path / "q"
+    quantize_checkpoint(source, out, "int8", progress=False)
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
     ck = Checkpoint.open(source)
     victim = ck.layers[1].matrices["down"][E - 1]  # late in the write: earlier shards done
     with open(victim.tensor.path, "r+b") as f:
         f.seek(victim.file_offset + 2 * 7)
         f.write(np.array([bad], dtype=ml_dtypes.bfloat16).tobytes())
-    out = tmp_path / "q"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
     line = _one_line_error([str(source), "--format", "int8", "-o", str(out), "--overwrite"])
     assert victim.tensor.name in line and "NaN or infinity" in line
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # untouched: built aside, never swapped
+    # untouched: built aside, never swapped
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "src"]
 
 
@@ -227,7 +228,8 @@ def test_single_file_checkpoint_may_write_beside_it(tmp_path, rng):
     src = make_checkpoint(tmp_path / "src", "qwen3-30b-a3b", 1, 2, int(rng.integers(1 << 31)),
                           hidden_size=H, intermediate_size=I, progress=False)
     result = quantize_checkpoint(src / "model.safetensors", src / "q", "int8", progress=False)
-    assert sorted(p.name for p in (src / "q").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (src / "q").iterdir()) == [".numa-moe-output.json", "config.json",
+                                                             "model.safetensors"]
     assert Checkpoint.open(src / "q").quant.fmt == "int8" and result.not_copied == ()
     with pytest.raises(ValueError, match="directory of the source checkpoint"):
         quantize_checkpoint(src / "model.safetensors", src, "int8", progress=False, overwrite=True)

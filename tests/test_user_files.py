@@ -187,3 +187,92 @@ def test_quantize_copies_linked_files_of_a_snapshot(source, tmp_path):
     assert not any(p.is_symlink() for p in out.iterdir())
     assert (out / "tokenizer.json").read_text() == '{"v": 1}'
     assert Checkpoint.open(out).quant.fmt == "int8"
+
+
+# ------------------------------------------------------------------ outputs and sources
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_quantize_into_the_parent_of_its_source_deletes_nothing(source, tmp_path):
+    from click.testing import CliRunner
+
+    from numa_moe_cli.main import cli as numa_moe
+
+    (tmp_path / "notes.txt").write_text("mine")
+    before = _tree(tmp_path)
+    for out, overwrite in ((tmp_path, True), (tmp_path, False), (source, True), (source / "q", True),
+                           (source / "q", False)):
+        args = ["quantize", str(source), "--format", "int8", "--group", "32", "-o", str(out), "--quiet"]
+        result = CliRunner().invoke(numa_moe, args + (["--overwrite"] if overwrite else []))
+        assert result.exit_code == 1, result.output
+        assert len(result.output.strip().splitlines()) == 1 and "source checkpoint" in result.output
+        assert _tree(tmp_path) == before
+    # the same through a link to the parent
+    (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
+    from numa_moe.quantize import quantize_checkpoint
+
+    with pytest.raises(ValueError, match=f"lie inside {source}"):
+        quantize_checkpoint(source, tmp_path.parent / f"{tmp_path.name}-link", "int8", 32,
+                            overwrite=True, progress=False)
+    (tmp_path.parent / f"{tmp_path.name}-link").unlink()
+    assert _tree(tmp_path) == before
+
+
+def test_quantize_output_may_not_contain_a_snapshots_blobs(source, tmp_path):
+    from numa_moe.quantize import quantize_checkpoint
+
+    snapshot = hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
+    repo = snapshot.parent.parent
+    before = _tree(repo)
+    with pytest.raises(ValueError, match="snapshots/0123abcd, a file or directory of the source"):
+        quantize_checkpoint(snapshot, repo, "int8", 32, overwrite=True, progress=False)
+    # the blobs the snapshot's links name are sources as well
+    with pytest.raises(ValueError, match=r"blobs/[0-9a-f]{64}, a file or directory of the source"):
+        quantize_checkpoint(snapshot, repo / "blobs", "int8", 32, overwrite=True, progress=False)
+    assert _tree(repo) == before
+
+
+def test_overwrite_replaces_only_an_earlier_output(source, tmp_path):
+    from numa_moe.quantize import quantize_checkpoint
+
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "mine.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"not an earlier numa-moe output .*mine\.txt.*with or "
+                                         "without --overwrite"):
+        quantize_checkpoint(source, out, "int8", 32, overwrite=True, progress=False)
+    assert _tree(out) == {"mine.txt": b"mine"}
+    (out / "mine.txt").unlink()
+    quantize_checkpoint(source, out, "int8", 32, progress=False)
+    with pytest.raises(ValueError, match="pass --overwrite to replace it"):
+        quantize_checkpoint(source, out, "int4", 32, progress=False)
+    quantize_checkpoint(source, out, "int4", 32, overwrite=True, progress=False)
+    assert Checkpoint.open(out).quant.fmt == "int4"
+    # a file the user added to an earlier output makes it theirs
+    (out / "README.md").write_text("my notes")
+    with pytest.raises(ValueError, match="README.md"):
+        quantize_checkpoint(source, out, "int8", 32, overwrite=True, progress=False)
+    assert (out / "README.md").read_text() == "my notes"
+    # make-checkpoint follows the same rule, --overwrite or not
+    with pytest.raises(ValueError, match="README.md"):
+        make_checkpoint(out, "qwen3-30b-a3b", 1, 1, hidden_size=H, intermediate_size=I,
+                        progress=False, overwrite=True)
+    assert (out / "README.md").read_text() == "my notes"
+
+
+@pytest.mark.parametrize("command", ["tables", "inspect", "run"])
+def test_file_outputs_may_not_replace_or_enter_the_checkpoint(source, tmp_path, command):
+    before = _tree(source)
+    shard = next(source.glob("*.safetensors"))
+    for target in (shard, source / "config.json", source / "new.json"):
+        if command == "tables":
+            result = cli("tables", source, "-o", target, "--quiet")
+        elif command == "inspect":
+            result = cli("inspect", source, "--touch", "none", "--nodes", "1", "--plot", target)
+        else:
+            result = cli("run", source, "--json", target, "--steps", "2")
+        one_line_error(result, f"cannot write", str(source))
+        assert _tree(source) == before

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from numa_moe_cli.options import check_output, output_file, page_option, write_output
+from numa_moe_cli.options import check_apart, check_output, output_file, page_option, write_output
 
 _MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b")
 
@@ -60,8 +60,9 @@ def _open(path: str, pattern: str | None, kinds: str | None):
 @click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=False),
               help="Output directory.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace OUTPUT even when it holds files this command did not write (the "
-                   "whole directory is replaced). Without it such a directory is refused.")
+              help="Accepted for compatibility; changes nothing. OUTPUT may be new, empty or an "
+                   "earlier numa-moe output (replaced whole); a directory holding anything else "
+                   "is refused.")
 @click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
               show_default=True,
               help="Routed experts in bf16, or quantized as by `numa-moe quantize`.")
@@ -128,6 +129,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         raise click.UsageError("--group applies to --format int8/int4 only")
     check_output(output, "-o", create_parents=True)
     ck = _open(checkpoint, pattern, kinds)
+    check_apart(output, "-o", ck.sources)
     quant = ck.quant
     if ck.importer is not None:
         # GGUF / FP8: the tables of the buffers the store converts them into
@@ -230,6 +232,8 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
     if plot:
         check_output(plot, "--plot")
     ck = _open(checkpoint, pattern, kinds)
+    if plot:
+        check_apart(plot, "--plot", ck.sources)
     try:
         report = inspect_checkpoint(ck, tensor=tensor, nodes=nodes, touch=touch,
                                     include_all=all_tensors, weight_format=fmt,
@@ -259,10 +263,11 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
 @click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16",
               show_default=True, help="Element type of the group scales.")
 @click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=False),
-              help="Output directory (new or empty).")
+              help="Output directory (new or empty), apart from the checkpoint's files.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace OUTPUT even when it exists and is not empty (the whole directory is "
-                   "replaced, atomically).")
+              help="Replace OUTPUT when it holds an earlier numa-moe output (make-checkpoint or "
+                   "quantize, nothing else; replaced whole, atomically). A directory holding "
+                   "anything else is refused, with or without --overwrite.")
 @_pattern_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pattern, kinds, quiet):

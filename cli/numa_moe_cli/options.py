@@ -98,6 +98,17 @@ def check_output(path: str, option: str, create_parents: bool = False) -> Path:
     return target
 
 
+def check_apart(path: str, option: str, sources) -> None:
+    """Refuse (one-line click error) an output that is, contains or lies inside one of
+    ``sources``, the files and directories the command reads (links resolved)."""
+    from numa_moe.checkpoint import overlapping_source
+
+    source = overlapping_source(path, sources)
+    if source is not None:
+        raise click.ClickException(f"cannot write {option} {path}: it would replace or lie inside "
+                                   f"{source}, which this command reads; give a path apart from it")
+
+
 @contextlib.contextmanager
 def output_file(path: str, option: str, create_parents: bool = False):
     """Yields a temporary path beside the output; when the block ends without an

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import click
 
-from numa_moe_cli.options import check_output, isa_option, page_option, write_output, wrote
+from numa_moe_cli.options import check_apart, check_output, isa_option, page_option, write_output, wrote
 
 
 @click.command("run")
@@ -44,6 +44,13 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
         raise click.UsageError("give --nodes or --virtual-nodes, not both")
     if json_path:
         check_output(json_path, "--json")  # before the job, not after it
+        if checkpoint is not None:
+            from numa_moe.checkpoint import CheckpointError, resolve_checkpoint_path
+
+            try:
+                check_apart(json_path, "--json", [resolve_checkpoint_path(checkpoint)])
+            except CheckpointError as err:
+                raise click.ClickException(str(err)) from None
     from numa_moe.moe_run import format_side_by_side
 
     reports = []

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
-from numa_moe_cli.options import check_output, page_option, write_output, wrote, output_file
+from numa_moe_cli.options import check_apart, check_output, page_option, write_output, wrote, output_file
 
 
 def _tokens(ctx, param, value):
@@ -90,9 +91,11 @@ def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine
         raise click.UsageError("--routing trace needs --trace FILE")
     if trace_path and routing != "trace":
         routing = "trace"
+    inputs = [p for p in (checkpoint, machine_name, trace_path) if p and os.path.lexists(p)]
     for path, option in ((json_path, "--json"), (plot_path, "--plot"), (save_machine, "--save-machine")):
         if path:
             check_output(path, option)
+            check_apart(path, option, inputs)
     try:
         if measure:
             machine = sim.measure_machine(cross_gbps=cross_gbps, echo=lambda s: click.echo(s, err=True))
