@@ -69,7 +69,7 @@ def attach_fp8_scales(checkpoint: Checkpoint) -> None:
             scales_of = {}
             for name, ms in by_tensor.items():
                 info = ms[0].tensor
-                scale = _scale_tensor(checkpoint, info, block)
+                scale = _scale_tensor(checkpoint, info, block, block_source)
                 fused = len(info.shape) == 3
                 expert = None if fused else str(ms[0].expert)
                 if fused and kind in ("gate", "up") and (info.shape[1] // 2) % b0:
@@ -91,9 +91,16 @@ def attach_fp8_scales(checkpoint: Checkpoint) -> None:
     checkpoint.notes.append(f"FP8 block scales {b0} x {b1} ({block_source})")
 
 
-def _scale_tensor(checkpoint: Checkpoint, info, block: tuple[int, int]):
+def _scale_tensor(checkpoint: Checkpoint, info, block: tuple[int, int], block_source: str):
     name = fp8_scale_name(info.name)
     where = f"{info.path}: tensor {_short(info.name)}"
+    *_, rows, cols = info.shape
+    if block[0] > rows or block[1] > cols:
+        # a block is a tile of the weight: larger than the weight is a corrupted config
+        # (and a size such as 2**40 would make every expansion allocate terabytes)
+        raise CheckpointError(f"{where}: FP8 block {block[0]} x {block[1]} ({block_source}) is "
+                              f"larger than the weight's [{rows}, {cols}] rows and columns; a "
+                              "block size must be at most the dimension it tiles")
     scale = checkpoint.tensors.get(name)
     if scale is None:
         raise CheckpointError(f"{where} is FP8 but its scale tensor {_short(name)} is missing "
@@ -147,6 +154,7 @@ class FP8Import(ExpertImport):
                                   f"infinite block scale for layer {matrix.layer} expert "
                                   f"{matrix.expert} {matrix.kind} (block row {r}, column {c})")
         b0, b1 = self.block
-        expanded = np.repeat(np.repeat(scale, b0, axis=0)[:matrix.rows], b1, axis=1)[:, :matrix.cols]
+        # indexed, not np.repeat: the expansion is the matrix's size whatever the block
+        expanded = scale[(np.arange(matrix.rows) // b0)[:, None], np.arange(matrix.cols) // b1]
         return w8.astype(np.float32) * expanded
 

@@ -20,17 +20,22 @@ Conversion into the store's layout (``GGUFImport``, one expert matrix at a time)
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
   bf16). Types it cannot dequantize are refused when the file is opened.
 
-The file is parsed by ``gguf.GGUFReader`` (given an fd from ``open_checkpoint_file``);
-``_BoundedReader`` only adds the bounds checks that make a truncated or crafted file a
-one-line ``CheckpointError`` instead of an exception from deep inside the reader or a
-loop over a length read from the file.
+The file is parsed by ``gguf.GGUFReader`` (given an fd from ``open_checkpoint_file``).
+The reader builds a numpy view per metadata element and several per tensor record
+before anything can be checked, so ``_check_layout`` first walks the header, metadata
+and tensor records itself, bounding every count and length by the bytes the file holds
+and by what a plausible model has; ``_BoundedReader`` adds the bounds checks that make a
+truncated or crafted file a one-line ``CheckpointError`` instead of an exception from
+deep inside the reader.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
+import struct
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +49,7 @@ from numa_moe.checkpoint import (KINDS, Checkpoint, CheckpointError, ExpertLayer
 from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
 
 __all__ = ["open_gguf", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
-           "MAX_TENSORS"]
+           "MAX_TENSORS", "MAX_METADATA_KEYS"]
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.weight")
 _SHARED = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down|gate_inp)_shexp\.weight")
@@ -59,12 +64,24 @@ LOSSLESS = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
 INT4_DEFAULT_BITS = 4.5
 _MAX_DIMS = 4  # GGML_MAX_DIMS
-# The reader keeps one numpy view per metadata array element and one record per tensor,
-# some hundred bytes each: these bounds keep a crafted file from costing gigabytes. Real
-# files hold about 1.3 M elements (a 256 k-token vocabulary's tokens, scores, types and
-# merges) and a few thousand tensors.
+# The reader keeps one numpy view per metadata array element and several per metadata
+# entry and tensor record, some hundred bytes each: these bounds keep a crafted file from
+# costing gigabytes (the reader takes ~0.1 ms per entry or tensor record: the caps bound
+# it to seconds). Real files hold about 1.3 M elements (a 256 k-token vocabulary's
+# tokens, scores, types and merges), some tens of metadata entries and one or two
+# thousand tensors (DeepSeek-V3, Llama-3.1-405B: ~1100).
 MAX_METADATA_ELEMENTS = 4_000_000
-MAX_TENSORS = 1_000_000
+MAX_METADATA_KEYS = 4_096
+MAX_TENSORS = 16_384
+GGUF_VERSIONS = (2, 3)
+# GGUF value type -> bytes of a scalar of it; 8 (string) and 9 (array) are variable
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+# Fewest bytes a metadata entry (key length, type, a 1-byte value) and a tensor record
+# (name length, n_dims, one dim, type, offset) take: a count times these must fit.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8
+_MAX_KEY_BYTES = 65_535  # the GGUF specification's limit on a key (and a tensor name)
 
 
 def _gguf():
@@ -130,6 +147,134 @@ def _bounded_reader_class():
     return _BoundedReader
 
 
+class _Layout:
+    """Walks a GGUF file's header, metadata and tensor records (the GGUF specification's
+    layout) without building anything, refusing with a ``CheckpointError`` naming the
+    field any count or length that the bytes after it cannot hold."""
+
+    def __init__(self, data, path: Path):
+        self.data, self.path, self.size = data, path, len(data)
+        self.elements = 0
+        self.order = "<"
+
+    def _past_end(self, at: int, field: str, need: int) -> CheckpointError:
+        return CheckpointError(f"{self.path}: truncated GGUF file: {field} needs {need} bytes at "
+                               f"byte {at}, but the file has {self.size} bytes")
+
+    def uint(self, at: int, width: int, field: str) -> int:
+        if at + width > self.size:
+            raise self._past_end(at, field, width)
+        return struct.unpack_from(self.order + ("I" if width == 4 else "Q"), self.data, at)[0]
+
+    def string(self, at: int, field: str, limit: int | None = None) -> int:
+        """End of the string at ``at``."""
+        n = self.uint(at, 8, f"the length of {field}")
+        left = self.size - at - 8
+        if n > left or (limit is not None and n > limit):
+            bound = f"only {left} bytes follow" if n > left else f"at most {limit} are allowed"
+            raise CheckpointError(f"{self.path}: {field} claims a string of {n} bytes at byte "
+                                  f"{at}, but {bound} (truncated or corrupted GGUF file)")
+        return at + 8 + n
+
+    def header(self) -> tuple[int, int, int]:
+        """(tensor count, metadata entry count, end of the header), checked."""
+        magic = bytes(self.data[:4])
+        if magic != b"GGUF":
+            raise CheckpointError(f"{self.path}: not a readable GGUF file: it starts with "
+                                  f"{magic!r}, not the GGUF magic b'GGUF'")
+        version = self.uint(4, 4, "the GGUF version")
+        if version & 0xFFFF == 0:  # written big-endian
+            self.order = ">"
+            version = self.uint(4, 4, "the GGUF version")
+        if version not in GGUF_VERSIONS:
+            raise CheckpointError(f"{self.path}: not a readable GGUF file: GGUF version {version}; "
+                                  f"the reader knows versions {', '.join(map(str, GGUF_VERSIONS))}")
+        tensors = self.uint(8, 8, "the tensor count")
+        keys = self.uint(16, 8, "the metadata entry count")
+        if tensors > MAX_TENSORS:
+            raise CheckpointError(f"{self.path}: GGUF header declares {tensors} tensors, more than "
+                                  f"the {MAX_TENSORS} a plausible model has")
+        if keys > MAX_METADATA_KEYS:
+            raise CheckpointError(f"{self.path}: GGUF header declares {keys} metadata entries, more "
+                                  f"than the {MAX_METADATA_KEYS} a plausible model has")
+        need = 24 + keys * _MIN_KV_BYTES + tensors * _MIN_TENSOR_BYTES
+        if need > self.size:
+            raise CheckpointError(f"{self.path}: truncated or corrupted GGUF file: the header "
+                                  f"declares {keys} metadata entries and {tensors} tensors, which "
+                                  f"take at least {need} bytes, but the file has {self.size}")
+        return tensors, keys, 24
+
+    def value(self, at: int, vtype: int, field: str, nested: bool = False) -> int:
+        """End of the value of type ``vtype`` at ``at``."""
+        if vtype in _SCALAR_BYTES:
+            if at + _SCALAR_BYTES[vtype] > self.size:
+                raise self._past_end(at, field, _SCALAR_BYTES[vtype])
+            return at + _SCALAR_BYTES[vtype]
+        if vtype == _STRING:
+            return self.string(at, field)
+        if vtype != _ARRAY:
+            raise CheckpointError(f"{self.path}: {field} has value type {vtype}, which GGUF does "
+                                  "not define (corrupted file)")
+        if nested:
+            raise CheckpointError(f"{self.path}: {field} is an array of arrays of arrays; GGUF "
+                                  "metadata nests arrays at most once")
+        itype = self.uint(at, 4, f"the element type of {field}")
+        count = self.uint(at + 4, 8, f"the length of {field}")
+        at += 12
+        self.elements += count
+        if self.elements > MAX_METADATA_ELEMENTS:
+            raise CheckpointError(f"{self.path}: GGUF metadata arrays hold more than "
+                                  f"{MAX_METADATA_ELEMENTS} elements, more than a plausible model "
+                                  f"has ({field} claims {count}; corrupted or crafted file)")
+        least = _SCALAR_BYTES.get(itype, 8 if itype == _STRING else 12)
+        if itype not in _SCALAR_BYTES and itype not in (_STRING, _ARRAY):
+            raise CheckpointError(f"{self.path}: {field} is an array of value type {itype}, which "
+                                  "GGUF does not define (corrupted file)")
+        if count * least > self.size - at:
+            raise CheckpointError(f"{self.path}: truncated or corrupted GGUF file: {field} claims "
+                                  f"{count} elements of at least {least} bytes at byte {at}, but "
+                                  f"only {self.size - at} bytes follow")
+        if itype in _SCALAR_BYTES:
+            return at + count * least
+        if itype == _STRING:  # the one long loop of a real file (a vocabulary): kept lean
+            unpack, size, data = struct.Struct(self.order + "Q").unpack_from, self.size, self.data
+            for i in range(count):
+                if at + 8 > size:
+                    raise self._past_end(at, f"the length of {field}[{i}]", 8)
+                at += 8 + unpack(data, at)[0]
+                if at > size:
+                    raise CheckpointError(f"{self.path}: truncated or corrupted GGUF file: "
+                                          f"{field}[{i}] ends past the end of the file")
+            return at
+        for i in range(count):
+            at = self.value(at, itype, f"{field}[{i}]", nested=True)
+        return at
+
+    def walk(self) -> None:
+        tensors, keys, at = self.header()
+        for i in range(keys):
+            end = self.string(at, f"the key of metadata entry #{i}", _MAX_KEY_BYTES)
+            key = f"metadata {_short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))}"
+            vtype = self.uint(end, 4, f"the value type of {key}")
+            at = self.value(end + 4, vtype, key)
+        for i in range(tensors):
+            end = self.string(at, f"the name of tensor #{i}", _MAX_KEY_BYTES)
+            where = f"tensor #{i} ({_short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))})"
+            n_dims = self.uint(end, 4, f"the dimension count of {where}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise CheckpointError(f"{self.path}: {where} has {n_dims} dimensions (GGUF allows "
+                                      f"1 to {_MAX_DIMS}; corrupted file)")
+            at = end + 4 + 8 * n_dims + 4 + 8
+            if at > self.size:
+                raise self._past_end(end + 4, f"the dims, type and offset of {where}",
+                                     8 * n_dims + 12)
+
+
+def _check_layout(fd: int, path: Path) -> None:
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as data:
+        _Layout(data, path).walk()
+
+
 def _check_tensor_field(field, data_start: int, file_bytes: int, path: Path) -> None:
     gguf = _gguf()
     _, name_data, n_dims, dims, raw_type, offset = field.parts
@@ -184,6 +329,7 @@ def read_gguf(path: str | os.PathLike):
             if size < 24:
                 raise CheckpointError(f"{path}: truncated GGUF file ({size} bytes; the header "
                                       "alone needs 24)")
+            _check_layout(f.fileno(), path)
             reader = reader_class(f, path)
     except CheckpointError:
         raise
@@ -195,7 +341,9 @@ def read_gguf(path: str | os.PathLike):
                               "deeply to be plausible") from None
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError,
             MemoryError) as err:
-        raise CheckpointError(f"{path}: not a readable GGUF file: {_short(str(err), 160)}") from None
+        # the reader's own messages may be empty (a bare KeyError ''): its type says more
+        raise CheckpointError(f"{path}: not a readable GGUF file: the gguf reader failed with "
+                              f"{type(err).__name__}: {_short(str(err), 160) if str(err) else '(no message)'}") from None
     return reader
 
 

@@ -276,3 +276,135 @@ def test_file_outputs_may_not_replace_or_enter_the_checkpoint(source, tmp_path, 
             result = cli("run", source, "--json", target, "--steps", "2")
         one_line_error(result, f"cannot write", str(source))
         assert _tree(source) == before
+
+
+# ------------------------------------------- small files that claim huge contents
+
+def write_safetensors_raw(path: Path, tensors: dict, metadata: dict | None = None,
+                          header_text: str | None = None) -> Path:
+    """A safetensors file from ``{name: (dtype code, shape, bytes)}``, or from a header
+    given as JSON text (to spell what json.dumps would not write) and no data."""
+    if header_text is None:
+        header, data, at = {}, b"", 0
+        for name, (dtype, shape, raw) in tensors.items():
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + len(raw)]}
+            data += raw
+            at += len(raw)
+        if metadata:
+            header["__metadata__"] = metadata
+        header_text = json.dumps(header)
+    else:
+        data = b""
+    raw_header = header_text.encode()
+    path.write_bytes(len(raw_header).to_bytes(8, "little") + raw_header + data)
+    return path
+
+
+def _gguf_header(kv_count: int, tensor_count: int = 0) -> bytes:
+    import struct
+
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count)
+
+
+def _gguf_string(text: bytes) -> bytes:
+    return len(text).to_bytes(8, "little") + text
+
+
+@pytest.mark.parametrize("case", ["keys", "tensors", "key length", "array length",
+                                  "string length", "string array"])
+def test_gguf_counts_beyond_the_file_fail_at_once(tmp_path, case):
+    """A few MB that claim millions of entries: refused from the header, in well under a
+    second and without the reader's per-entry objects (the address-space limit)."""
+    import struct
+
+    pad = bytes(3 << 20)
+    key = _gguf_string(b"tokenizer.ggml.tokens")
+    data, needles = {
+        "keys": (_gguf_header(3_000_000) + pad, ["declares 3000000 metadata entries"]),
+        "tensors": (_gguf_header(0, 3_000_000) + pad, ["declares 3000000 tensors"]),
+        "key length": (_gguf_header(2) + struct.pack("<Q", 1 << 40) + pad,
+                       ["key of metadata entry #0", f"string of {1 << 40} bytes"]),
+        "array length": (_gguf_header(1) + key + struct.pack("<IIQ", 9, 4, 3_000_000) + pad,
+                         ["metadata 'tokenizer.ggml.tokens'", "3000000 elements of at least 4 bytes"]),
+        "string length": (_gguf_header(1) + key + struct.pack("<IQ", 8, 1 << 50) + pad,
+                          ["metadata 'tokenizer.ggml.tokens'", f"string of {1 << 50} bytes"]),
+        "string array": (_gguf_header(1) + key + struct.pack("<IIQ", 9, 8, 3_000_000) + pad,
+                         ["tokenizer.ggml.tokens", "3000000 elements of at least 8 bytes"]),
+    }[case]
+    path = tmp_path / "claims.gguf"
+    path.write_bytes(data)
+    result = run_limited("""
+        import time
+        from numa_moe.checkpoint import Checkpoint, CheckpointError
+        start = time.perf_counter()
+        try:
+            Checkpoint.open(sys.argv[1])
+        except CheckpointError as err:
+            print(f"{time.perf_counter() - start:.3f}", err)
+    """, path, timeout=60)
+    assert result.returncode == 0 and result.stdout, result.stderr
+    seconds, message = result.stdout.split(" ", 1)
+    assert float(seconds) < 0.5, result.stdout
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_gguf_reader_failures_say_what_failed(tmp_path, monkeypatch):
+    """The reader's own exceptions can carry no message (MemoryError(), KeyError(''));
+    the error then names the exception type instead of printing ''."""
+    import gguf
+
+    path = tmp_path / "empty-meta.gguf"
+    path.write_bytes(_gguf_header(0) + bytes(64))
+
+    def fail(self, *args):
+        raise KeyError("")
+
+    monkeypatch.setattr(gguf.GGUFReader, "_build_tensor_info", fail)
+    with pytest.raises(CheckpointError, match=r"not a readable GGUF file: .*KeyError") as info:
+        Checkpoint.open(path)
+    assert not str(info.value).endswith("''")
+
+
+def _fp8_checkpoint(directory: Path, block: list[int], scale_shape: tuple[int, int]) -> Path:
+    directory.mkdir()
+    tensors = {}
+    for e in range(2):
+        for kind, (rows, cols) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            name = f"model.layers.0.mlp.experts.{e}.{kind}_proj.weight"
+            tensors[name] = ("F8_E4M3", (rows, cols), bytes(rows * cols))
+            n = scale_shape[0] * scale_shape[1]
+            tensors[name + "_scale_inv"] = ("F32", scale_shape,
+                                            np.ones(n, dtype=np.float32).tobytes())
+    write_safetensors_raw(directory / "model.safetensors", tensors)
+    (directory / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": block}}))
+    return directory
+
+
+def test_fp8_block_larger_than_the_weight_is_refused_before_allocating(tmp_path):
+    huge = _fp8_checkpoint(tmp_path / "huge", [1 << 40, 1 << 40], (1, 1))
+    with pytest.raises(CheckpointError, match=r"FP8 block 1099511627776 x 1099511627776 .*larger "
+                                              r"than the weight's \[32, 64\]"):
+        Checkpoint.open(huge)
+    for command in (["inspect", huge, "--touch", "none", "--nodes", "1"],
+                    ["run", huge, "--steps", "2", "--virtual-nodes", "1"]):
+        one_line_error(cli(*command), "FP8 block", "at most the dimension")
+    # a block that tiles the weight, with scales of the wrong shape, is refused as well
+    wrong = _fp8_checkpoint(tmp_path / "wrong", [16, 16], (1, 1))
+    with pytest.raises(CheckpointError, match=r"expected \[2, 4\]: one scale per 16 x 16 block"):
+        Checkpoint.open(wrong)
+
+
+def test_tensor_names_that_are_not_unicode_are_refused(tmp_path):
+    good = '"model.layers.0.mlp.experts.0.gate_proj.weight": {"dtype": "F32", "shape": [0], ' \
+           '"data_offsets": [0, 0]}'
+    bad = '"model.layers.0.mlp.experts.1.gate_proj.weight\\ud800": {"dtype": "F32", ' \
+          '"shape": [0], "data_offsets": [0, 0]}'
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    write_safetensors_raw(directory / "model.safetensors", {}, header_text="{" + good + ", " + bad + "}")
+    with pytest.raises(CheckpointError, match=r"tensor #1 .*not valid Unicode"):
+        Checkpoint.open(directory)
+    one_line_error(cli("inspect", directory, "--touch", "none", "--nodes", "1"),
+                   "tensor #1", "not valid Unicode")
