@@ -228,12 +228,21 @@ JSON_FILE_LIMIT = 100_000_000
 JSON_MAX_DEPTH = 100
 
 
-def read_json_file(path: str | os.PathLike, what: str, limit: int = JSON_FILE_LIMIT):
+def read_json_file(path: str | os.PathLike, what: str, limit: int = JSON_FILE_LIMIT,
+                   error: type[ValueError] = CheckpointError):
     """The one way a JSON file a user names is read: opened by ``open_checkpoint_file``
     (a regular file, links followed), at most ``limit`` bytes, UTF-8, nested at most
-    ``JSON_MAX_DEPTH`` deep; anything else is a ``CheckpointError`` naming the file and
-    ``what`` it was read as."""
-    path = Path(path)
+    ``JSON_MAX_DEPTH`` deep; anything else is an ``error`` (a ``CheckpointError``
+    unless the caller has its own kind) naming the file and ``what`` it was read as."""
+    try:
+        return _read_json(Path(path), what, limit)
+    except CheckpointError as err:
+        if error is CheckpointError:
+            raise
+        raise error(str(err)) from None
+
+
+def _read_json(path: Path, what: str, limit: int):
     fd = open_checkpoint_file(path)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size

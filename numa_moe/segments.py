@@ -820,11 +820,12 @@ class SegmentTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SegmentTable":
         """Read a table written by :meth:`save`; SegmentTableFormatError names the file."""
+        from numa_moe.checkpoint import read_json_file
+
         path = os.fspath(path)
-        with open(path, encoding="utf-8") as src:
-            text = src.read()
+        data = read_json_file(path, "segment table", error=SegmentTableFormatError)
         try:
-            return cls.from_json(text)
+            return cls.from_dict(data)
         except SegmentTableFormatError as exc:
             raise SegmentTableFormatError(f"{path}: {exc}") from None
 

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from numa_moe.checkpoint import CheckpointError, open_checkpoint_file, read_json_file
 from numa_moe.pages import page_name
 from numa_moe.segments import SegmentTable, weight_format
 
@@ -50,6 +52,9 @@ __all__ = [
 MACHINE_SCHEMA = "numa-moe/machine"
 MACHINE_VERSION = 1
 MACHINES_DIR = Path(__file__).parent / "machines"
+# A machine file is a few kB (some numbers per node); this is ample, and bounds what a
+# wrong path (a log, a checkpoint) costs to read.
+MACHINE_FILE_LIMIT = 1 << 20
 FORMATS = ("bf16", "int8", "int4")
 
 POLICIES = ("a", "b", "c", "d", "e")
@@ -183,12 +188,7 @@ def load_machine(name_or_path: str | Path) -> Machine:
             raise MachineFormatError(f"no machine file {text!r} and no built-in machine of that name "
                                      f"(built-in: {', '.join(builtin_machines())})")
         path = builtin
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise MachineFormatError(f"{path}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise MachineFormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    data = read_json_file(path, "machine file", MACHINE_FILE_LIMIT, MachineFormatError)
     return machine_from_dict(data, str(path))
 
 
@@ -283,16 +283,38 @@ def load_trace(path) -> np.ndarray:
     path = Path(path)
     try:
         if path.suffix == ".npy":
-            ids = np.load(path, allow_pickle=False)
+            ids = _load_npy(path)
         else:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = read_json_file(path, "routing trace")
             ids = np.asarray(data["ids"] if isinstance(data, Mapping) else data)
+    except CheckpointError:
+        raise  # names the file and what is wrong with it
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a routing trace ({exc})") from None
     if ids.ndim != 3 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0:
         raise ValueError(f"{path}: a routing trace is non-negative integer ids [layers][tokens][k], got "
                          f"shape {ids.shape} of {ids.dtype}")
     return ids.astype(np.int64)
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """A .npy array read from a regular file whose header's shape fits in its bytes
+    (``np.load`` would allocate what the header claims before reading)."""
+    fd = open_checkpoint_file(path)
+    with os.fdopen(fd, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                  else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = header(f)
+        if dtype.hasobject:
+            raise ValueError("an object array (pickled data) is not a routing trace")
+        left = os.fstat(f.fileno()).st_size - f.tell()
+        need = math.prod(shape) * dtype.itemsize
+        if need > left:
+            raise ValueError(f"its header declares shape {list(shape)} of {dtype} ({need} bytes) "
+                             f"but {left} bytes follow")
+        ids = np.frombuffer(f.read(need), dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    return ids
 
 
 def route_counts(routing: Routing, rng: np.random.Generator, tokens: int, n_experts: int, top_k: int,

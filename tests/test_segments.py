@@ -532,7 +532,7 @@ def test_load_corrupt_and_missing_files(tmp_path):
     path.write_text('{"schema": "numa-moe/segment-table", "vers')
     with pytest.raises(SegmentTableFormatError, match="corrupt.json.*not valid JSON"):
         SegmentTable.load(path)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SegmentTableFormatError, match="absent.json: cannot read: No such file"):
         SegmentTable.load(tmp_path / "absent.json")
 
 

@@ -408,3 +408,79 @@ def test_tensor_names_that_are_not_unicode_are_refused(tmp_path):
         Checkpoint.open(directory)
     one_line_error(cli("inspect", directory, "--touch", "none", "--nodes", "1"),
                    "tensor #1", "not valid Unicode")
+
+
+# ------------------------------------------------------------- odd files given to options
+
+def _odd_file(tmp_path: Path, kind: str, name: str = "odd.json") -> Path:
+    """A FIFO, /dev/zero (through a link with the name asked for), a JSON document
+    nested 10**5 deep, or a valid-looking document over 1 MB."""
+    path = tmp_path / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        path.write_text(json.dumps({"schema": "x", "pad": "x" * (2 << 20)}))
+    return path
+
+
+_ODD = {"fifo": "FIFO (named pipe), not a regular file",
+        "dev-zero": "character device, not a regular file",
+        "deep": "nested too deeply (more than 100 levels)",
+        "big": "larger than the"}
+
+
+@pytest.mark.parametrize("kind", list(_ODD))
+def test_simulate_machine_file_that_is_odd(tmp_path, kind):
+    path = _odd_file(tmp_path, kind)
+    result = cli("simulate", "--machine", path, "--like", "mixtral-8x7b", "--tokens", "1",
+                 "--samples", "1", timeout=60)
+    one_line_error(result, str(path), _ODD[kind])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "deep"])
+def test_simulate_trace_file_that_is_odd(tmp_path, kind):
+    path = _odd_file(tmp_path, kind, "trace.json")
+    result = cli("simulate", "--machine", "xeon-6430", "--like", "mixtral-8x7b", "--tokens", "1",
+                 "--samples", "1", "--trace", path, timeout=60)
+    one_line_error(result, str(path), _ODD[kind])
+
+
+def test_npy_trace_whose_header_claims_more_than_the_file(tmp_path):
+    path = tmp_path / "trace.npy"
+    with open(path, "wb") as f:  # 64 GB claimed, 64 bytes present
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "<i8", "fortran_order": False, "shape": (1, 4_000_000_000, 2)})
+        f.write(bytes(64))
+    result = cli("simulate", "--machine", "xeon-6430", "--like", "mixtral-8x7b", "--tokens", "1",
+                 "--samples", "1", "--trace", path)
+    one_line_error(result, str(path), "declares shape [1, 4000000000, 2]")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "deep"])
+def test_segment_table_file_that_is_odd(tmp_path, kind):
+    path = _odd_file(tmp_path, kind)
+    result = run_limited("""
+        from numa_moe.segments import SegmentTable, SegmentTableFormatError
+        try:
+            SegmentTable.load(sys.argv[1])
+        except SegmentTableFormatError as err:
+            print(err)
+    """, path, timeout=60)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert str(path) in result.stdout and _ODD[kind] in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "deep"])
+def test_checkpoint_config_and_index_that_are_odd(source, kind):
+    for name in ("config.json", "model.safetensors.index.json"):
+        original = (source / name).read_bytes()
+        (source / name).unlink()
+        _odd_file(source, kind, name)
+        result = cli("inspect", source, "--touch", "none", "--nodes", "1", timeout=60)
+        one_line_error(result, name, _ODD[kind])
+        (source / name).unlink()
+        (source / name).write_bytes(original)
