@@ -129,6 +129,14 @@ def test_cli_finds_a_repo_id_through_hf_hub_cache(source, tmp_path):
     assert by_path.returncode == 0, by_path.stderr
     assert report == json.loads(by_path.stdout)
     assert str(snapshot) in by_id.stdout
+    tables = cli("tables", "Org/Tiny-MoE", "--nodes", "2", "-o", tmp_path / "t.json", "--quiet",
+                 env=env)
+    assert tables.returncode == 0, tables.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["checkpoint"] == str(snapshot.resolve())
+    quantized = cli("quantize", "Org/Tiny-MoE", "--format", "int8", "--group", "32", "-o",
+                    tmp_path / "q", "--quiet", env=env)
+    assert quantized.returncode == 0, quantized.stderr
+    assert Checkpoint.open(tmp_path / "q").quant.fmt == "int8"
     # An id with no snapshot: where it looked and how to download; no network attempt
     # (the hub's endpoint is a closed port, so any request would fail differently).
     missing = cli("tables", "Org/Absent", "-o", tmp_path / "t.json", "--quiet",
