@@ -226,6 +226,7 @@ def byte_progress(total: int, desc: str, enabled: bool):
 # no document this project reads, and Python's own parser would overflow its stack.
 JSON_FILE_LIMIT = 100_000_000
 JSON_MAX_DEPTH = 100
+_DEPTH_CHUNK = 1 << 24
 
 
 def read_json_file(path: str | os.PathLike, what: str, limit: int = JSON_FILE_LIMIT,
@@ -262,12 +263,18 @@ def _json_depth_over(raw: bytes, limit: int) -> bool:
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
     # Strings may hold brackets: blank them out first (escaped quotes taken care of).
-    text = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', raw)
+    text = np.frombuffer(re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', raw), dtype=np.uint8)
     depth = 0
-    for match in re.finditer(rb"[\[\]{}]", text):
-        depth += 1 if match.group() in (b"[", b"{") else -1
-        if depth > limit:
+    for start in range(0, len(text), _DEPTH_CHUNK):  # vectorised, in bounded memory
+        chunk = text[start:start + _DEPTH_CHUNK]
+        brackets = chunk[(chunk == ord("[")) | (chunk == ord("{")) | (chunk == ord("]"))
+                         | (chunk == ord("}"))]
+        if not len(brackets):
+            continue
+        levels = depth + np.cumsum(np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1))
+        if levels.max() > limit:
             return True
+        depth = int(levels[-1])
     return False
 
 
