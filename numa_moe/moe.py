@@ -282,9 +282,13 @@ class MoELayer:
         topologies, where the memory is not really on those nodes). weight_format "int8" or
         "int4" quantizes the experts while copying (numa_moe.quant: group-wise symmetric,
         ``group`` columns per scale, scales in ``scale_dtype``)."""
-        from numa_moe import memory
+        from numa_moe import memory, quant
         from numa_moe.segments import SegmentTable
 
+        quant.check_arguments(weight_format=weight_format, group=group, scale_dtype=scale_dtype,
+                              formats=("bf16", *quant.QUANT_FORMATS))
+        if tables not in ("measured", "theoretical"):
+            raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
         topology = topology if topology is not None else _default_topology()
         gate_up_np, down_np = _stack_inputs(gate_up, down, gate, up)
         E, two_i, H = gate_up_np.shape
@@ -302,11 +306,9 @@ class MoELayer:
         if tables == "measured" and not topology.is_virtual:
             t_gu = _measured_table(dst_gate_up, E * two_i, H, SegmentTable, memory)
             t_d = _measured_table(dst_down, E * H, I, SegmentTable, memory)
-        elif tables in ("measured", "theoretical"):
+        else:
             t_gu = SegmentTable.theoretical(E * two_i, H, "bf16", page_bytes, node_ids, phase=phase)
             t_d = SegmentTable.theoretical(E * H, I, "bf16", page_bytes, node_ids, phase=phase)
-        else:
-            raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
         return cls.from_stacked(dst_gate_up, dst_down, t_gu, t_d, topology=topology, **kwargs)
 
     @classmethod
@@ -317,8 +319,6 @@ class MoELayer:
         from numa_moe import memory, quant
         from numa_moe.segments import SegmentTable
 
-        if fmt not in quant.QUANT_FORMATS:
-            raise ValueError(f"weight_format must be bf16, {' or '.join(quant.QUANT_FORMATS)}, got {fmt!r}")
         E, two_i, H = gate_up_bits.shape
         I = two_i // 2
         per_byte = 2 if fmt == "int4" else 1
@@ -341,8 +341,6 @@ class MoELayer:
         def table(values, rows, cols):
             if tables == "measured" and not topology.is_virtual:
                 return _measured_table(values, rows, cols, SegmentTable, memory, fmt)
-            if tables not in ("measured", "theoretical"):
-                raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
             return SegmentTable.theoretical(rows, cols, fmt, page_bytes, tuple(topology.node_ids), phase=phase)
 
         t_gu, t_d = table(gu_q, E * two_i, H), table(d_q, E * H, I)

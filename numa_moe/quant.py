@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-__all__ = ["QUANT_FORMATS", "GROUPS", "DEFAULT_GROUP", "SCALE_DTYPES", "QuantizedMatrix", "quantize",
+__all__ = ["QUANT_FORMATS", "GROUPS", "DEFAULT_GROUP", "SCALE_DTYPES", "QuantizedMatrix", "check_arguments", "quantize",
            "dequantize", "pack_int4", "unpack_int4", "error_bound", "from_q8_0", "from_q4_0"]
 
 QUANT_FORMATS = ("int8", "int4")
@@ -55,21 +55,29 @@ class QuantizedMatrix:
         return self.q.nbytes + self.scales.nbytes
 
 
+_UNCHECKED = object()
+
+
+def check_arguments(*, weight_format=_UNCHECKED, group=_UNCHECKED, scale_dtype=_UNCHECKED,
+                    formats=QUANT_FORMATS) -> None:
+    """The check of the quantization arguments every entry point that takes them makes
+    (quantize, MoELayer.from_tensors, ExpertStore.load, the benchmarks), before it
+    allocates: a ValueError naming the argument and its allowed values. Only the arguments
+    given are checked; ``formats`` is what the caller's ``weight_format`` may be."""
+    if weight_format is not _UNCHECKED and weight_format not in formats:
+        raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(formats)}")
+    if group is not _UNCHECKED and (isinstance(group, bool) or group not in GROUPS):
+        raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
+    if scale_dtype is not _UNCHECKED and (not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPES):
+        raise ValueError(f"scale_dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
+
+
 def _check_layout(fmt: str, group: int, rows: int, cols: int) -> None:
-    if fmt not in QUANT_FORMATS:
-        raise ValueError(f"format {fmt!r} is not one of {', '.join(QUANT_FORMATS)}")
-    if group not in GROUPS:
-        raise ValueError(f"group {group} is not one of {', '.join(map(str, GROUPS))}")
+    check_arguments(weight_format=fmt, group=group)
     if cols % group:
         raise ValueError(f"cols={cols} is not a multiple of the group size {group}")
     if rows < 1 or cols < 1:
         raise ValueError(f"a {rows} x {cols} matrix has no weights to quantize")
-
-
-def _scale_dtype(name: str) -> np.dtype:
-    if name not in SCALE_DTYPES:
-        raise ValueError(f"scale dtype {name!r} is not one of {', '.join(SCALE_DTYPES)}")
-    return SCALE_DTYPES[name]
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -104,7 +112,8 @@ def quantize(w, fmt: str = "int8", group: int = DEFAULT_GROUP, scale_dtype: str 
         raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
     rows, cols = w.shape
     _check_layout(fmt, group, rows, cols)
-    dtype = _scale_dtype(scale_dtype)
+    check_arguments(scale_dtype=scale_dtype)
+    dtype = SCALE_DTYPES[scale_dtype]
     w32 = w.astype(np.float32)
     if not np.all(np.isfinite(w32)):
         raise ValueError("the weight holds NaN or infinity")

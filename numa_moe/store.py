@@ -41,7 +41,7 @@ from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, Na
 from numa_moe.expert_import import LoadFormat
 from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
 from numa_moe.pages import page_bytes_of
-from numa_moe.quant import DEFAULT_GROUP, GROUPS, SCALE_DTYPES
+from numa_moe.quant import DEFAULT_GROUP, SCALE_DTYPES, check_arguments
 from numa_moe.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
 
 __all__ = [
@@ -467,6 +467,8 @@ _VALUE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8
 def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int | None,
                   scale_dtype: str | None) -> tuple[str, int | None, str | None, bool]:
     """(format, group, scale dtype, quantize while copying?) of a load request."""
+    check_arguments(**{name: value for name, value in (("group", group), ("scale_dtype", scale_dtype))
+                       if value is not None})  # None: the checkpoint's, or the default
     root = checkpoint.root
     if checkpoint.importer is not None:
         # GGUF, FP8: converted while copying, in the format the importer resolves
@@ -498,10 +500,6 @@ def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int 
                          f"{own} or quantizes them to int8/int4, not to {wanted}")
     group = DEFAULT_GROUP if group is None else group
     scale_dtype = "fp16" if scale_dtype is None else scale_dtype
-    if group not in GROUPS:
-        raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
-    if scale_dtype not in SCALE_DTYPES:
-        raise ValueError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
     d = checkpoint.dims
     for kind, cols in (("gate/up", d.hidden_size), ("down", d.intermediate_size)):
         if cols % group:

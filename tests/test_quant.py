@@ -56,7 +56,7 @@ def test_pack_unpack_are_inverse(rng):
     (dict(w=np.zeros(96), group=32), "2-D"),
     (dict(w=np.full((2, 32), np.nan), group=32), "NaN"),
     (dict(w=np.zeros((2, 32)), group=32, fmt="int3"), "format 'int3'"),
-    (dict(w=np.zeros((2, 32)), group=32, scale_dtype="fp8"), "scale dtype 'fp8'"),
+    (dict(w=np.zeros((2, 32)), group=32, scale_dtype="fp8"), "scale_dtype 'fp8' is not one of fp16, bf16, fp32"),
 ])
 def test_bad_input_is_refused(bad, message):
     with pytest.raises(ValueError, match=message):
