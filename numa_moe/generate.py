@@ -59,20 +59,10 @@ def build_model(like: str = "qwen3-30b-a3b", layers: int = 4, experts: int | Non
     torch = _torch()
     import transformers
 
-    from numa_moe.synthetic import MODEL_SPECS, _config
+    from numa_moe import memory
 
-    if like not in MODEL_SPECS:
-        raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
-    spec = MODEL_SPECS[like]
-    if spec.model_type not in ("qwen3_moe", "mixtral"):
-        raise ValueError(f"generate supports the qwen3_moe and mixtral shapes, not {like} ({spec.model_type})")
-    experts = spec.default_experts if experts is None else experts
-    config = _config(spec, layers, experts, spec.hidden_size, spec.moe_intermediate_size, seed, True)
-    config.pop("numa_moe_synthetic")
-    config.pop("architectures")
-    config.pop("torch_dtype")
-    config.update(vocab_size=vocab, max_position_embeddings=32768, tie_word_embeddings=False)
-    config.update(overrides)
+    config = _model_config(like, layers, experts, vocab, seed, overrides)
+    memory.check_fits(_weight_bytes(config), f"a {config['num_hidden_layers']}-layer {like} model")
     cfg = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(seed)
     with torch.device("cpu"):
@@ -83,6 +73,68 @@ def build_model(like: str = "qwen3-30b-a3b", layers: int = 4, experts: int | Non
             if p.ndim >= 2:
                 p.normal_(0.0, 1.0 if "embed" in name else p.shape[-1] ** -0.5)
     return model
+
+
+# The context of the random models (max_position_embeddings): prompt and new tokens
+# together stay within it.
+MAX_POSITIONS = 32768
+
+
+def _model_config(like: str, layers: int, experts: int | None, vocab: int, seed: int, overrides: dict) -> dict:
+    """transformers config fields of build_model's model, checked: experts at most the
+    real model's count, layers and vocabulary at least 1."""
+    from numa_moe.synthetic import MODEL_SPECS, _config
+
+    if like not in MODEL_SPECS:
+        raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
+    spec = MODEL_SPECS[like]
+    if spec.model_type not in ("qwen3_moe", "mixtral"):
+        raise ValueError(f"generate supports the qwen3_moe and mixtral shapes, not {like} ({spec.model_type})")
+    experts = spec.default_experts if experts is None else experts
+    if not 1 <= experts <= spec.n_experts:
+        raise ValueError(f"experts must be in 1..{spec.n_experts} for {like} (the real model's count), "
+                         f"got {experts}")
+    for name, value in (("layers", layers), ("vocab", vocab)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    config = _config(spec, layers, experts, spec.hidden_size, spec.moe_intermediate_size, seed, True)
+    config.pop("numa_moe_synthetic")
+    config.pop("architectures")
+    config.pop("torch_dtype")
+    config.update(vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False)
+    config.update(overrides)
+    return config
+
+
+def _weight_bytes(config: dict) -> int:
+    """bf16 bytes of the model's weights: attention, routed experts and router per layer,
+    embedding and LM head."""
+    H, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or H // heads
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    per_layer = H * head_dim * 2 * (heads + kv_heads) + experts * (3 * H * inter + H)
+    return 2 * (layers * per_layer + 2 * config["vocab_size"] * H)
+
+
+def _run_bytes(config: dict, prompt_tokens: int, tokens: int, eager: bool) -> int:
+    """What run_generate holds at most: the model, the patched copy of its experts, the
+    bf16 KV cache of every position, the prefill's activations (and with eager attention
+    its fp32 scores of one layer; SDPA does not hold them), and the logits of both runs
+    (fp32)."""
+    H, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or H // heads
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    positions = prompt_tokens + tokens
+    weights = _weight_bytes(config)
+    patched = layers * experts * 3 * H * inter * 2
+    kv_cache = layers * 2 * kv_heads * head_dim * positions * 2
+    prefill = prompt_tokens * (8 * H + 8 * config["vocab_size"] + (4 * heads * prompt_tokens if eager else 0))
+    logits = 2 * tokens * config["vocab_size"] * 4
+    return weights + patched + kv_cache + prefill + logits
 
 
 class _StepClock:
@@ -163,16 +215,27 @@ def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64,
     """Greedy decoding of `tokens` new tokens after a random prompt, unpatched then
     patched (see the module docstring); the report of both. overrides: config fields
     (tiny models for tests: hidden_size=128, head_dim=64, ...)."""
-    torch = _torch()
-    from numa_moe import attention
-    from numa_moe.integrations import hf_attention
-    from numa_moe.integrations.hf import find_expert_modules, patch_moe
+    from numa_moe import attention, memory
 
     if baseline_attention not in ("sdpa", "eager"):
         raise ValueError(f"baseline attention must be sdpa or eager, got {baseline_attention!r}")
     if isa is not None and isa not in attention.available_isas():
         raise ValueError(f"isa {isa!r} is not available here (available: "
                          f"{', '.join(attention.available_isas())})")
+    for name, value in (("tokens", tokens), ("prompt_tokens", prompt_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    config = _model_config(like, layers, experts, vocab, seed, overrides)
+    if prompt_tokens + tokens > config["max_position_embeddings"]:
+        raise ValueError(f"prompt_tokens + tokens must be at most {config['max_position_embeddings']} (the "
+                         f"model's context, max_position_embeddings), got {prompt_tokens} + {tokens}")
+    memory.check_fits(_run_bytes(config, prompt_tokens, tokens, baseline_attention == "eager"),
+                      f"greedy decoding of {tokens} tokens after a {prompt_tokens}-token prompt on a "
+                      f"{layers}-layer {like} model with vocabulary {vocab}")
+    torch = _torch()
+    from numa_moe.integrations import hf_attention
+    from numa_moe.integrations.hf import find_expert_modules, patch_moe
+
     model = build_model(like, layers, experts, vocab, seed, **overrides)
     experts_n = find_expert_modules(model)[0][1].gate_up_proj.shape[0]
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))

@@ -145,6 +145,21 @@ def resolve_dtype(dtype: Any) -> np.dtype:
     return resolved
 
 
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuses, with a ValueError saying both figures, a job that would need more than the
+    memory this machine has available now (``psutil.virtual_memory().available``: free
+    memory plus what the kernel can reclaim without swapping). Callers estimate ``nbytes``
+    from their arguments and call this before they allocate, so that an absurd size is a
+    one-line error in a fraction of a second rather than an allocation failure (or the
+    OOM killer) minutes later."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise ValueError(f"{what} needs about {nbytes / 2**30:,.1f} GiB of memory; this machine has "
+                         f"{available / 2**30:,.1f} GiB available")
+
+
 # ---------------------------------------------------------------------------- nodes
 
 

@@ -183,11 +183,18 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     random routing over every loaded MoE layer, check step 1 against the torch loop.
     weight_format "int8" / "int4" quantizes a BF16 checkpoint's experts while loading
     (None: the checkpoint's own format)."""
+    from numa_moe.segments import MAX_NODES
+
     if tokens < 1 or steps < 1:
         raise ValueError(f"tokens and steps must be >= 1, got {tokens} and {steps}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if virtual_nodes is not None and not 1 <= virtual_nodes <= MAX_NODES:
+        raise ValueError(f"virtual_nodes must be in 1..{MAX_NODES} (the most NUMA nodes a Linux kernel "
+                         f"supports), got {virtual_nodes}")
     topology, store_nodes = _job_topology(nodes, virtual_nodes)
     path = Path(checkpoint) if checkpoint is not None else ensure_default_checkpoint(echo=echo)
-    store, table_summary = _load_store(path, store_nodes, page, weight_format, progress, echo)
+    store, table_summary = _load_store(path, store_nodes, page, weight_format, progress, echo, tokens)
     tolerance = TOLERANCE.get(store.weight_format, 1e-2) if tolerance is None else tolerance
     layers = [MoELayer.from_store(store, layer, topology=topology, isa=isa) for layer in store.layers]
     node_ids = list(layers[0].node_ids)
@@ -226,13 +233,14 @@ def _job_topology(nodes, virtual_nodes):
     return topology, wanted
 
 
-def _load_store(path, store_nodes, page, weight_format, progress, echo):
+def _load_store(path, store_nodes, page, weight_format, progress, echo, tokens: int = 1):
     """The checkpoint's experts in interleaved memory, and the summary of its tables."""
     from numa_moe.checkpoint import Checkpoint
     from numa_moe.store import ExpertStore
 
     echo(f"checkpoint: {path}")
     ckpt = Checkpoint.open(path)
+    _check_step_memory(ckpt, tokens)
     if (weight_format or ckpt.weight_format) not in ("bf16", "int8", "int4"):
         # checked before loading: the store would copy F16/F32 experts, the layer refuse them
         raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16, INT8 or INT4 experts")
@@ -244,6 +252,22 @@ def _load_store(path, store_nodes, page, weight_format, progress, echo):
          f"for {summary['matching']}/{summary['matrices']}"
          + (f"; mismatches: {summary['mismatches']}" if summary["mismatches"] else ""))
     return store, summary
+
+
+def _check_step_memory(ckpt, tokens: int) -> None:
+    """Refuses a token count whose step does not fit in memory (memory.check_fits), before
+    the experts are loaded."""
+    from numa_moe import memory
+
+    d = ckpt.dims
+    n_layers, H, I, E, k = len(ckpt.layers), d.hidden_size, d.intermediate_size, d.n_experts, int(d.top_k or 2)
+    # per token: every layer's bf16 input and output and its routing; random_routing's
+    # float64 scores and int64 order; the float64 draw of x; the fp32 reference loop
+    # (input, output, float64 copy, gate/up and product per routed expert). Once: the
+    # reference's fp32 copy of one layer's experts.
+    per_token = n_layers * (4 * H + 12 * k) + 16 * E + 8 * H + 16 * H + k * 12 * I
+    memory.check_fits(E * 3 * H * I * 4 + tokens * per_token,
+                      f"a step of {tokens} tokens over {n_layers} layer(s) of {E} experts")
 
 
 class _StepRun:

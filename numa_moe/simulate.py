@@ -549,6 +549,31 @@ def _layer_step(acc: LayerAccounting, machine: Machine, policy: str, counts: np.
     return node_t, reads, red, bound
 
 
+def _check_draws(tokens: Sequence[int], samples: int, seed: int, workload: Workload, routing: Routing) -> None:
+    """Refuses token counts below 1, a seed numpy does not take, a Zipf exponent that is
+    not a finite number >= 0 (it would turn every time into NaN) and draws that do not fit
+    in memory (memory.check_fits), before any is drawn."""
+    from numa_moe import memory
+
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if routing.kind == "zipf" and not 0 <= routing.zipf_s < math.inf:
+        raise ValueError(f"zipf_s must be a finite number >= 0, got {routing.zipf_s!r}")
+
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 1:
+            raise ValueError(f"token counts must be integers >= 1, got {t!r}")
+    if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 1:
+        raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
+    t = int(max(tokens, default=1))
+    # one draw: a trace's rows (token ids and their index), or uniform / Zipf's float64
+    # Gumbel noise, its sum with the log-probabilities and the argpartition's int64 ids;
+    # then every draw's counts per expert are kept
+    per_token = 16 * workload.top_k if routing.kind == "trace" else 24 * workload.n_experts
+    memory.check_fits(t * per_token + samples * workload.n_experts * 8,
+                      f"routing {samples} draws of {t} tokens over {workload.n_experts} experts")
+
+
 def simulate(machine: Machine, workload: Workload, tokens: Sequence[int], routing: Routing | None = None,
              policies: Sequence[str] = POLICIES, samples: int = 32, seed: int = 0, isa: str | None = None,
              accounting: LayerAccounting | None = None) -> dict:
@@ -559,14 +584,13 @@ def simulate(machine: Machine, workload: Workload, tokens: Sequence[int], routin
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+    _check_draws(tokens, samples, seed, workload, routing)
     acc = accounting or layer_accounting(workload, machine.nodes)
     N = machine.nodes
     cross = [machine.read_gbps[i][j] for i in range(N) for j in range(N) if i != j]
     link_bps = (min(cross) if cross else machine.read_gbps[0][0]) * 1e9
     results = []
     for t in tokens:
-        if t < 1:
-            raise ValueError(f"token counts must be >= 1, got {t}")
         rng = np.random.default_rng(seed)
         draws = [route_counts(routing, rng, int(t), workload.n_experts, workload.top_k, s) for s in range(samples)]
         for p in policies:

@@ -148,7 +148,7 @@ def test_bench_layer_cli_with_integer_formats(monkeypatch, tmp_path):
         assert int8["rel_error_vs_fp32"] < 0.05 and int4["rel_error_vs_fp32"] < 0.4
     result = CliRunner().invoke(cli, ["bench", "layer", "--app", "--format", "int8"])
     assert result.exit_code != 0 and "--app runs bf16 experts only" in result.output
-    with pytest.raises(ValueError, match="unknown weight format 'fp8': expected bf16, int8, int4"):
+    with pytest.raises(ValueError, match="weight_format 'fp8' is not one of bf16, int8, int4"):
         layer_bench.bench_layer(models=("qwen3-30b-a3b",), formats=("int8", "fp8"), echo=lambda s: None)
 
 

@@ -24,9 +24,10 @@ def _int_list(text: str) -> list[int]:
               "Known: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, qwen3-235b.")
 @click.option("--m", "m_values", default="1,2,4,8,16,32,128", show_default=True, help="Comma list of token counts.")
 @click.option("--repeats", default=20, show_default=True, help="Timed calls per point at least (median reported).")
-@click.option("--min-seconds", default=0.25, show_default=True, type=click.FloatRange(min=0.0),
-              help="... and enough calls per point to span this long (small experts).")
-@click.option("--threads", default=None, type=int, help="Threads (default: CPUs in the affinity mask).")
+@click.option("--min-seconds", default=0.25, show_default=True, type=float,
+              help="... and enough calls per point to span this long (small experts); 0 to 3600.")
+@click.option("--threads", default=None, type=int,
+              help="Threads: 1 to the CPUs in the affinity mask, or 0 for all of them (the default).")
 @isa_option("at each token count the ISA the MoE layer runs an expert of that many tokens with (NUMA_MOE_ISA, "
             "else AMX from the format's crossover, else the fastest other; the table's isa column)")
 @click.option("--no-torch", is_flag=True, help="Skip the torch F.linear baseline.")

@@ -35,8 +35,11 @@ def attention_command(shapes, contexts, batches, repeats, isa, json_path):
                                f"{', '.join(attention.available_isas())})")
     if json_path:
         check_output(json_path, "--json")
-    rows = bench_attention(shapes or SHAPES, contexts or (512, 4096, 32768), batches or (1, 8), repeats=repeats,
-                           isa=isa, echo=click.echo)
+    try:
+        rows = bench_attention(shapes or SHAPES, contexts or (512, 4096, 32768), batches or (1, 8),
+                               repeats=repeats, isa=isa, echo=click.echo)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if json_path:
         write_output(json_path, json.dumps(rows, indent=2), "--json")
         wrote(json_path)

@@ -16,8 +16,9 @@ from numa_moe_cli.options import check_output, isa_option, write_output, wrote
 @click.option("--tokens", "-t", "tokens", multiple=True, type=click.IntRange(1), help="token counts (default: 1, 16)")
 @click.option("--repeats", "-r", default=20, show_default=True, type=click.IntRange(1),
               help="random routings per case (medians are reported)")
-@click.option("--virtual-nodes", default=2, show_default=True, type=click.IntRange(2),
-              help="node count of the partitioned path compared with 1 node")
+@click.option("--virtual-nodes", default=2, show_default=True, type=int,
+              help="node count of the partitioned path compared with 1 node: 2 to 1024 (the most NUMA nodes "
+                   "a Linux kernel supports)")
 @isa_option("chosen per expert from its token count")
 @click.option("--app", is_flag=True,
               help="Call the layer as an application does: after torch work (a router and an attention-sized "
@@ -40,15 +41,18 @@ def layer_command(models, tokens, repeats, virtual_nodes, isa, app, weight_forma
         check_output(json_path, "--json")  # before the benchmark, not after it
     if app and weight_formats and set(weight_formats) != {"bf16"}:
         raise click.UsageError("--app runs bf16 experts only: give --format without --app")
-    if app:
-        from numa_moe.benchmarking.app import bench_app
+    try:
+        if app:
+            from numa_moe.benchmarking.app import bench_app
 
-        rows = bench_app(models, tokens or (1, 4, 16), repeats=repeats, isa=isa, echo=click.echo)
-    else:
-        from numa_moe.benchmarking.layer import bench_layer
+            rows = bench_app(models, tokens or (1, 4, 16), repeats=repeats, isa=isa, echo=click.echo)
+        else:
+            from numa_moe.benchmarking.layer import bench_layer
 
-        rows = bench_layer(models, tokens or (1, 16), repeats=repeats, virtual_nodes=virtual_nodes, isa=isa,
-                           echo=click.echo, formats=weight_formats or ("bf16",), group=int(group))
+            rows = bench_layer(models, tokens or (1, 16), repeats=repeats, virtual_nodes=virtual_nodes, isa=isa,
+                               echo=click.echo, formats=weight_formats or ("bf16",), group=int(group))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if json_path:
         write_output(json_path, json.dumps(rows, indent=2), "--json")
         wrote(json_path)

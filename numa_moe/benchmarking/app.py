@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from numa_moe import _native, memory
-from numa_moe.benchmarking.layer import BENCH_MODELS, fill_bf16
+from numa_moe.benchmarking.layer import BENCH_MODELS, check_arguments, fill_bf16
 from numa_moe.moe import MoELayer
 from numa_moe.moe_run import random_routing
 
@@ -169,6 +169,7 @@ def overhead_row(rng, calls: int = 2000) -> dict:
 
 def bench_app(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 4, 16), repeats: int = 20, isa=None,
               seed: int = 0, echo=print) -> dict:
+    check_arguments(models, tokens, repeats)
     import torch
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))

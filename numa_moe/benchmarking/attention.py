@@ -31,10 +31,11 @@ ATTENTION_SHAPES = {
 def bench_attention(shapes=tuple(ATTENTION_SHAPES), contexts=(512, 4096, 32768), batches=(1, 8), repeats: int = 10,
                     isa: str | None = None, seed: int = 0, echo=print) -> list[dict]:
     """Rows of ms per decode-attention call: ours, SDPA, and the read ceiling."""
+    from numa_moe import attention, memory
+
+    _check_arguments(shapes, contexts, batches, repeats)
     import ml_dtypes
     import torch
-
-    from numa_moe import attention, memory
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -88,6 +89,28 @@ def bench_attention(shapes=tuple(ATTENTION_SHAPES), contexts=(512, 4096, 32768),
                     echo(warning)
                 del k, v, kt, vt
     return rows
+
+
+def _check_arguments(shapes, contexts, batches, repeats) -> None:
+    """Refuses unknown shapes, counts below 1 and cases whose KV cache does not fit in
+    memory (memory.check_fits), before anything is allocated."""
+    from numa_moe import memory
+
+    for name in shapes:
+        if name not in ATTENTION_SHAPES:
+            raise ValueError(f"unknown shape {name!r}; known: {', '.join(ATTENTION_SHAPES)}")
+    for what, values in (("contexts", contexts), ("batches", batches), ("repeats", (repeats,))):
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{what} must be integers >= 1, got {value!r}")
+    batch, context = int(max(batches, default=1)), int(max(contexts, default=1))
+    for name in shapes:
+        q_heads, kv_heads, head_dim = ATTENTION_SHAPES[name]
+        # K and V in bf16, SDPA's K and V expanded to the query heads (enable_gqa on CPU) and
+        # its fp32 scores
+        kv = 2 * batch * kv_heads * context * head_dim * 2
+        needed = kv + kv * q_heads // kv_heads + 2 * batch * q_heads * context * 4
+        memory.check_fits(needed, f"decode attention of {name} at batch {batch} and context {context}")
 
 
 def format_attention_row(row: dict) -> str:

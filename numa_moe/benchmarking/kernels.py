@@ -257,9 +257,10 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     (header, then each row, then the footer), so that a caller can print the table once
     while it fills. weight_format "int8" / "int4" runs quantized experts (group `group`,
     fp16 scales; the bytes read count the scales) against PyTorch's own low-bit kernels."""
-    shapes, page, isa = _checked_arguments(shapes, page, min_seconds, isa, weight_format)
+    shapes, page, isa = _checked_arguments(shapes, page, min_seconds, isa, weight_format, group, repeats)
+    threads = _checked_threads(threads)
+    _check_memory(shapes, m_values, weight_format, group, with_torch)
     table = table or (lambda line: None)
-    threads = threads or native_loops.affinity_cpu_count()
     torch_version = None
     if with_torch:
         import torch
@@ -304,17 +305,26 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     return result
 
 
-def _checked_arguments(shapes, page, min_seconds, isa, weight_format):
+# The longest --min-seconds a point may ask for: an hour per point already makes a
+# run of the default 28 points last more than a day.
+MAX_MIN_SECONDS = 3600.0
+
+
+def _checked_arguments(shapes, page, min_seconds, isa, weight_format, group, repeats):
     """(shapes, page, isa), all checked before anything is allocated."""
     shapes = list(SHAPES) if shapes is None else list(shapes)
     for name in shapes:
         if name not in SHAPES:
             raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     page = page_name(page)
-    if not min_seconds >= 0:
-        raise ValueError(f"min_seconds must be >= 0, got {min_seconds!r}")
-    if weight_format not in ("bf16",) + quant.QUANT_FORMATS:
-        raise ValueError(f"weight_format must be bf16, int8 or int4, got {weight_format!r}")
+    if not 0 <= min_seconds <= MAX_MIN_SECONDS:  # also refuses NaN
+        raise ValueError(f"min_seconds must be a finite number of seconds in 0..{MAX_MIN_SECONDS:g}, "
+                         f"got {min_seconds!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    quant.check_arguments(weight_format=weight_format, formats=("bf16",) + quant.QUANT_FORMATS)
+    if weight_format != "bf16":
+        quant.check_arguments(group=group)
     available = kernels.available_isas() if weight_format == "bf16" else kernels.available_isas(weight_format)
     if isa is not None and isa not in kernels.ISAS:
         raise ValueError(f"isa must be one of {', '.join(kernels.ISAS)}, got {isa!r}")
@@ -322,6 +332,44 @@ def _checked_arguments(shapes, page, min_seconds, isa, weight_format):
         for_format = "" if weight_format == "bf16" else f" for {weight_format} weights"
         raise ValueError(f"isa {isa!r} is not available on this CPU{for_format} (available: {', '.join(available)})")
     return shapes, page, isa if isa is not None else AUTO_ISA
+
+
+def _checked_threads(threads: int | None) -> int:
+    """The thread count to run with: None or 0 for every CPU this process may run on, else
+    at most that many (more threads than CPUs would time the scheduler, not the kernel)."""
+    cpus = native_loops.affinity_cpu_count()
+    if threads is None or (isinstance(threads, (int, np.integer)) and threads == 0):
+        return cpus
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= cpus:
+        raise ValueError(f"threads must be in 1..{cpus} (the CPUs this process may run on), or 0 for all "
+                         f"of them; got {threads!r}")
+    return threads
+
+
+def rotation_copies(expert_bytes: int, l3: int) -> int:
+    """Expert copies a shape rotates over: >= ROTATION_TARGET_FACTOR x the L3 size, at
+    least 2, at most MAX_ROTATION_BYTES of them (unless 2 are more)."""
+    copies = max(2, math.ceil(ROTATION_TARGET_FACTOR * l3 / expert_bytes))
+    return max(2, min(copies, MAX_ROTATION_BYTES // expert_bytes))
+
+
+def _check_memory(shapes, m_values, weight_format: str, group: int, with_torch: bool) -> None:
+    """Refuses token counts whose experts and activations do not fit in memory
+    (memory.check_fits), before anything is allocated."""
+    for m in m_values:
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise ValueError(f"token counts must be integers >= 1, got {m!r}")
+    m = int(max(m_values, default=1))
+    cache = l3_bytes()
+    for name in shapes:
+        hidden, inter = SHAPES[name]
+        # the expert copies (and torch's repacked ones), plus per token: x as random uint16
+        # bits and its two temporaries, our fp32 output and gate/up sums, torch's bf16
+        # copy of x, its gate/up/product and output
+        expert_bytes = expert_bytes_read(hidden, inter, weight_format, group)
+        weights = rotation_copies(expert_bytes, cache) * expert_bytes * (2 if with_torch else 1)
+        per_token = 6 * hidden + 4 * hidden + 8 * inter + (2 * hidden + 6 * inter + 2 * hidden if with_torch else 0)
+        memory.check_fits(weights + m * per_token, f"the kernel benchmark of {name} at {m} tokens")
 
 
 def isa_text(isa: str, m_values, isa_of) -> str:
@@ -341,8 +389,7 @@ def _run_shape(name, result: Result, m_values, rng, with_torch, min_seconds, pro
     hidden, inter = SHAPES[name]
     fmt, group, threads = result.weight_format, result.group or 128, result.threads
     expert_bytes = expert_bytes_read(hidden, inter, fmt, group)
-    copies = max(2, math.ceil(ROTATION_TARGET_FACTOR * result.l3_bytes / expert_bytes))
-    copies = max(2, min(copies, MAX_ROTATION_BYTES // expert_bytes))
+    copies = rotation_copies(expert_bytes, result.l3_bytes)
     progress(f"{name}: H={hidden} I={inter}, {expert_bytes / 2**20:.1f} MiB per expert ({fmt}), {copies} copies")
     experts = expert_copies(rng, hidden, inter, copies, result.page, fmt, group)
     experts_t = torch_experts(experts, fmt, group) if with_torch else None

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from numa_moe import quant
 from numa_moe.benchmarking import native_loops
 from numa_moe.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
 from numa_moe.moe import MoELayer
@@ -61,6 +62,10 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
     of the touched expert bytes; medians over ``repeats`` random routings. Each integer
     format in ``formats`` (quantized with ``group`` columns per scale) adds its 1-node
     step to the same repetitions; BF16 always runs, as their baseline."""
+    int_formats = _integer_formats(formats)
+    if int_formats:
+        quant.check_arguments(group=group)
+    check_arguments(models, tokens, repeats, virtual_nodes, len(int_formats))
     import ml_dtypes
     import torch
 
@@ -68,7 +73,6 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
     from numa_moe.segments import SegmentTable
     from numa_moe.topology import Topology, current_topology
 
-    int_formats = _integer_formats(formats)
     threads = len(os.sched_getaffinity(0))  # torch's, and the layer's workers: one per allowed CPU
     torch.set_num_threads(threads)
     rng = np.random.default_rng(seed)
@@ -216,12 +220,40 @@ def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dic
 
 
 def _integer_formats(formats) -> list[str]:
-    from numa_moe import quant
-
-    unknown = [f for f in formats if f != "bf16" and f not in quant.QUANT_FORMATS]
-    if unknown:
-        raise ValueError(f"unknown weight format {unknown[0]!r}: expected bf16, {', '.join(quant.QUANT_FORMATS)}")
+    for fmt in formats:
+        quant.check_arguments(weight_format=fmt, formats=("bf16", *quant.QUANT_FORMATS))
     return list(dict.fromkeys(f for f in formats if f != "bf16"))
+
+
+def check_arguments(models, tokens, repeats: int, virtual_nodes: int = 2, int_formats: int = 0) -> None:
+    """Refuses unknown models, counts out of range and token counts whose step does not fit
+    in memory (memory.check_fits), before anything is allocated (bench_layer's, and
+    app.bench_app's with its defaults)."""
+    from numa_moe import memory
+    from numa_moe.segments import MAX_NODES
+
+    for name in models:
+        if name not in BENCH_MODELS:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(BENCH_MODELS)}")
+    for what, values in (("tokens", tokens), ("repeats", (repeats,))):
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{what} must be integers >= 1, got {value!r}")
+    if isinstance(virtual_nodes, bool) or not isinstance(virtual_nodes, (int, np.integer)) \
+            or not 2 <= virtual_nodes <= MAX_NODES:
+        raise ValueError(f"virtual_nodes must be in 2..{MAX_NODES} (the most NUMA nodes a Linux kernel "
+                         f"supports), got {virtual_nodes!r}")
+    t = int(max(tokens, default=1))
+    for name in models:
+        n_experts, top_k, hidden, inter = BENCH_MODELS[name]
+        # bf16 experts and their integer copies (at most a byte a weight, plus scales), then
+        # per token: x in float64 and bf16, each layer's output, the partial sums of every
+        # node, the torch loop's bf16 and fp32 runs (gate/up, product, down per routed
+        # expert) and the fp32 / float64 reference
+        weights = n_experts * 3 * hidden * inter * (2 + int_formats * 9 // 8)
+        per_token = (hidden * (8 + 2 + 2 * (2 + int_formats) + 4 * (virtual_nodes + 1) + 4 + 8)
+                     + top_k * (3 * inter * 6 + hidden * 6))
+        memory.check_fits(weights + t * per_token, f"the layer benchmark of {name} at {t} tokens")
 
 
 def _relative_error(y: np.ndarray, ref64: np.ndarray) -> float:
