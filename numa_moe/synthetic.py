@@ -307,13 +307,16 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     n_experts = spec.default_experts if experts is None else int(experts)
     H = spec.hidden_size if hidden_size is None else int(hidden_size)
     I = spec.moe_intermediate_size if intermediate_size is None else int(intermediate_size)
-    if n_layers < 1:
-        raise ValueError(f"layers must be >= 1, got {n_layers}")
+    if not 1 <= n_layers <= spec.n_layers:
+        raise ValueError(f"layers must be in 1..{spec.n_layers} for {like} (the real model's count), "
+                         f"got {n_layers}")
     if not 1 <= n_experts <= spec.n_experts:
         raise ValueError(f"experts must be in 1..{spec.n_experts} for {like}, got {n_experts}")
     if H < 1 or I < 1:
         raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
     given = Path(out_dir)
+    _check_disk(given, checkpoint_plan(spec, n_layers, n_experts, H, I, fused=fused, shared=shared),
+                quantized=weight_format is not None)
     check_replaceable(given, overwrite=True, command="make-checkpoint")
     if weight_format is not None:
         from numa_moe.quantize import quantize_checkpoint
@@ -333,6 +336,19 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
         _write_checkpoint(build, spec, n_layers, n_experts, H, I, seed, fused, shared,
                           max_shard_bytes, progress, like)
     return given
+
+
+def _check_disk(out: Path, plans: list[TensorPlan], quantized: bool) -> None:
+    """Refuses a checkpoint the output's file system has no room for, before writing: the
+    tensors' bytes (for a quantized one also its BF16 source, written first beside it)."""
+    needed = sum(plan.nbytes for plan in plans) * (2 if quantized else 1)
+    folder = _real_output(out).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise ValueError(f"the checkpoint needs about {needed / 2**30:,.1f} GiB of disk; {folder} has "
+                         f"{free / 2**30:,.1f} GiB free")
 
 
 def _real_output(out_dir: str | os.PathLike) -> Path:

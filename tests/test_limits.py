@@ -182,3 +182,24 @@ def test_quantize_and_the_layer_refuse_alike(rng):
         quant.quantize(gate_up[0], "int3")
     with pytest.raises(ValueError, match="weight_format 'int3' is not one of bf16, int8, int4"):
         MoELayer.from_tensors(gate_up, down, topology=Topology.virtual(1), weight_format="int3")
+
+
+# ------------------------------------------------------------------ make-checkpoint
+
+def test_make_checkpoint_layers_are_at_most_the_real_count(tmp_path):
+    _one_line_error(["make-checkpoint", "--layers", str(10**9), "-o", str(tmp_path / "ck")],
+                    "layers must be in 1..48 for qwen3-30b-a3b", "real model's count")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_make_checkpoint_beyond_the_free_disk_is_refused_before_writing(tmp_path):
+    import shutil
+
+    out = tmp_path / "ck"
+    # DeepSeek-V3's 61 layers x 256 experts: ~1.3 TiB of BF16 experts, twice that with int8
+    if shutil.disk_usage(tmp_path).free > 3 * 2**40:
+        pytest.skip("this file system has room for it")
+    line, seconds = _one_line_error(["make-checkpoint", "--like", "deepseek-v3", "--layers", "61", "--experts",
+                                     "256", "--format", "int8", "--quiet", "-o", str(out)],
+                                    "GiB of disk", "GiB free")
+    assert seconds < 0.5 and not out.exists() and list(tmp_path.iterdir()) == []
