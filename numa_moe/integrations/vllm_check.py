@@ -118,11 +118,12 @@ def _count_numa_moe_calls(model) -> dict:
     how often each ran; the experts class of every MoE layer."""
     from numa_moe.integrations.vllm import openmp_bound_cpus
 
-    calls, experts, threads, shapes = [], [], set(), set()
+    calls, experts, threads, shapes, isas = [], [], set(), set(), set()
     for module in model.modules():
         moe_layer = getattr(module, "numa_moe_layer", None)
         if moe_layer is not None:
             calls.append(int(moe_layer.forward_calls))
+            isas.add(moe_layer.isa_for_tokens(1))
             threads.add(moe_layer.pool.n_threads)
             shapes.add((moe_layer.n_experts, moe_layer.intermediate, moe_layer.hidden))
         method = getattr(module, "quant_method", None)
@@ -130,8 +131,13 @@ def _count_numa_moe_calls(model) -> dict:
         if kernel is not None:
             experts.append(type(kernel.fused_experts).__name__)
     bound = openmp_bound_cpus()
+    # vLLM loads one of its kernel libraries by CPU (vllm._C, _C_AVX512, _C_AVX2); the import
+    # of the latter two fails after the library is loaded, so the memory map is what tells
+    maps = Path("/proc/self/maps")
+    libraries = {Path(line.split()[-1]).name.split(".")[0] for line in maps.read_text().splitlines()
+                 if "/vllm/_C" in line} if maps.exists() else set()
     return {"calls": calls, "experts": sorted(set(experts)), "pool_threads": sorted(threads),
-            "layer_shapes": sorted(shapes),
+            "layer_shapes": sorted(shapes), "layer_isas": sorted(isas), "vllm_kernel_libraries": sorted(libraries),
             "openmp_bound_cpus": list(bound) if bound else None, "cpu_count": os.cpu_count()}
 
 
@@ -183,8 +189,24 @@ def _zero_numa_moe_weights(model) -> int:
     return shared
 
 
+def _hide_avx512_from_torch() -> None:
+    """Makes torch.cpu report no AVX-512, AMX or AVX10 (what vLLM reads to choose its
+    kernel library, vllm._C_AVX2 on a CPU without AVX-512, and its AMX experts). Reaches
+    this process and those it forks, not spawned ones."""
+    from types import MappingProxyType
+
+    import torch.cpu
+
+    capabilities = torch.cpu.get_capabilities()
+    hidden = MappingProxyType({name: value for name, value in capabilities.items()
+                               if not name.startswith(("avx512", "amx", "avx10"))})
+    torch.cpu.get_capabilities = lambda: hidden
+
+
 def _child_main(request_path: str) -> None:
     request = json.loads(Path(request_path).read_text())
+    if request.get("without_avx512"):
+        _hide_avx512_from_torch()
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=request["model"], dtype=request.get("dtype", "bfloat16"), enforce_eager=request["mode"] == "eager",
@@ -192,9 +214,10 @@ def _child_main(request_path: str) -> None:
               tensor_parallel_size=request.get("tensor_parallel_size", 1), seed=0, trust_remote_code=False)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], logprobs=2, ignore_eos=True)
     outputs = llm.generate(request["prompts"], params, use_tqdm=False)
-    result = {"tokens": [], "logprobs": []}
+    result = {"tokens": [], "logprobs": [], "prompt_tokens": []}
     for out in outputs:
         completion = out.outputs[0]
+        result["prompt_tokens"].append(list(out.prompt_token_ids))
         result["tokens"].append(list(completion.token_ids))
         result["logprobs"].append([sorted((lp.logprob for lp in step.values()), reverse=True)
                                    for step in completion.logprobs])
@@ -277,22 +300,39 @@ def _timed_decode(llm, request) -> dict:
     return timings
 
 
+# generate(..., without_avx512=True): what a CPU with AVX2 and FMA but no AVX-512 runs, as
+# far as software can force it on one with AVX-512. torch's own kernels (ATen's dispatch,
+# oneDNN) and numa-moe's take the AVX2 path; vLLM's torch.cpu checks see no AVX-512
+# (_hide_avx512_from_torch, in the child, hence engine and worker in that one process), so
+# that vLLM loads vllm._C_AVX2 (its CPU kernels built for AVX2: attention, norms, the
+# experts' grouped GEMM) and keeps off AMX.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NUMA_MOE_ISA": "avx2",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 @dataclass
 class RunResult:
     tokens: list
     logprobs: list
     workers: list
+    prompt_tokens: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     probe: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # the child's other results (reload checks)
     log: str = ""  # the child's whole output
 
+    @property
+    def chosen_logprobs(self) -> list:
+        """Per prompt, the logprob of the token chosen at each step (greedy: the top one)."""
+        return [[step[0] for step in steps] for steps in self.logprobs]
+
 
 def generate(model_dir, prompt_list, *, plugin: bool, mode: str = "eager", max_tokens: int = 8, workdir=None,
              timeout_s: float = 600, extra_env: dict | None = None, name: str | None = None,
-             **request) -> RunResult:
+             without_avx512: bool = False, **request) -> RunResult:
     """One vLLM run in a child process of this interpreter (the vLLM venv's); ``request``
-    adds child options (probe_tokens, timed_batches, ...). Files go to ``workdir``
+    adds child options (probe_tokens, timed_batches, ...). ``without_avx512``: the run
+    takes the kernels of a CPU without AVX-512 (AVX2_ENV). Files go to ``workdir``
     (default: the model's directory) under ``name``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -301,7 +341,8 @@ def generate(model_dir, prompt_list, *, plugin: bool, mode: str = "eager", max_t
     req_path, out_path = workdir / f"request-{tag}.json", workdir / f"result-{tag}.json"
     out_path.unlink(missing_ok=True)
     req_path.write_text(json.dumps(dict(request, model=os.fspath(model_dir), prompts=list(prompt_list), mode=mode,
-                                        max_tokens=max_tokens, out=os.fspath(out_path))))
+                                        max_tokens=max_tokens, out=os.fspath(out_path),
+                                        without_avx512=without_avx512)))
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update({
@@ -313,6 +354,7 @@ def generate(model_dir, prompt_list, *, plugin: bool, mode: str = "eager", max_t
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     })
+    env.update(AVX2_ENV if without_avx512 else {})
     env.update(extra_env or {})
     proc = subprocess.run([sys.executable, "-m", "numa_moe.integrations.vllm_check", os.fspath(req_path)],
                           env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -321,9 +363,9 @@ def generate(model_dir, prompt_list, *, plugin: bool, mode: str = "eager", max_t
     if proc.returncode != 0 or not out_path.exists():
         raise RuntimeError(f"vLLM run ({tag}) failed with exit code {proc.returncode}; last output:\n{log[-6000:]}")
     data = json.loads(out_path.read_text())
-    return RunResult(data["tokens"], data["logprobs"], data["workers"], data.get("timings", {}),
-                     data.get("probe", []), {k: v for k, v in data.items() if k.endswith("reload") or
-                                             k == "tokens_zeroed"}, log)
+    return RunResult(data["tokens"], data["logprobs"], data["workers"], data["prompt_tokens"],
+                     data.get("timings", {}), data.get("probe", []),
+                     {k: v for k, v in data.items() if k.endswith("reload") or k == "tokens_zeroed"}, log)
 
 
 @dataclass
@@ -361,6 +403,44 @@ def max_logprob_difference(stock: RunResult, plugin: RunResult, comparison: Comp
         for i in range(n):
             worst = max(worst, abs(s_lps[i][0] - p_lps[i][0]))
     return worst
+
+
+def reference_logprobs(model_dir, run: RunResult, dtype: str = "float32") -> list:
+    """Per prompt, the logprob of each token ``run`` generated, given the prompt and the
+    tokens before it (teacher forcing: one forward pass per prompt), from transformers'
+    implementation of the checkpoint with weights and arithmetic in ``dtype``: float32 is
+    the reference of a bf16 run's logprobs; bfloat16 shows how far bf16 arithmetic alone
+    moves them."""
+    import torch
+    import transformers
+
+    if dtype not in ("float64", "float32", "bfloat16"):
+        raise ValueError(f"dtype must be float64, float32 or bfloat16, got {dtype!r}")
+    config = transformers.AutoConfig.from_pretrained(os.fspath(model_dir))
+    if config.model_type == "deepseek_v2":
+        # MLA gives every head its own key and value; transformers' attention would repeat
+        # them num_attention_heads / num_key_value_heads times (vLLM reads no such count there)
+        config.num_key_value_heads = config.num_attention_heads
+    # transformers' plain attention and expert loops: its grouped-GEMM experts take no float64
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.fspath(model_dir), config=config, dtype=getattr(torch, dtype), attn_implementation="eager",
+        experts_implementation="eager")
+    model.eval()
+    result = []
+    with torch.no_grad():
+        for prompt_tokens, tokens in zip(run.prompt_tokens, run.tokens):
+            ids = torch.tensor([prompt_tokens + tokens[:-1]])
+            logits = model(ids).logits[0, len(prompt_tokens) - 1:].double()
+            chosen = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+            result.append(chosen.tolist())
+    return result
+
+
+def logprob_errors(logprobs: list, reference: list) -> list:
+    """|logprobs - reference| at every step of every prompt (both: a list per prompt, such
+    as RunResult.chosen_logprobs and reference_logprobs of that run), one flat list."""
+    return [abs(value - ref) for values, refs in zip(logprobs, reference, strict=True)
+            for value, ref in zip(values, refs, strict=True)]
 
 
 def serve_check(workdir, families=FAMILIES, modes=("eager",), n_prompts: int = 4, max_tokens: int = 8,
