@@ -111,12 +111,21 @@ def _bounded_reader_class():
         count read from the file) and checks each tensor's type, dims and byte range
         before it builds its views."""
 
-        def __init__(self, f, path: Path):
+        def __init__(self, f, path: Path, array_bytes: dict[int, int] | None = None):
             self._path = path
             self._elements = 0
+            self._array_bytes = array_bytes
             super().__init__(f)
 
         def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == gguf.GGUFValueType.ARRAY and self._array_bytes is not None:
+                # the array as one raw view: no per-element views (the reader's cost)
+                size = self._array_bytes[int(orig_offs)]
+                itype = self._get(orig_offs, np.uint32)
+                alen = self._get(orig_offs + 4, np.uint64)
+                raw = self._get(orig_offs + 12, np.uint8, size - 12)
+                return size, [itype, alen, raw], [], [gguf.GGUFValueType.ARRAY,
+                                                      gguf.GGUFValueType(int(itype[0]))]
             if raw_type == gguf.GGUFValueType.ARRAY:
                 self._elements += int(self._get(orig_offs + 4, np.uint64)[0])
                 if self._elements > MAX_METADATA_ELEMENTS:
@@ -156,6 +165,7 @@ class _Layout:
         self.data, self.path, self.size = data, path, len(data)
         self.elements = 0
         self.order = "<"
+        self.array_bytes: dict[int, int] = {}  # offset of a metadata array -> its bytes
 
     def _past_end(self, at: int, field: str, need: int) -> CheckpointError:
         return CheckpointError(f"{self.path}: truncated GGUF file: {field} needs {need} bytes at "
@@ -257,6 +267,8 @@ class _Layout:
             key = f"metadata {_short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))}"
             vtype = self.uint(end, 4, f"the value type of {key}")
             at = self.value(end + 4, vtype, key)
+            if vtype == _ARRAY:
+                self.array_bytes[end + 4] = at - (end + 4)
         for i in range(tensors):
             end = self.string(at, f"the name of tensor #{i}", _MAX_KEY_BYTES)
             where = f"tensor #{i} ({_short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))})"
@@ -270,9 +282,12 @@ class _Layout:
                                      8 * n_dims + 12)
 
 
-def _check_layout(fd: int, path: Path) -> None:
+def _check_layout(fd: int, path: Path) -> dict[int, int]:
+    """Walks the file (``_Layout``); returns the byte size of each metadata array by offset."""
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as data:
-        _Layout(data, path).walk()
+        layout = _Layout(data, path)
+        layout.walk()
+    return layout.array_bytes
 
 
 def _check_tensor_field(field, data_start: int, file_bytes: int, path: Path) -> None:
@@ -316,10 +331,12 @@ def _gguf_version() -> str:
         return "(unknown version)"
 
 
-def read_gguf(path: str | os.PathLike):
+def read_gguf(path: str | os.PathLike, metadata_arrays: bool = True):
     """``gguf.GGUFReader`` of ``path`` (opened by ``open_checkpoint_file``: no FIFOs or
     devices), with every way a malformed file fails turned into a one-line
-    ``CheckpointError`` naming the file."""
+    ``CheckpointError`` naming the file. ``metadata_arrays=False`` keeps each metadata
+    array as one raw byte view (``field.parts[2]``, ``field.contents()`` empty) instead
+    of the reader's view per element: a vocabulary then costs nothing to open."""
     path = Path(path)
     fd = open_checkpoint_file(path)
     reader_class = _bounded_reader_class()
@@ -329,8 +346,8 @@ def read_gguf(path: str | os.PathLike):
             if size < 24:
                 raise CheckpointError(f"{path}: truncated GGUF file ({size} bytes; the header "
                                       "alone needs 24)")
-            _check_layout(f.fileno(), path)
-            reader = reader_class(f, path)
+            array_bytes = _check_layout(f.fileno(), path)
+            reader = reader_class(f, path, None if metadata_arrays else array_bytes)
     except CheckpointError:
         raise
     except _PastEnd as err:
@@ -388,7 +405,7 @@ def open_gguf(path: str | os.PathLike, pattern=None) -> Checkpoint:
     if pattern is not None:
         raise CheckpointError(f"{path}: a naming pattern applies to safetensors checkpoints; GGUF "
                               "experts are found by llama.cpp's names (blk.L.ffn_*_exps.weight)")
-    reader = read_gguf(path)
+    reader = read_gguf(path, metadata_arrays=False)  # only scalars are read below
     split = _metadata_int(reader, path, "split.count", required=False)
     if split is not None and split > 1:
         raise CheckpointError(f"{path}: one part of a split GGUF model ({split} parts); merge "

@@ -357,6 +357,32 @@ def test_gguf_counts_beyond_the_file_fail_at_once(tmp_path, case):
         assert needle in message, (needle, message)
 
 
+def test_gguf_metadata_arrays_that_really_hold_millions_of_elements_open_fast(tmp_path):
+    """3 MB of metadata array elements, all present: opening a checkpoint reads only the
+    scalar metadata, so the elements cost no per-element reader objects (the reader
+    builds one view per element: tens of seconds and gigabytes for such a file)."""
+    import struct
+
+    n = 3_000_000
+    body = (_gguf_string(b"tokenizer.ggml.token_type") + struct.pack("<IIQ", 9, 0, n) + bytes(n)
+            + _gguf_string(b"general.architecture") + struct.pack("<I", 8) + _gguf_string(b"qwen3moe"))
+    path = tmp_path / "vocab.gguf"
+    path.write_bytes(_gguf_header(2) + body)
+    result = run_limited("""
+        import time
+        from numa_moe.checkpoint import Checkpoint, CheckpointError
+        start = time.perf_counter()
+        try:
+            Checkpoint.open(sys.argv[1])
+        except CheckpointError as err:
+            print(f"{time.perf_counter() - start:.3f}", err)
+    """, path, timeout=120)
+    assert result.returncode == 0 and result.stdout, result.stderr
+    seconds, message = result.stdout.split(" ", 1)
+    assert "qwen3moe.expert_count is missing" in message
+    assert float(seconds) < 2, result.stdout
+
+
 def test_gguf_reader_failures_say_what_failed(tmp_path, monkeypatch):
     """The reader's own exceptions can carry no message (MemoryError(), KeyError(''));
     the error then names the exception type instead of printing ''."""
