@@ -21,18 +21,25 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from numa_moe import _native
+from numa_moe import _native, kernels
 from numa_moe.kernels import ISA_ENV, _bf16_view, _is_bf16_dtype, _is_torch, _out_view, as_index_array
 
-__all__ = ["gqa_decode", "available_isas", "default_isa", "merge_states", "KVCache", "HEAD_DIMS"]
+__all__ = ["gqa_decode", "available_isas", "tested_isas", "default_isa", "merge_states", "KVCache", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def available_isas() -> tuple[str, ...]:
-    """ISAs with attention kernels this CPU (and OS) runs, slowest first."""
+    """ISAs with attention kernels this CPU (and OS) runs, in the order of
+    ``numa_moe.kernels.available_isas``."""
     return tuple(_native.attention_isas())
+
+
+def tested_isas() -> tuple[str, ...]:
+    """The ISAs the test suite runs the attention kernels on, by the rule of
+    ``numa_moe.kernels.tested_isas``."""
+    return kernels.tested_isas(available=available_isas())
 
 
 def default_isa() -> str:

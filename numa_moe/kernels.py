@@ -8,13 +8,14 @@ dtype, shape, contiguity and alignment before anything reaches native code.
 
 The instruction set is chosen per call (``isa=``), else by ``NUMA_MOE_ISA``, else the
 fastest available (amx > avx512 > avx2 > ref); ``amx_model`` (the AMX software model) is
-only used when asked for.
+only used when asked for, as are ``avx2_emulated`` and ``avx512_emulated`` (the AVX2 and
+AVX-512 kernel sources over SIMDe's portable intrinsics, in test builds only).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -23,7 +24,9 @@ from numa_moe import _native
 
 __all__ = [
     "ISAS",
+    "EMULATED_ISAS",
     "available_isas",
+    "tested_isas",
     "default_isa",
     "fastest_isa",
     "forced_isa",
@@ -35,14 +38,33 @@ __all__ = [
     "store_down",
 ]
 
-ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
+ISAS = ("ref", "avx2", "avx512", "amx_model", "amx", "avx2_emulated", "avx512_emulated")
+# The builds that run an ISA's kernel source without that ISA, for the tests: name ->
+# (the ISA, what stands in for it). The emulated ones exist only in test builds
+# (NUMA_MOE_TEST_HOOKS); the AMX model in every build.
+EMULATED_ISAS = {
+    "avx2_emulated": ("avx2", "SIMDe on baseline x86-64"),
+    "avx512_emulated": ("avx512", "SIMDe on AVX2"),
+    "amx_model": ("amx", "AMX model"),
+}
 ISA_ENV = "NUMA_MOE_ISA"
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def available_isas(fmt: str = "bf16") -> tuple[str, ...]:
-    """ISAs this CPU (and OS) can run for a weight format, slowest first."""
+    """ISAs this CPU (and OS) can run for a weight format: ref first, each emulated build
+    before its ISA, amx_model before amx."""
     return tuple(_native.kernel_isas(fmt))
+
+
+def tested_isas(fmt: str = "bf16", available: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The ISAs the test suite runs the kernels of a weight format on: every one this CPU
+    runs natively, the AMX model, and the emulated build of avx2 or avx512 where this CPU
+    lacks it, so that every kernel source runs on every machine. `available` replaces
+    ``available_isas(fmt)`` (the attention kernels have their own list)."""
+    available = available_isas(fmt) if available is None else tuple(available)
+    return tuple(isa for isa in available
+                 if isa == "amx_model" or EMULATED_ISAS.get(isa, ("",))[0] not in available)
 
 
 def default_isa() -> str:

@@ -39,12 +39,12 @@ def reference_decode(q, k, v, lengths, *, window: int = 0, scale: float | None =
 
 
 def error_bound(isa: str, v, out_bf16: bool = False) -> float:
-    """Largest admissible |kernel - reference| for values v: ref and avx2 keep fp32
+    """Largest admissible |kernel - reference| for values v: ref and avx2 (native or emulated) keep fp32
     softmax and sums (1e-5 of max|v|); avx512 and AMX round each e^(s - m) to bf16 (relative 2^-9) for
     the bf16 P.V product, in numerator and denominator alike, so o moves by at most
     2 * 2^-9 of max|v|; a bf16 output adds its own rounding (2^-9 relative)."""
     vmax = float(np.abs(np.asarray(v, dtype=np.float64)).max()) or 1.0
-    bound = (1e-5 if isa in ("ref", "avx2") else 2.0**-8) * vmax
+    bound = (1e-5 if isa in ("ref", "avx2", "avx2_emulated") else 2.0**-8) * vmax
     if out_bf16:
         bound += 2.0**-8 * vmax
     return bound

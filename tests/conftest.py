@@ -4,6 +4,33 @@ import numpy as np
 import pytest
 
 
+def isa_report(isas) -> str:
+    """`isas` (kernels.tested_isas) as the kernel families they test, natively or emulated."""
+    from numa_moe import kernels
+
+    words = []
+    for isa in isas:
+        if isa not in kernels.EMULATED_ISAS:
+            words.append(f"{isa} native")
+        elif (family_how := kernels.EMULATED_ISAS[isa])[0] in isas:
+            words.append(f"{isa} ({family_how[1]})")
+        else:
+            words.append(f"{family_how[0]} emulated ({family_how[1]})")
+    return ", ".join(words)
+
+
+def pytest_report_header(config):
+    """Which ISAs the kernel tests run here, natively or emulated: an AVX-512 change tested on
+    an AVX2 machine says so in the log."""
+    from numa_moe import kernels
+
+    lines = {fmt: isa_report(kernels.tested_isas(fmt)) for fmt in ("bf16", "int8", "int4")}
+    header = [f"ISAs: {lines['bf16']}"]
+    if lines["int8"] != lines["bf16"] or lines["int4"] != lines["bf16"]:
+        header += [f"ISAs ({fmt}): {lines[fmt]}" for fmt in ("int8", "int4")]
+    return header
+
+
 @pytest.fixture
 def rng(request):
     """A fresh, reported seed per test: data is random but a failure can be replayed."""

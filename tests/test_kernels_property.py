@@ -42,7 +42,7 @@ def test_random_segment_partitions_equal_reference(case):
     tokens = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
     ref = np.zeros((rows, m))
     ref[row_begin:row_end] = weight.astype(np.float64)[row_begin:row_end] @ tokens.astype(np.float64).T
-    for isa in kernels.available_isas():
+    for isa in kernels.tested_isas():
         out = np.full((rows, m), np.nan, dtype=np.float32)
         out[row_begin:row_end] = 0.0
         kernels.matmul_segments(weight, segments, tokens, out, isa=isa, row_begin=row_begin, row_end=row_end)

@@ -14,12 +14,13 @@ from numa_moe.pages import PAGE_CHOICES
 
 # numa_moe.kernels.ISAS, spelled out here so that building the CLI imports no native code
 # (tests/test_cli_options.py checks the two agree).
-ISAS = ("ref", "avx2", "avx512", "amx_model", "amx")
+ISAS = ("ref", "avx2", "avx512", "amx_model", "amx", "avx2_emulated", "avx512_emulated")
 
 ISA_HELP = ("Kernel instruction set: ref (portable C++), avx2 (FMA; vpmaddubsw for int8/int4), avx512 "
             "(AVX-512 BF16 vdpbf16ps; VNNI vpdpbusd for int8/int4), amx (AMX tiles: tdpbf16ps, tdpbssd for "
             "int8/int4), amx_model (the AMX kernel source run on a software model of the AMX "
-            "instructions, for testing; slow).")
+            "instructions, for testing; slow), avx2_emulated and avx512_emulated (those kernel sources over "
+            "SIMDe's portable intrinsics, in test builds only; slow).")
 
 PAGES = PAGE_CHOICES
 DEFAULT_PAGE = "4k"

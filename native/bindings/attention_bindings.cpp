@@ -76,10 +76,10 @@ py::array_t<float> py_merge_states(const py::array& m, const py::array& l, const
 void register_attention(py::module_& m) {
     m.def("attention_isas", [] {
         std::vector<std::string> names;
-        for (Isa isa : {Isa::ref, Isa::avx2, Isa::avx512, Isa::amx_model, Isa::amx})
+        for (Isa isa : kernels::kAllIsas)
             if (kernels::attention_ops(isa)) names.emplace_back(kernels::isa_name(isa));
         return names;
-    }, "Names of the ISAs whose decode-attention kernels this CPU (and OS) runs, slowest first.");
+    }, "Names of the ISAs whose decode-attention kernels this CPU (and OS) runs, in the order of kernel_isas.");
     m.def("default_attention_isa", [] { return std::string(kernels::isa_name(kernels::default_attention_isa())); },
           "The attention ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("gqa_decode", &py_gqa_decode, py::arg("isa"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),

@@ -94,7 +94,7 @@ kernels::Format weight_format_named(const std::string& name) {
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format, int64_t group) {
     kernels::Isa parsed;
     if (!kernels::parse_isa(isa.c_str(), &parsed))
-        fail("unknown ISA '" + isa + "': not one of ref, avx2, avx512, amx_model, amx");
+        fail("unknown ISA '" + isa + "': not one of " + kernels::isa_names());
     const kernels::KernelOps* ops = kernels::kernel_ops(parsed, format, group);
     if (!ops)
         fail("isa '" + isa + "' is not available" +
@@ -293,7 +293,7 @@ int64_t attention_cache_rows(const py::array& k_cache) {
 const kernels::AttentionOps& attention_ops_for(const std::string& isa) {
     kernels::Isa parsed;
     if (!kernels::parse_isa(isa.c_str(), &parsed))
-        fail("unknown ISA '" + isa + "': not one of ref, avx2, avx512, amx_model, amx");
+        fail("unknown ISA '" + isa + "': not one of " + kernels::isa_names());
     const kernels::AttentionOps* ops = kernels::attention_ops(parsed);
     if (!ops) fail("isa '" + isa + "' is not available for attention: " + kernels::attention_unavailable_reason(parsed));
     return *ops;

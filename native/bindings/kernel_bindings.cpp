@@ -146,10 +146,10 @@ void register_kernels(py::module_& m) {
     m.def("kernel_isas", [](const std::string& format) {
         const kernels::Format f = weight_format_named(format);
         std::vector<std::string> names;
-        for (Isa isa : {Isa::ref, Isa::avx2, Isa::avx512, Isa::amx_model, Isa::amx})
+        for (Isa isa : kernels::kAllIsas)
             if (kernels::kernel_ops(isa, f)) names.emplace_back(kernels::isa_name(isa));
         return names;
-    }, py::arg("format") = "bf16", "Names of the kernel ISAs this CPU (and OS) can run for a weight format, slowest first.");
+    }, py::arg("format") = "bf16", "Names of the kernel ISAs this CPU (and OS) can run for a weight format (ref first, each emulated build before its ISA).");
     m.def("fastest_kernel_isa", [](const std::string& format) {
         return std::string(kernels::isa_name(kernels::fastest_isa(weight_format_named(format))));
     }, py::arg("format") = "bf16",

@@ -2,8 +2,11 @@
 
 #include <cerrno>
 #include <cpuid.h>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -47,12 +50,43 @@ CpuFeatures detect() {
     return f;
 }
 
+#ifdef NUMA_MOE_TEST_HOOKS
+// NUMA_MOE_TEST_HIDE_ISA=avx2|avx512|amx (comma-separated), test builds only: the CPU is taken
+// to lack that instruction set and every wider one (the wider kernels use the narrower
+// instructions too), so that a test run on a large CPU sees what a smaller one would, the
+// emulated builds included (docs/development.md).
+CpuFeatures hide_for_tests(CpuFeatures f) {
+    const char* hidden = std::getenv("NUMA_MOE_TEST_HIDE_ISA");
+    if (!hidden) return f;
+    const std::string list = hidden;
+    for (size_t begin = 0; begin <= list.size();) {
+        size_t end = list.find(',', begin);
+        if (end == std::string::npos) end = list.size();
+        const std::string name = list.substr(begin, end - begin);
+        begin = end + 1;
+        if (name.empty()) continue;
+        if (name != "avx2" && name != "avx512" && name != "amx")
+            throw std::invalid_argument("NUMA_MOE_TEST_HIDE_ISA: '" + name + "' is not one of avx2, avx512, amx");
+        if (name == "avx2") f.avx2 = f.fma = false;
+        if (name == "avx2" || name == "avx512")
+            f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = f.avx512_vnni = false;
+        f.amx_tile = f.amx_bf16 = f.amx_int8 = false;
+    }
+    return f;
+}
+#endif
+
 }  // namespace
 
 const CpuFeatures& cpu_features() {
+#ifdef NUMA_MOE_TEST_HOOKS
+    static const CpuFeatures features = hide_for_tests(detect());
+#else
     static const CpuFeatures features = detect();
+#endif
     return features;
 }
+
 
 bool has_avx512_bf16_kernels() {
     const CpuFeatures& f = cpu_features();

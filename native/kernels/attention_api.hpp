@@ -81,5 +81,9 @@ const AttentionOps& attention_avx2_ops();    // attention_avx2.cpp    AVX2 + FMA
 const AttentionOps& attention_avx512_ops();  // attention_avx512.cpp  AVX-512-BF16
 const AttentionOps& attention_amx_ops();     // attention_amx.cpp     real AMX
 const AttentionOps& attention_amx_model_ops();  // attention_amx_model.cpp: the same source on the AMX model
+// Test builds only (NUMA_MOE_TEST_HOOKS): the AVX2 and AVX-512 sources over SIMDe
+// (attention_avx2_emulated.cpp, attention_avx512_emulated.cpp).
+const AttentionOps& attention_avx2_emulated_ops();
+const AttentionOps& attention_avx512_emulated_ops();
 
 }  // namespace numa_moe::kernels

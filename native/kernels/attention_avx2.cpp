@@ -19,6 +19,13 @@
 namespace numa_moe::kernels {
 namespace {
 
+#ifdef NUMA_MOE_EMULATED
+// attention_avx2_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
+constexpr Isa kIsa = Isa::avx2_emulated;
+#else
+constexpr Isa kIsa = Isa::avx2;
+#endif
+
 constexpr int64_t kChunk = kAttentionChunk;
 constexpr int64_t kScoresBytes = kMaxQueryBlock * kChunk * 4;
 
@@ -166,8 +173,12 @@ void attend(const void* packed_query, int64_t g, int64_t d, const bf16* k, const
 
 }  // namespace
 
+#ifdef NUMA_MOE_EMULATED
+const AttentionOps& attention_avx2_emulated_ops() {
+#else
 const AttentionOps& attention_avx2_ops() {
-    static const AttentionOps ops{Isa::avx2, "avx2", query_bytes, scratch_bytes, pack_query, attend};
+#endif
+    static const AttentionOps ops{kIsa, isa_name(kIsa), query_bytes, scratch_bytes, pack_query, attend};
     return ops;
 }
 

@@ -36,6 +36,13 @@
 namespace numa_moe::kernels {
 namespace {
 
+#ifdef NUMA_MOE_EMULATED
+// attention_avx512_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
+constexpr Isa kIsa = Isa::avx512_emulated;
+#else
+constexpr Isa kIsa = Isa::avx512;
+#endif
+
 constexpr int64_t kChunk = kAttentionChunk;
 constexpr int64_t kScoresBytes = kMaxQueryBlock * kChunk * 4;
 constexpr int64_t kProbsBytes = kMaxQueryBlock * kChunk * 2;
@@ -380,8 +387,12 @@ void attend(const void* packed_query, int64_t g, int64_t d, const bf16* k, const
 
 }  // namespace
 
+#ifdef NUMA_MOE_EMULATED
+const AttentionOps& attention_avx512_emulated_ops() {
+#else
 const AttentionOps& attention_avx512_ops() {
-    static const AttentionOps ops{Isa::avx512, "avx512", query_bytes, scratch_bytes, pack_query, attend};
+#endif
+    static const AttentionOps ops{kIsa, isa_name(kIsa), query_bytes, scratch_bytes, pack_query, attend};
     return ops;
 }
 

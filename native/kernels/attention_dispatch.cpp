@@ -16,6 +16,15 @@ const AttentionOps* attention_ops(Isa isa) {
         case Isa::amx_model: return has_avx2_kernels() ? &attention_amx_model_ops() : nullptr;
         case Isa::amx:
             return has_avx512_bf16_kernels() && request_amx_permission() ? &attention_amx_ops() : nullptr;
+        // Test builds only; the expert kernels' table says when they run (dispatch.cpp).
+        case Isa::avx2_emulated:
+        case Isa::avx512_emulated:
+#ifdef NUMA_MOE_TEST_HOOKS
+            if (!kernel_ops(isa)) return nullptr;
+            return isa == Isa::avx2_emulated ? &attention_avx2_emulated_ops() : &attention_avx512_emulated_ops();
+#else
+            return nullptr;
+#endif
     }
     return nullptr;
 }

@@ -17,6 +17,13 @@
 namespace numa_moe::kernels {
 namespace {
 
+#ifdef NUMA_MOE_EMULATED
+// avx2_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
+constexpr Isa kIsa = Isa::avx2_emulated;
+#else
+constexpr Isa kIsa = Isa::avx2;
+#endif
+
 
 inline __m256 load8_bf16(const bf16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -93,11 +100,15 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
 
 }  // namespace
 
+#ifdef NUMA_MOE_EMULATED
+const KernelOps& avx2_emulated_ops() {
+#else
 const KernelOps& avx2_ops() {
+#endif
     // The token layout is the plain one of the reference (its gather is a row copy), and
     // the epilogues touch rows x tokens floats, nothing next to the weights: the
     // reference versions serve.
-    static const KernelOps ops{Isa::avx2, "avx2", Format::bf16, 0, plain_layout, ref_ops().packed_bytes, ref_ops().gather, matmul_segments,
+    static const KernelOps ops{kIsa, isa_name(kIsa), Format::bf16, 0, plain_layout, ref_ops().packed_bytes, ref_ops().gather, matmul_segments,
                                ref_ops().silu_mul_pack, ref_ops().combine_down, ref_ops().store_down};
     return ops;
 }

@@ -41,6 +41,13 @@
 namespace numa_moe::kernels {
 namespace {
 
+#ifdef NUMA_MOE_EMULATED
+// avx2_quant_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
+constexpr Isa kIsa = Isa::avx2_emulated;
+#else
+constexpr Isa kIsa = Isa::avx2;
+#endif
+
 constexpr int kPairs = 8;          // (row, token) pairs of a register block: the lanes of a vector
 constexpr int kBlockRows = 8;      // rows collected per block, split into R = kPairs / T per token block
 constexpr int64_t kStepColumns = 32;  // columns of one step (a vector of int8 weights)
@@ -328,14 +335,18 @@ const KernelOps& table() {
     // The token layout is the reference's plain one, and the epilogues touch rows x tokens
     // floats, nothing next to the weights: the reference versions serve.
     static const KernelOps& ref = *ref_integer_ops(F, G);
-    static const KernelOps ops{Isa::avx2, "avx2", F, G, plain_layout, ref.packed_bytes, ref.gather,
+    static const KernelOps ops{kIsa, isa_name(kIsa), F, G, plain_layout, ref.packed_bytes, ref.gather,
                                matmul_segments<F, G>, ref.silu_mul_pack, ref.combine_down, ref.store_down};
     return ops;
 }
 
 }  // namespace
 
+#ifdef NUMA_MOE_EMULATED
+const KernelOps* avx2_emulated_integer_ops(Format format, int64_t group) {
+#else
 const KernelOps* avx2_integer_ops(Format format, int64_t group) {
+#endif
     return integer_table(format, group, [](auto f, auto g) -> const KernelOps& {
         return table<decltype(f)::value, decltype(g)::value>();
     });

@@ -33,6 +33,13 @@
 namespace numa_moe::kernels {
 namespace {
 
+#ifdef NUMA_MOE_EMULATED
+// avx512_bf16_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
+constexpr Isa kIsa = Isa::avx512_emulated;
+#else
+constexpr Isa kIsa = Isa::avx512;
+#endif
+
 // The token-lane kernels replace the dot-product ones from this many tokens on (at 1-2
 // tokens a lane vector would be mostly padding: T = 4 at M = 2 wastes half the lanes).
 constexpr int64_t kLaneMinTokens = 3;
@@ -563,8 +570,12 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 
 }  // namespace
 
+#ifdef NUMA_MOE_EMULATED
+const KernelOps& avx512_emulated_ops() {
+#else
 const KernelOps& avx512_ops() {
-    static const KernelOps ops{Isa::avx512,   "avx512",  Format::bf16, 0, token_layout,    packed_bytes, gather, matmul_segments,
+#endif
+    static const KernelOps ops{kIsa,   isa_name(kIsa),  Format::bf16, 0, token_layout,    packed_bytes, gather, matmul_segments,
                                silu_mul_pack, combine_down_avx512, store_down_avx512};
     return ops;
 }

@@ -75,6 +75,13 @@
 namespace numa_moe::kernels {
 namespace {
 
+#ifdef NUMA_MOE_EMULATED
+// avx512_quant_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
+constexpr Isa kIsa = Isa::avx512_emulated;
+#else
+constexpr Isa kIsa = Isa::avx512;
+#endif
+
 constexpr int kPairs = 16;             // lanes of a pair vector
 constexpr int64_t kChunkGroups = 16;   // groups whose scale products one tile holds
 constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of int8 weights)
@@ -313,7 +320,11 @@ RowBlock<R> row_block_of(Format format, const Weights& w, const Segment& seg, in
 // with a copy either side of every instruction (it does not coalesce the tied operand in
 // a loop); the asm operand "+v" makes the accumulator one register.
 inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
+#ifdef NUMA_MOE_EMULATED
+    acc = _mm512_dpbusd_epi32(acc, u, s);  // no instruction to write out: SIMDe's vectors
+#else
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+#endif
 }
 
 
@@ -645,7 +656,13 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 // acc += vpdpbusd(u, the 4 token bytes at x broadcast to every lane), the broadcast taken
 // by the instruction's memory operand (no shuffle); "+v" as in dpbusd.
 inline void dpbusd_broadcast(__m512i& acc, __m512i u, const int8_t* x) {
+#ifdef NUMA_MOE_EMULATED
+    int32_t quad;
+    std::memcpy(&quad, x, sizeof(quad));
+    acc = _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(quad));
+#else
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
+#endif
 }
 
 // transpose16 on 32-bit integer lanes: v[j] lane r <- v[r] lane j.
@@ -896,7 +913,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
 
 template <Format F, int64_t G>
 const KernelOps& table() {
-    static const KernelOps ops{Isa::avx512, "avx512", F, G, plain_layout, packed_bytes<F, G>, gather<F, G>,
+    static const KernelOps ops{kIsa, isa_name(kIsa), F, G, plain_layout, packed_bytes<F, G>, gather<F, G>,
                                matmul_segments<F, G>, silu_mul_pack<F, G>, combine_down_avx512,
                                store_down_avx512};
     return ops;
@@ -904,7 +921,11 @@ const KernelOps& table() {
 
 }  // namespace
 
+#ifdef NUMA_MOE_EMULATED
+const KernelOps* avx512_emulated_integer_ops(Format format, int64_t group) {
+#else
 const KernelOps* avx512_integer_ops(Format format, int64_t group) {
+#endif
     return integer_table(format, group, [](auto f, auto g) -> const KernelOps& {
         return table<decltype(f)::value, decltype(g)::value>();
     });

@@ -17,18 +17,26 @@ const char* isa_name(Isa isa) {
         case Isa::avx512: return "avx512";
         case Isa::amx_model: return "amx_model";
         case Isa::amx: return "amx";
+        case Isa::avx2_emulated: return "avx2_emulated";
+        case Isa::avx512_emulated: return "avx512_emulated";
     }
     return "unknown";
 }
 
 bool parse_isa(const char* name, Isa* isa) {
-    for (Isa candidate : {Isa::ref, Isa::avx2, Isa::avx512, Isa::amx_model, Isa::amx}) {
+    for (Isa candidate : kAllIsas) {
         if (std::strcmp(name, isa_name(candidate)) == 0) {
             *isa = candidate;
             return true;
         }
     }
     return false;
+}
+
+std::string isa_names() {
+    std::string names;
+    for (Isa isa : kAllIsas) names += std::string(names.empty() ? "" : ", ") + isa_name(isa);
+    return names;
 }
 
 const char* format_name(Format format) {
@@ -52,6 +60,27 @@ bool parse_format(const char* name, Format* format) {
 
 namespace {
 
+// The emulated builds exist in test builds only; avx2_emulated is baseline x86-64 code, and
+// avx512_emulated is compiled with AVX2 flags, as the AMX model (sources.cmake).
+constexpr bool kEmulatedBuilds =
+#ifdef NUMA_MOE_TEST_HOOKS
+    true;
+#else
+    false;
+#endif
+
+const KernelOps* emulated_ops(Isa isa, Format format, int64_t group) {
+#ifdef NUMA_MOE_TEST_HOOKS
+    const bool bf16 = format == Format::bf16;
+    if (isa == Isa::avx2_emulated) return bf16 ? &avx2_emulated_ops() : avx2_emulated_integer_ops(format, group);
+    if (isa == Isa::avx512_emulated && has_avx2_kernels())
+        return bf16 ? &avx512_emulated_ops() : avx512_emulated_integer_ops(format, group);
+#else
+    (void)isa, (void)format, (void)group;
+#endif
+    return nullptr;
+}
+
 // The integer formats: reference kernels, AVX2 ones, AVX-512-VNNI ones, and AMX-INT8 ones (real, or
 // over the AMX model; their epilogues and token packing are AVX-512 code, emulated on AVX2 in the
 // model build).
@@ -66,6 +95,8 @@ const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
         case Isa::avx512: return has_avx512_vnni_kernels() ? avx512_integer_ops(format, group) : nullptr;
         case Isa::amx_model: return has_avx2_kernels() ? amx_model_integer_ops(format, group) : nullptr;
         case Isa::amx: return has_amx_int8_kernels() ? amx_integer_ops(format, group) : nullptr;
+        case Isa::avx2_emulated:
+        case Isa::avx512_emulated: return emulated_ops(isa, format, group);
     }
     return nullptr;
 }
@@ -81,6 +112,8 @@ const KernelOps* kernel_ops(Isa isa, Format format, int64_t group) {
         // The model's tiles are plain C++, its AVX-512 epilogues emulated on AVX2 (avx512_emulated.hpp).
         case Isa::amx_model: return has_avx2_kernels() ? &amx_model_ops() : nullptr;
         case Isa::amx: return has_avx512_bf16_kernels() && request_amx_permission() ? &amx_ops() : nullptr;
+        case Isa::avx2_emulated:
+        case Isa::avx512_emulated: return emulated_ops(isa, format, group);
     }
     return nullptr;
 }
@@ -90,7 +123,7 @@ std::string unavailable_reason(Isa isa, Format format) {
     if (format != Format::bf16 && kernel_ops(isa)) {
         if (isa == Isa::avx512) return "this CPU (or OS) lacks AVX-512 VNNI";
         if (isa == Isa::amx) return "this CPU has AMX-BF16 but no AMX-INT8";
-        return std::string("it has no ") + format_name(format) + " kernels (ref, avx2, avx512, amx_model and amx have)";
+        return std::string("it has no ") + format_name(format) + " kernels";
     }
     switch (isa) {
         case Isa::ref: return "";
@@ -103,6 +136,12 @@ std::string unavailable_reason(Isa isa, Format format) {
             request_amx_permission(&reason);
             return reason;
         }
+        case Isa::avx2_emulated:
+        case Isa::avx512_emulated:
+            if (!kEmulatedBuilds)
+                return std::string(isa_name(isa)) + " is a test build, compiled only with NUMA_MOE_TEST_HOOKS=ON "
+                       "(tools/setup.sh)";
+            return "this CPU (or OS) lacks AVX2 + FMA";
     }
     return "unknown ISA";
 }
@@ -111,8 +150,7 @@ Isa default_isa() {
     if (const char* forced = std::getenv("NUMA_MOE_ISA"); forced && *forced) {
         Isa isa;
         if (!parse_isa(forced, &isa))
-            throw std::runtime_error(std::string("NUMA_MOE_ISA=") + forced +
-                                     " is not one of ref, avx2, avx512, amx_model, amx");
+            throw std::runtime_error(std::string("NUMA_MOE_ISA=") + forced + " is not one of " + isa_names());
         if (!kernel_ops(isa))
             throw std::runtime_error(std::string("NUMA_MOE_ISA=") + forced + " is not available on this CPU");
         return isa;
@@ -121,7 +159,8 @@ Isa default_isa() {
 }
 
 Isa fastest_isa(Format format) {
-    // amx_model is never a default: it is a test vehicle, orders of magnitude slower.
+    // amx_model and the emulated builds are never a default: they are test vehicles, orders of
+    // magnitude slower.
     for (Isa isa : {Isa::amx, Isa::avx512, Isa::avx2}) {
         if (kernel_ops(isa, format)) return isa;
     }

@@ -23,5 +23,12 @@ const KernelOps& amx_model_ops();  // amx_bf16_model.cpp: amx_bf16.cpp against t
 // the AMX model): int8 / int4, nullptr for a group outside kIntegerGroups.
 const KernelOps* amx_integer_ops(Format format, int64_t group);
 const KernelOps* amx_model_integer_ops(Format format, int64_t group);
+// Test builds only (NUMA_MOE_TEST_HOOKS): avx2.cpp / avx2_quant.cpp over SIMDe's AVX2 at baseline
+// flags (avx2_emulated.cpp, avx2_quant_emulated.cpp), avx512_bf16.cpp / avx512_quant.cpp over
+// SIMDe's AVX-512 at AVX2 flags (avx512_bf16_emulated.cpp, avx512_quant_emulated.cpp).
+const KernelOps& avx2_emulated_ops();
+const KernelOps* avx2_emulated_integer_ops(Format format, int64_t group);
+const KernelOps& avx512_emulated_ops();
+const KernelOps* avx512_emulated_integer_ops(Format format, int64_t group);
 
 }  // namespace numa_moe::kernels

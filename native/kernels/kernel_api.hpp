@@ -24,7 +24,15 @@ namespace numa_moe::kernels {
 
 using bf16 = uint16_t;
 
-enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2, amx_model = 3, amx = 4 };
+// avx2_emulated and avx512_emulated are the AVX2 and AVX-512 kernel sources built over SIMDe's
+// portable intrinsics, so that the tests run them on CPUs without those instruction sets
+// (docs/kernels.md); they exist only in builds with NUMA_MOE_TEST_HOOKS.
+enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2, amx_model = 3, amx = 4, avx2_emulated = 5, avx512_emulated = 6 };
+
+// Every ISA, in the order kernel_isas() lists them: ref first, each emulated build before its
+// native ISA.
+constexpr Isa kAllIsas[] = {Isa::ref,    Isa::avx2_emulated, Isa::avx2, Isa::avx512_emulated,
+                            Isa::avx512, Isa::amx_model,     Isa::amx};
 
 // Weight formats (docs/quantization.md): bf16, or group-wise symmetric int8 / int4 with a
 // scale per row and group of columns.
@@ -164,16 +172,18 @@ inline int64_t row_align(const KernelOps& ops) { return ops.group > 32 ? ops.gro
 // kIntegerGroups. The group is ignored for bf16.
 const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16, int64_t group = kDefaultGroup);
 
-// The fastest ISA this machine runs, unless NUMA_MOE_ISA (ref|avx2|avx512|amx_model|amx)
-// names another; an unavailable choice there is an error (std::runtime_error).
+// The fastest ISA this machine runs, unless NUMA_MOE_ISA (one of isa_names()) names
+// another; an unavailable choice there is an error (std::runtime_error).
 Isa default_isa();
 
 // The fastest ISA with kernels for a weight format on this machine (amx > avx512 > avx2 >
-// ref), NUMA_MOE_ISA not consulted; never amx_model.
+// ref), NUMA_MOE_ISA not consulted; never amx_model or an emulated build.
 Isa fastest_isa(Format format);
 
 const char* isa_name(Isa isa);
 bool parse_isa(const char* name, Isa* isa);
+// "ref, avx2_emulated, avx2, ...": the names parse_isa accepts, for error messages.
+std::string isa_names();
 
 // Why an ISA is not available here for a format ("" when it is).
 std::string unavailable_reason(Isa isa, Format format = Format::bf16);

@@ -44,3 +44,26 @@ numa_moe_isa_source(native/kernels/attention_avx2.cpp attn_avx2 -mavx2 -mfma)
 numa_moe_isa_source(native/kernels/attention_avx512.cpp attn_avx512 ${NUMA_MOE_AVX512_FLAGS})
 numa_moe_isa_source(native/kernels/attention_amx_model.cpp attn_amx_model ${NUMA_MOE_AMX_MODEL_FLAGS})
 numa_moe_isa_source(native/kernels/attention_amx.cpp attn_amx ${NUMA_MOE_AVX512_FLAGS} -mamx-tile -mamx-bf16)
+# The emulated builds, test builds only (NUMA_MOE_TEST_HOOKS): the AVX-512 kernel sources with
+# AVX2 flags and SIMDe's AVX-512 (avx512_emulated.hpp), the AVX2 ones with baseline flags and
+# SIMDe's AVX2 (avx2_emulated.hpp), so that the tests run every kernel on every CPU.
+# -O1 -fno-lto: GCC 12 at -O2 / -O3 spends over 20 minutes on avx512_quant_emulated.cpp (its
+# templates over SIMDe's inlined 512-bit code), at -O1 a minute; a test build needs no more.
+if(NUMA_MOE_TEST_HOOKS)
+  list(APPEND NUMA_MOE_ISA_SOURCES
+    native/kernels/avx2_emulated.cpp
+    native/kernels/avx2_quant_emulated.cpp
+    native/kernels/attention_avx2_emulated.cpp
+    native/kernels/avx512_bf16_emulated.cpp
+    native/kernels/avx512_quant_emulated.cpp
+    native/kernels/attention_avx512_emulated.cpp
+  )
+  numa_moe_isa_source(native/kernels/avx2_emulated.cpp avx2_emulated -Wno-psabi -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/avx2_quant_emulated.cpp avx2_quant_emulated -Wno-psabi -ffp-contract=off -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/attention_avx2_emulated.cpp attn_avx2_emulated -Wno-psabi -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/avx512_bf16_emulated.cpp avx512_emulated ${NUMA_MOE_AMX_MODEL_FLAGS} -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/avx512_quant_emulated.cpp avx512_vnni_emulated ${NUMA_MOE_AMX_MODEL_FLAGS}
+                      -ffp-contract=off -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/attention_avx512_emulated.cpp attn_avx512_emulated ${NUMA_MOE_AMX_MODEL_FLAGS}
+                      -O1 -fno-lto)
+endif()
