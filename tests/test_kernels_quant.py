@@ -25,11 +25,14 @@ FFN_BOUND = 3e-3
 
 def quantize_tokens(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """The token rule, restated: per token and block of the weights' group, s = amax / 127
-    (fp32), q = round-half-even(x / s) clipped to [-127, 127] (0 for an all-zero block)."""
+    (fp32), q = round-half-even(x / s) clipped to [-127, 127] (0 for an all-zero block); a
+    block holding a NaN or an infinity has s = NaN and q = 0."""
     x = x.astype(np.float32)
     m, k = x.shape
     blocks = x.reshape(m, k // block, block)
-    s = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
+    finite = np.isfinite(blocks).all(axis=2)
+    blocks = np.where(finite[:, :, None], blocks, np.float32(0))
+    s = np.where(finite, np.abs(blocks).max(axis=2) / np.float32(127), np.float32(np.nan)).astype(np.float32)
     safe = np.where(s > 0, s, np.float32(1))[:, :, None]
     q = np.where(s[:, :, None] > 0, np.clip(np.rint(blocks / safe), -127, 127), 0).astype(np.int64)
     return q.reshape(m, k), s

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "kernels/kernel_api.hpp"
 
@@ -275,15 +276,22 @@ inline __m512 bf16x16_to_ps(const uint16_t* p) {
 // G values (G / 16 vectors, columns in the lanes) -> symmetric int8 with scale amax / 127,
 // as quantize_block of ref_quant.cpp: the same division (not a reciprocal) and rounding
 // (nearbyint there, the conversion here: both by the current rounding mode, half-even
-// unless a caller changes it), so the same bytes. The rounded quotients lie in [-127, 127]
-// (s is amax / 127 rounded), so the only clamp keeps a NaN lane (INT32_MIN) out of -128.
+// unless a caller changes it), so the same bytes, and the same NaN scale (values 0) for a
+// block holding a NaN or an infinity. The magnitudes are compared as integers: with the
+// sign cleared, the bit patterns order as the floats do and every infinity or NaN lies
+// above the finite ones (0x7f800000 and up), where a float max would drop a NaN lane. So
+// the maximum tells finite blocks from the others at the cost of one compare. The rounded
+// quotients lie in [-127, 127] but for subnormal scales, which the clamp keeps there.
 // Four vectors are narrowed at a time (two packs, one dword permute): half the cost of
 // narrowing each alone. One token at a time: G / 16 divisions a group.
 template <int64_t G>
 inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
-    __m512 amax = _mm512_abs_ps(v[0]);
-    for (int64_t i = 1; i < G / 16; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-    const float s = _mm512_reduce_max_ps(amax) / 127.0f;
+    __m512i amax = _mm512_castps_si512(_mm512_abs_ps(v[0]));
+    for (int64_t i = 1; i < G / 16; ++i) amax = _mm512_max_epi32(amax, _mm512_castps_si512(_mm512_abs_ps(v[i])));
+    const int32_t amax_bits = _mm512_reduce_max_epi32(amax);
+    float amax_value;
+    std::memcpy(&amax_value, &amax_bits, sizeof(amax_value));
+    const float s = amax_bits < 0x7f800000 ? amax_value / 127.0f : std::numeric_limits<float>::quiet_NaN();
     *scale = s;
     if (!(s > 0.0f)) {
         std::memset(q, 0, G);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernels/bf16.hpp"
 #include "kernels/integer_tables.hpp"
@@ -71,12 +72,19 @@ float* token_scales(const void* packed, int64_t m, int64_t k) {
                                     (static_cast<size_t>(m * k) + 63) / 64 * 64);
 }
 
-// One block of G values -> symmetric int8 with scale amax / 127 (0 for a zero block).
+// One block of G values -> symmetric int8 with scale amax / 127 (0 for a zero block). A
+// block holding a NaN or an infinity gets the scale NaN and values 0, so that every product
+// with it, and so the token's whole output, is NaN: the max would drop a NaN (and quantize
+// the rest to a plausible number), an infinite amax would make every value 0.
 template <int64_t G>
 void quantize_block(const float* v, int8_t* q, float* scale) {
     float amax = 0.0f;
-    for (int64_t j = 0; j < G; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float s = amax / 127.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < G; ++j) {
+        finite = finite && std::isfinite(v[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float s = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
     *scale = s;
     for (int64_t j = 0; j < G; ++j)
         q[j] = s > 0.0f ? static_cast<int8_t>(std::clamp(std::nearbyint(v[j] / s), -127.0f, 127.0f)) : 0;
