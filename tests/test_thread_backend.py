@@ -4,6 +4,7 @@ cannot compete for the CPUs), pinned per node; otherwise, or when asked, the poo
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -135,3 +136,47 @@ print(_native.thread_backend().split()[0])
     before, after, backend = first.split()
     assert backend == "own" and int(before) >= 1 and int(after) == int(before)
     assert second == "openmp"
+
+
+@contextlib.contextmanager
+def _allowed_on_this_thread_only(cpus):
+    """The calling thread's affinity narrowed to `cpus` (sched_setaffinity(0) is per
+    thread), restored after."""
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, CPUS)
+
+
+@pytest.mark.parametrize("backend", ["openmp", "own"])
+def test_cpus_outside_the_allowed_set_are_refused_on_every_backend(monkeypatch, rng, backend):
+    from moe_reference import moe_reference, random_bf16, rel_error, whole_matrix_table
+    from numa_moe.moe import MoELayer, worker_pool
+
+    if backend == "own":
+        monkeypatch.setenv("NUMA_MOE_THREADS", "own")
+    assert _native.thread_backend().startswith("openmp (" if backend == "openmp" else "own threads")
+    H, I = 64, 64
+    expert = (random_bf16(rng, (I, H)), random_bf16(rng, (I, H)), random_bf16(rng, (H, I)))
+    tables = [{kind: whole_matrix_table(*w.shape) for kind, w in zip(("gate", "up", "down"), expert)}]
+    missing = max(CPUS) + 1  # a CPU this machine does not have (or not this process)
+    cases = [([missing], CPUS)]
+    if len(CPUS) >= 2:
+        cases.append(([CPUS[-1]], CPUS[:1]))  # a CPU that exists, outside a narrowed mask
+    for listed, allowed in cases:
+        with _allowed_on_this_thread_only(allowed):
+            message = rf"CPU\(s\) {listed[0]} not in this process's allowed set"
+            with pytest.raises(ValueError, match=message):
+                MoELayer([expert], tables, node_cpus=((0,), [listed]))
+            with pytest.raises(ValueError, match=message):
+                worker_pool([[allowed[0]], listed])
+            with pytest.raises(ValueError, match=message):
+                _native.WorkerPool([listed], pin=False)
+    # CPUs of the mask still make a working layer on this backend
+    layer = MoELayer([expert], tables, node_cpus=((0,), [CPUS]))
+    x = random_bf16(rng, (3, H))
+    out = layer.forward_numpy(x, np.zeros((3, 1), np.int64), np.ones((3, 1), np.float32), out_dtype="float32")
+    ref = moe_reference(x, np.zeros((3, 1), np.int64), np.ones((3, 1), np.float32), *([w] for w in expert))
+    assert rel_error(out, ref) < 1e-2
+

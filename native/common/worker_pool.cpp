@@ -65,6 +65,19 @@ bool spin_until_changed(const std::atomic<uint32_t>& word, uint32_t seen, int64_
     }
 }
 
+// "0-3, 8, 10-11".
+std::string cpu_set_text(const cpu_set_t& set) {
+    std::string text;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+        if (!CPU_ISSET(cpu, &set)) continue;
+        int last = cpu;
+        while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
+        text += (text.empty() ? "" : ", ") + std::to_string(cpu) + (last > cpu ? "-" + std::to_string(last) : "");
+        cpu = last;
+    }
+    return text;
+}
+
 }  // namespace
 
 void Barrier::arrive_and_wait() {
@@ -141,6 +154,19 @@ WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_
     }
     CPU_ZERO(&process_cpus_);
     if (sched_getaffinity(0, sizeof(process_cpus_), &process_cpus_) != 0) CPU_ZERO(&process_cpus_);
+    // On the OpenMP team an unusable CPU would not even fail: pinning is best effort there,
+    // and the participant would silently run wherever it is.
+    if (CPU_COUNT(&process_cpus_) > 0) {
+        std::set<int> listed = distinct;
+        if (caller_cpu_ >= 0) listed.insert(caller_cpu_);
+        std::string outside;
+        for (const int cpu : listed)
+            if (!CPU_ISSET(cpu, &process_cpus_)) outside += (outside.empty() ? "" : ", ") + std::to_string(cpu);
+        if (!outside.empty())
+            throw std::invalid_argument("WorkerPool: CPU(s) " + outside +
+                                        " not in this process's allowed set (os.sched_getaffinity: " +
+                                        cpu_set_text(process_cpus_) + ")");
+    }
     const unsigned hw = std::thread::hardware_concurrency();
     // More threads than CPUs (virtual nodes sharing CPUs): a spinning waiter would only
     // steal the time slice of the thread it waits for, so waiters sleep at once.
