@@ -125,8 +125,11 @@ _DAEMON_FORWARD = """
 import os, sys, threading, time
 import numpy as np
 import ml_dtypes
-if sys.argv[1] == "torch":
-    import torch
+if sys.argv[1] == "openmp":
+    import torch  # loads its OpenMP runtime: the pools run on its team
+else:
+    os.environ["NUMA_MOE_THREADS"] = "own"
+from numa_moe import _native
 from numa_moe.moe import MoELayer
 from numa_moe.segments import SegmentTable
 
@@ -143,8 +146,7 @@ layer = MoELayer(experts, tables, node_cpus=((0,), [cpus]))
 x = bf16((16, H))
 ids = rng.integers(0, E, (16, 2)).astype(np.int64)
 w = np.full((16, 2), 0.5, np.float32)
-if sys.argv[1] == "torch":
-    x, ids, w = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), torch.from_numpy(ids), torch.from_numpy(w)
+assert _native.thread_backend().startswith("openmp" if sys.argv[1] == "openmp" else "own threads")
 forwards = [0]
 def loop():
     while True:
@@ -154,17 +156,19 @@ threading.Thread(target=loop, daemon=True).start()
 while forwards[0] < 3:
     time.sleep(0.001)
 time.sleep(float(sys.argv[3]))
-print("exiting", forwards[0] > 3, flush=True)
+print("exiting", flush=True)
 """
 
 
-@pytest.mark.parametrize("inputs", ["numpy", "torch"])
-def test_exit_while_a_daemon_thread_runs_layer_forwards_is_clean(inputs):
-    # A race (where the daemon thread is when the interpreter exits): a few tries, at
-    # different moments.
+@pytest.mark.parametrize("backend", ["own", "openmp"])
+def test_exit_while_a_daemon_thread_runs_layer_forwards_is_clean(backend):
+    # numpy inputs: with torch tensors the forward also calls torch ops, and a daemon
+    # thread inside one of those at exit aborts in torch's own code (docs/architecture.md,
+    # "Threads and interpreter exit"). A race (where the daemon thread is when the
+    # interpreter exits): a few tries, at different moments.
     for attempt, delay in enumerate((0.0, 0.01, 0.05, 0.2)):
-        result = subprocess.run([sys.executable, "-P", "-c", _DAEMON_FORWARD, inputs, str(attempt), str(delay)],
+        result = subprocess.run([sys.executable, "-P", "-c", _DAEMON_FORWARD, backend, str(attempt), str(delay)],
                                 capture_output=True, text=True, env=_ENV, timeout=120)
         assert "terminate called" not in result.stderr, result.stderr[-2000:]
         assert result.returncode == 0, (attempt, result.returncode, result.stderr[-2000:])
-        assert result.stdout.strip() == "exiting True", result.stdout
+        assert result.stdout.strip() == "exiting", result.stdout
