@@ -135,3 +135,70 @@ print(_native.thread_backend().split()[0])
     before, after, backend = first.split()
     assert backend == "own" and int(before) >= 1 and int(after) == int(before)
     assert second == "openmp"
+
+
+_NARROWED_CHILD = """
+import os, sys, threading
+cpus = sorted(os.sched_getaffinity(0))
+backend, scope = sys.argv[1], sys.argv[2]
+held = threading.Event()
+if scope == "process":
+    os.sched_setaffinity(0, cpus[:1])  # before any other thread exists: every thread inherits it
+else:  # the main thread alone, as an OpenMP runtime bound to a CPU list pins its master thread
+    threading.Thread(target=held.wait, daemon=True).start()
+    os.sched_setaffinity(0, cpus[:1])
+if backend == "own":
+    os.environ["NUMA_MOE_THREADS"] = "own"
+else:
+    import torch
+    torch.set_num_threads(2)
+    (torch.ones(256, 256) @ torch.ones(256, 256)).sum()
+from numa_moe import _native
+from numa_moe.moe import worker_pool
+assert _native.thread_backend().startswith("own threads" if backend == "own" else "openmp"), _native.thread_backend()
+try:
+    worker_pool([[cpus[0]], [cpus[-1]]])
+    print("accepted")
+except ValueError as error:
+    print("ValueError:", error)
+"""
+
+
+@pytest.mark.parametrize("backend", ["openmp", "own"])
+def test_cpus_outside_the_allowed_set_are_refused_on_every_backend(monkeypatch, rng, backend):
+    import subprocess
+    import sys
+
+    from moe_reference import moe_reference, random_bf16, rel_error, whole_matrix_table
+    from numa_moe.moe import MoELayer, worker_pool
+
+    if backend == "own":
+        monkeypatch.setenv("NUMA_MOE_THREADS", "own")
+    assert _native.thread_backend().startswith("openmp (" if backend == "openmp" else "own threads")
+    H, I = 64, 64
+    expert = (random_bf16(rng, (I, H)), random_bf16(rng, (I, H)), random_bf16(rng, (H, I)))
+    tables = [{kind: whole_matrix_table(*w.shape) for kind, w in zip(("gate", "up", "down"), expert)}]
+    missing = max(CPUS) + 1  # a CPU this machine does not have, or not this process
+    message = rf"CPU\(s\) {missing} not in this process's allowed set"
+    with pytest.raises(ValueError, match=message):
+        MoELayer([expert], tables, node_cpus=((0,), [[missing]]))
+    with pytest.raises(ValueError, match=message):
+        worker_pool([[CPUS[0]], [missing]])
+    with pytest.raises(ValueError, match=message):
+        _native.WorkerPool([[missing]], pin=False)
+    # CPUs of the mask make a working layer on this backend
+    layer = MoELayer([expert], tables, node_cpus=((0,), [CPUS]))
+    x = random_bf16(rng, (3, H))
+    ids, weights = np.zeros((3, 1), np.int64), np.ones((3, 1), np.float32)
+    out = layer.forward_numpy(x, ids, weights, out_dtype="float32")
+    assert rel_error(out, moe_reference(x, ids, weights, *([w] for w in expert))) < 1e-2
+    if len(CPUS) < 2:
+        return
+    # A CPU that exists but that no thread of the process may use is refused; one that
+    # only the calling thread may not use is not.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for scope, expected in (("process", f"ValueError: WorkerPool: CPU(s) {CPUS[-1]} not in"), ("thread", "accepted")):
+        result = subprocess.run([sys.executable, "-P", "-c", _NARROWED_CHILD, backend, scope], capture_output=True,
+                                text=True, env=env, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.startswith(expected), (scope, result.stdout)

@@ -56,6 +56,15 @@ class _LazyGroup(click.Group):
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
+    def invoke(self, ctx):
+        """Ctrl-C ends a command with one line and the shell's status for SIGINT (130),
+        after its cleanup handlers ran (click's own handling would exit 1)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("Interrupted.", err=True)
+            ctx.exit(128 + signal.SIGINT)
+
     def list_commands(self, ctx):
         return sorted(_COMMANDS)
 

@@ -16,6 +16,7 @@
 
 #include "bench/loops.hpp"
 #include "bindings/checks.hpp"
+#include "bindings/gil.hpp"
 #include "common/cpu_features.hpp"
 #include "common/util.hpp"
 #include "engine/expert_ffn.hpp"
@@ -28,6 +29,13 @@ namespace numa_moe::bench {
 namespace {
 
 using bindings::Kind;
+using bindings::NoGil;
+using bindings::Poll;
+
+// What a participant does between polls of Ctrl-C: a few ms of work, so that the loops
+// stop within ~50 ms of it (Poll) at no measurable cost.
+constexpr size_t kReadChunkBytes = size_t{4} << 20;
+constexpr int64_t kPeakChunkIterations = int64_t{1} << 16;
 
 struct Span {
     const char* data;
@@ -65,22 +73,25 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Runs job(phase, participant, participants) on `threads` threads of the process pool.
-void on_threads(int threads, int n_phases, const std::function<void(int, int, int)>& job) {
+// Runs job(phase, participant, participants) on `threads` threads of the process pool; a
+// stop of `poll` aborts the phases not begun (long jobs poll it themselves).
+void on_threads(int threads, int n_phases, Poll& poll, const std::function<void(int, int, int)>& job) {
     const std::shared_ptr<WorkerPool> pool = threads > 1 ? engine::process_pool(threads) : nullptr;
     engine::Team team(pool.get());
     const int participants = team.participants();
-    team.run(n_phases, [&](int phase, const ThreadInfo& ti) { job(phase, ti.global, participants); }, {});
+    team.run(n_phases, [&](int phase, const ThreadInfo& ti) { job(phase, ti.global, participants); },
+             [&] { return poll.keep_going(); });
 }
 
 // Reads every span once, each thread a contiguous share (in 256-byte units) of each span;
 // spans [0, phase_break) in one phase, the rest in a second, so that an expert's read
-// pays the dispatch and barrier of an expert_ffn call. Returns the checksum.
-uint64_t read_spans(const std::vector<Span>& spans, int threads, size_t phase_break = SIZE_MAX) {
+// pays the dispatch and barrier of an expert_ffn call. Returns the checksum (unspecified
+// after a stop of `poll`).
+uint64_t read_spans(const std::vector<Span>& spans, int threads, Poll& poll, size_t phase_break = SIZE_MAX) {
     std::vector<uint64_t> sums(static_cast<size_t>(std::max(1, threads)) * 8, 0);  // a cache line each
     const StreamRead read = stream_reader();
     const int n_phases = phase_break < spans.size() ? 2 : 1;
-    on_threads(threads, n_phases, [&](int phase, int id, int n_threads) {
+    on_threads(threads, n_phases, poll, [&](int phase, int id, int n_threads) {
         const size_t first = phase == 0 ? 0 : phase_break;
         const size_t last = phase == 0 ? std::min(phase_break, spans.size()) : spans.size();
         uint64_t sum = 0;
@@ -89,7 +100,10 @@ uint64_t read_spans(const std::vector<Span>& spans, int threads, size_t phase_br
             const Range share = split_even(units, n_threads, 1)[id];
             const size_t begin = std::min(spans[s].bytes, static_cast<size_t>(share.begin) * 256);
             const size_t end = std::min(spans[s].bytes, static_cast<size_t>(share.end) * 256);
-            sum += read(spans[s].data + begin, end - begin);
+            for (size_t at = begin; at < end; at += kReadChunkBytes) {
+                if (poll.stop_requested()) return;
+                sum += read(spans[s].data + at, std::min(kReadChunkBytes, end - at));
+            }
         }
         sums[static_cast<size_t>(id) * 8] += sum;
     });
@@ -115,19 +129,31 @@ int thread_count(int threads) { return threads > 0 ? threads : engine::affinity_
 
 uint64_t py_stream_read(const py::list& buffers, int threads) {
     const auto spans = array_spans(buffers, "stream_read");
-    py::gil_scoped_release release;
-    return read_spans(spans, thread_count(threads));
+    Poll poll;
+    uint64_t sum;
+    {
+        NoGil released;
+        sum = read_spans(spans, thread_count(threads), poll);
+    }
+    poll.raise_if_stopped();
+    return sum;
 }
 
 double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
     const auto spans = array_spans(buffers, "bench_stream_read");
-    py::gil_scoped_release release;
-    std::vector<Span> order;
-    for (int r = 0; r < repeats; ++r) order.push_back(spans[r % spans.size()]);
-    const auto start = std::chrono::steady_clock::now();
-    volatile uint64_t sink = read_spans(order, thread_count(threads));
-    (void)sink;
-    return seconds_since(start);
+    Poll poll;
+    double seconds;
+    {
+        NoGil released;
+        std::vector<Span> order;
+        for (int r = 0; r < repeats; ++r) order.push_back(spans[r % spans.size()]);
+        const auto start = std::chrono::steady_clock::now();
+        volatile uint64_t sink = read_spans(order, thread_count(threads), poll);
+        (void)sink;
+        seconds = seconds_since(start);
+    }
+    poll.raise_if_stopped();
+    return seconds;
 }
 
 // The experts of a benchmark, checked once: (w_gate, w_up, w_down) bf16 tuples, or
@@ -182,12 +208,17 @@ std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array&
     BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
     const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format, bench.group);
     std::vector<double> seconds;
-    py::gil_scoped_release release;
-    for (int r = 0; r < repeats; ++r) {
-        const auto start = std::chrono::steady_clock::now();
-        engine::expert_ffn(ops, bench.calls[r % bench.calls.size()]);
-        seconds.push_back(seconds_since(start));
+    Poll poll;
+    const std::function<bool()> keep_going = [&] { return poll.keep_going(); };
+    {
+        NoGil released;
+        for (int r = 0; r < repeats && keep_going(); ++r) {
+            const auto start = std::chrono::steady_clock::now();
+            engine::expert_ffn(ops, bench.calls[r % bench.calls.size()], keep_going);
+            seconds.push_back(seconds_since(start));
+        }
     }
+    poll.raise_if_stopped();
     return seconds;
 }
 
@@ -201,17 +232,22 @@ std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
     BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
     const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format, bench.group);
     std::vector<double> ours, read;
-    py::gil_scoped_release release;
-    const size_t n = bench.calls.size();
-    volatile uint64_t sink = 0;
-    for (int r = 0; r < repeats; ++r) {
-        auto start = std::chrono::steady_clock::now();
-        engine::expert_ffn(ops, bench.calls[(2 * static_cast<size_t>(r)) % n]);
-        ours.push_back(seconds_since(start));
-        start = std::chrono::steady_clock::now();
-        sink = sink + read_spans(bench.spans[(2 * static_cast<size_t>(r) + 1) % n], thread_count(threads), 2);
-        read.push_back(seconds_since(start));
+    Poll poll;
+    const std::function<bool()> keep_going = [&] { return poll.keep_going(); };
+    {
+        NoGil released;
+        const size_t n = bench.calls.size();
+        volatile uint64_t sink = 0;
+        for (int r = 0; r < repeats && keep_going(); ++r) {
+            auto start = std::chrono::steady_clock::now();
+            engine::expert_ffn(ops, bench.calls[(2 * static_cast<size_t>(r)) % n], keep_going);
+            ours.push_back(seconds_since(start));
+            start = std::chrono::steady_clock::now();
+            sink = sink + read_spans(bench.spans[(2 * static_cast<size_t>(r) + 1) % n], thread_count(threads), poll, 2);
+            read.push_back(seconds_since(start));
+        }
     }
+    poll.raise_if_stopped();
     return {ours, read};
 }
 
@@ -233,8 +269,15 @@ double py_peak_flops(const std::string& isa, int64_t iterations, int threads, co
                                     "tdpbssd)");
     const int n = thread_count(threads);
     std::vector<double> flops(static_cast<size_t>(n) * 8, 0.0);
-    py::gil_scoped_release release;
-    on_threads(n, 1, [&](int, int id, int) { flops[static_cast<size_t>(id) * 8] = loop(iterations); });
+    Poll poll;
+    {
+        NoGil released;
+        on_threads(n, 1, poll, [&](int, int id, int) {
+            for (int64_t done = 0; done < iterations && !poll.stop_requested(); done += kPeakChunkIterations)
+                flops[static_cast<size_t>(id) * 8] += loop(std::min(kPeakChunkIterations, iterations - done));
+        });
+    }
+    poll.raise_if_stopped();
     double total = 0;
     for (double f : flops) total += f;
     return total;

@@ -9,12 +9,11 @@
 #include <vector>
 
 #include "bindings/checks.hpp"
+#include "bindings/gil.hpp"
 #include "engine/attention.hpp"
 #include "engine/process_pool.hpp"
 
 namespace numa_moe::bindings {
-
-bool check_signals();  // engine_bindings.cpp
 
 namespace {
 
@@ -42,7 +41,7 @@ void py_gqa_decode(const std::string& isa, const py::array& q, const py::array& 
     if (threads < 0) throw std::invalid_argument("threads: must be >= 0 (0 = this process's CPUs), got " + std::to_string(threads));
     bool completed;
     {
-        py::gil_scoped_release release;
+        NoGil released;
         if (!pool) {
             const int n = threads == 0 ? engine::auto_attention_threads(args, engine::affinity_cpu_count()) : threads;
             if (n > 1) pool = engine::process_pool(n);

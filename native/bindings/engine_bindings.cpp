@@ -11,18 +11,12 @@
 #include <stdexcept>
 
 #include "bindings/checks.hpp"
+#include "bindings/gil.hpp"
 #include "common/openmp_team.hpp"
 #include "common/worker_pool.hpp"
 #include "engine/moe_layer.hpp"
 
 namespace numa_moe::bindings {
-
-// keep_going of long native calls: runs Python's signal handlers; false once one raised
-// (KeyboardInterrupt), which the binding then re-raises.
-bool check_signals() {
-    py::gil_scoped_acquire gil;
-    return PyErr_CheckSignals() == 0;
-}
 
 namespace {
 
@@ -91,7 +85,7 @@ void layer_forward(PyLayer& l, const py::array& hidden, const py::array& topk_id
     const bool out_bf16 = check_output(out, "out", x.rows, x.cols);
     bool completed;
     {
-        py::gil_scoped_release release;
+        NoGil released;
         completed = l.core->forward(x.data, x.ld, x.rows, static_cast<const int64_t*>(topk_ids.data()),
                                     static_cast<const float*>(topk_weights.data()), k, out.mutable_data(), out_bf16,
                                     check_signals);
@@ -121,12 +115,12 @@ node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first us
                                             std::to_string(p.n_nodes()) + " nodes)");
             return p.threads_of(node);
         }, py::arg("node"))
-        .def("start", &WorkerPool::start, py::call_guard<py::gil_scoped_release>())
-        .def("shutdown", &WorkerPool::shutdown, py::call_guard<py::gil_scoped_release>())
+        .def("start", &WorkerPool::start, py::call_guard<NoGil>())
+        .def("shutdown", &WorkerPool::shutdown, py::call_guard<NoGil>())
         .def("thread_affinity", [](WorkerPool& p) {
             std::vector<std::vector<int>> cpus(p.n_threads());
             {
-                py::gil_scoped_release release;
+                NoGil released;
                 p.run(1, [&](int, const ThreadInfo& ti) {
                     if (ti.global >= p.n_threads()) return;  // the joining caller
                     cpu_set_t set;
@@ -161,7 +155,7 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
                                    matrix_part(up, up_scales, up_segments, name + " up"),
                                    matrix_part(down, down_scales, down_segments, name + " down")};
                  {
-                     py::gil_scoped_release release;
+                     NoGil released;
                      l.core->add_expert(std::move(parts), verify_partition);
                  }
                  l.keep_alive.insert(l.keep_alive.end(), {gate, up, down, gate_scales, up_scales, down_scales});

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bindings/checks.hpp"
+#include "bindings/gil.hpp"
 #include "common/util.hpp"
 #include "engine/expert_ffn.hpp"
 #include "engine/pipeline.hpp"
@@ -16,8 +17,6 @@
 #include "kernels/kernel_api.hpp"
 
 namespace numa_moe::bindings {
-
-bool check_signals();  // engine_bindings.cpp
 
 namespace {
 
@@ -48,7 +47,7 @@ void py_matmul_segments(const std::string& isa, const py::array& weight, const p
     const auto* x = static_cast<const bf16*>(tokens.data());
     auto* o = static_cast<float*>(out.mutable_data());
     const int64_t ldo = out.shape(1);
-    py::gil_scoped_release release;
+    NoGil released;
     AlignedBuffer packed = aligned_buffer(ops.packed_bytes(m, k));
     std::vector<int64_t> identity(m);
     for (int64_t t = 0; t < m; ++t) identity[t] = t;
@@ -71,7 +70,7 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
     py::array_t<uint16_t> result({m, inter});
     auto* res = result.mutable_data();
     {
-        py::gil_scoped_release release;
+        NoGil released;
         const size_t bytes = ops.packed_bytes(m, inter);
         AlignedBuffer packed = aligned_buffer(bytes);
         std::memset(packed.get(), 0, bytes);
@@ -102,7 +101,7 @@ void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_be
     const auto* idx = static_cast<const int64_t*>(token_index.data());
     const auto* tw = static_cast<const float*>(token_weight.data());
     auto* yp = static_cast<float*>(y.mutable_data());
-    py::gil_scoped_release release;
+    NoGil released;
     ops.combine_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, idx, tw, yp,
                      hidden);
 }
@@ -114,7 +113,7 @@ void py_store_down(const std::string& isa, const py::list& parts, int64_t h_begi
     const bool out_bf16 = check_output(out, "out", m, hidden);
     check_range(h_begin, h_end, hidden, 1, "[h_begin, h_end)");
     void* dst = out.mutable_data();
-    py::gil_scoped_release release;
+    NoGil released;
     ops.store_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, dst, hidden,
                    out_bf16);
 }
@@ -134,7 +133,7 @@ void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& 
     const KernelOps& ops = ops_for(isa, args.format, args.gate.group);
     bool completed;
     {
-        py::gil_scoped_release release;
+        NoGil released;
         completed = engine::expert_ffn(ops, args, check_signals);
     }
     if (!completed) throw py::error_already_set();

@@ -3,6 +3,8 @@
 // and, in test builds only (NUMA_MOE_TEST_HOOKS), the test hooks as `testing`.
 #include <pybind11/pybind11.h>
 
+#include "bindings/gil.hpp"
+
 namespace numa_moe::bindings {
 void register_placement(pybind11::module_& m);
 void register_kernels(pybind11::module_& m);
@@ -25,6 +27,9 @@ PYBIND11_MODULE(_native, m) {
     numa_moe::bindings::register_engine(m);
     numa_moe::bindings::register_attention(m);
     numa_moe::bench::register_bench(m);
+    // Daemon threads inside native calls at interpreter exit (bindings/gil.hpp).
+    pybind11::module_::import("atexit").attr("register")(
+        pybind11::cpp_function([] { numa_moe::bindings::prepare_exit(); }));
 #ifdef NUMA_MOE_TEST_HOOKS
     numa_moe::testing::register_testing(m);
 #endif

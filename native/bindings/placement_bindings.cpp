@@ -9,6 +9,7 @@
 #include <thread>
 #include <utility>
 
+#include "bindings/gil.hpp"
 #include "common/cpu_features.hpp"
 #include "placement/syscalls.hpp"
 
@@ -102,7 +103,7 @@ MADV_HUGEPAGE (2 MiB aligned) or MADV_NOHUGEPAGE, populated by `touch_threads` t
 Exposes the buffer protocol (1-D, bytes, writable); munmapped when the object dies,
 which numpy/torch views prevent while they are alive.)doc")
         .def(py::init([](std::size_t nbytes, const std::vector<int>& nodes, bool huge_pages, int touch_threads) {
-                 py::gil_scoped_release release;
+                 NoGil released;
                  return new placement::InterleavedMapping(nbytes, nodes, huge_pages, touch_threads);
              }),
              py::arg("nbytes"), py::arg("nodes"), py::arg("huge_pages") = false, py::arg("touch_threads") = 0)
@@ -135,7 +136,7 @@ void register_page_calls(py::module_& m) {
             py::array_t<int32_t> status(static_cast<py::ssize_t>(pages.size()));
             int* out = status.mutable_data();
             {
-                py::gil_scoped_release release;
+                NoGil released;
                 placement::query_page_nodes(pages.data(), pages.size(), out);
             }
             return status;
@@ -156,7 +157,7 @@ void register_page_calls(py::module_& m) {
             py::array_t<uint8_t> resident(static_cast<py::ssize_t>((length + page - 1) / page));
             unsigned char* out = resident.mutable_data();
             {
-                py::gil_scoped_release release;
+                NoGil released;
                 placement::query_resident_pages(reinterpret_cast<const void*>(first), length, out);
             }
             return resident;
@@ -178,7 +179,7 @@ void register_page_calls(py::module_& m) {
             const int* target_nodes = targets.data();
             long not_migrated = 0;
             {
-                py::gil_scoped_release release;
+                NoGil released;
                 not_migrated = placement::move_pages_to(pages.data(), target_nodes, pages.size(), out);
             }
             return py::make_tuple(status, not_migrated);

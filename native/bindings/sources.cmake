@@ -4,6 +4,7 @@ list(APPEND NUMA_MOE_SOURCES
   native/bindings/attention_bindings.cpp
   native/bindings/checks.cpp
   native/bindings/engine_bindings.cpp
+  native/bindings/gil.cpp
   native/bindings/kernel_bindings.cpp
   native/bindings/placement_bindings.cpp
 )

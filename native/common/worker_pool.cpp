@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <exception>
@@ -15,6 +16,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include <dirent.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -63,6 +65,39 @@ bool spin_until_changed(const std::atomic<uint32_t>& word, uint32_t seen, int64_
         NUMA_MOE_PAUSE();
         if ((i & 63) == 63 && now_ns() > deadline) return false;
     }
+}
+
+// The CPUs any thread of this process may run on: the union of their affinity masks (and
+// `own`, the calling thread's). Not the calling thread's alone: an OpenMP runtime bound
+// to a list of CPUs (vLLM's CPU worker) pins the main thread to the first of them, and a
+// layer over the whole list is built on that thread.
+cpu_set_t process_allowed_cpus(const cpu_set_t& own) {
+    cpu_set_t all = own;
+    DIR* tasks = opendir("/proc/self/task");
+    if (!tasks) return all;
+    while (const dirent* entry = readdir(tasks)) {
+        char* end = nullptr;
+        const long tid = std::strtol(entry->d_name, &end, 10);
+        if (end == entry->d_name || *end != '\0') continue;
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (sched_getaffinity(static_cast<pid_t>(tid), sizeof(set), &set) == 0) CPU_OR(&all, &all, &set);
+    }
+    closedir(tasks);
+    return all;
+}
+
+// "0-3, 8, 10-11".
+std::string cpu_set_text(const cpu_set_t& set) {
+    std::string text;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+        if (!CPU_ISSET(cpu, &set)) continue;
+        int last = cpu;
+        while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
+        text += (text.empty() ? "" : ", ") + std::to_string(cpu) + (last > cpu ? "-" + std::to_string(last) : "");
+        cpu = last;
+    }
+    return text;
 }
 
 }  // namespace
@@ -141,6 +176,20 @@ WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_
     }
     CPU_ZERO(&process_cpus_);
     if (sched_getaffinity(0, sizeof(process_cpus_), &process_cpus_) != 0) CPU_ZERO(&process_cpus_);
+    // On the OpenMP team an unusable CPU would not even fail: pinning is best effort there,
+    // and the participant would silently run wherever it is.
+    const cpu_set_t allowed = process_allowed_cpus(process_cpus_);
+    if (CPU_COUNT(&allowed) > 0) {
+        std::set<int> listed = distinct;
+        if (caller_cpu_ >= 0) listed.insert(caller_cpu_);
+        std::string outside;
+        for (const int cpu : listed)
+            if (!CPU_ISSET(cpu, &allowed)) outside += (outside.empty() ? "" : ", ") + std::to_string(cpu);
+        if (!outside.empty())
+            throw std::invalid_argument("WorkerPool: CPU(s) " + outside +
+                                        " not in this process's allowed set (os.sched_getaffinity of its threads: " +
+                                        cpu_set_text(allowed) + ")");
+    }
     const unsigned hw = std::thread::hardware_concurrency();
     // More threads than CPUs (virtual nodes sharing CPUs): a spinning waiter would only
     // steal the time slice of the thread it waits for, so waiters sleep at once.

@@ -85,6 +85,9 @@ public:
     // node_cpus[n] = CPUs of node n; one worker thread per listed CPU. With pin=false the
     // threads are left to the scheduler (cpu = -1). spin_us: how long idle workers spin
     // before sleeping (0 = sleep at once). caller_cpu: see above (-1: the caller only waits).
+    // Every listed CPU (and caller_cpu) must be one this process may run on (in the
+    // affinity mask of one of its threads), pinned or not: std::invalid_argument names
+    // those that are not.
     WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_t spin_us, int caller_cpu = -1);
     ~WorkerPool();
     WorkerPool(const WorkerPool&) = delete;
