@@ -19,16 +19,20 @@ def isa_report(isas) -> str:
     return ", ".join(words)
 
 
-def pytest_report_header(config):
+def pytest_sessionstart(session):
     """Which ISAs the kernel tests run here, natively or emulated: an AVX-512 change tested on
-    an AVX2 machine says so in the log."""
+    an AVX2 machine says so in the log. Written at the start of every run, -q included
+    (pytest's report header is hidden there)."""
     from numa_moe import kernels
 
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
     lines = {fmt: isa_report(kernels.tested_isas(fmt)) for fmt in ("bf16", "int8", "int4")}
-    header = [f"ISAs: {lines['bf16']}"]
+    reporter.write_line(f"ISAs: {lines['bf16']}")
     if lines["int8"] != lines["bf16"] or lines["int4"] != lines["bf16"]:
-        header += [f"ISAs ({fmt}): {lines[fmt]}" for fmt in ("int8", "int4")]
-    return header
+        for fmt in ("int8", "int4"):
+            reporter.write_line(f"ISAs ({fmt}): {lines[fmt]}")
 
 
 @pytest.fixture
