@@ -318,6 +318,20 @@ def _gguf_string(text: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+# Opens a checkpoint in a child under run_limited and prints the seconds the open took and
+# its error. The bound the tests put on those seconds is loose (5 s): the unbounded reader
+# took 80-120 s on such files, so only a hang or a per-element parse exceeds it.
+TIMED_OPEN = """
+    import time
+    from numa_moe.checkpoint import Checkpoint, CheckpointError
+    start = time.perf_counter()
+    try:
+        Checkpoint.open(sys.argv[1])
+    except CheckpointError as err:
+        print(f"{time.perf_counter() - start:.3f}", err)
+"""
+
+
 @pytest.mark.parametrize("case", ["keys", "tensors", "key length", "array length",
                                   "string length", "string array"])
 def test_gguf_counts_beyond_the_file_fail_at_once(tmp_path, case):
@@ -341,18 +355,10 @@ def test_gguf_counts_beyond_the_file_fail_at_once(tmp_path, case):
     }[case]
     path = tmp_path / "claims.gguf"
     path.write_bytes(data)
-    result = run_limited("""
-        import time
-        from numa_moe.checkpoint import Checkpoint, CheckpointError
-        start = time.perf_counter()
-        try:
-            Checkpoint.open(sys.argv[1])
-        except CheckpointError as err:
-            print(f"{time.perf_counter() - start:.3f}", err)
-    """, path, timeout=60)
+    result = run_limited(TIMED_OPEN, path, timeout=60)
     assert result.returncode == 0 and result.stdout, result.stderr
     seconds, message = result.stdout.split(" ", 1)
-    assert float(seconds) < 0.5, result.stdout
+    assert float(seconds) < 5, result.stdout
     for needle in needles:
         assert needle in message, (needle, message)
 
@@ -368,19 +374,11 @@ def test_gguf_metadata_arrays_that_really_hold_millions_of_elements_open_fast(tm
             + _gguf_string(b"general.architecture") + struct.pack("<I", 8) + _gguf_string(b"qwen3moe"))
     path = tmp_path / "vocab.gguf"
     path.write_bytes(_gguf_header(2) + body)
-    result = run_limited("""
-        import time
-        from numa_moe.checkpoint import Checkpoint, CheckpointError
-        start = time.perf_counter()
-        try:
-            Checkpoint.open(sys.argv[1])
-        except CheckpointError as err:
-            print(f"{time.perf_counter() - start:.3f}", err)
-    """, path, timeout=120)
+    result = run_limited(TIMED_OPEN, path, timeout=120)
     assert result.returncode == 0 and result.stdout, result.stderr
     seconds, message = result.stdout.split(" ", 1)
     assert "qwen3moe.expert_count is missing" in message
-    assert float(seconds) < 2, result.stdout
+    assert float(seconds) < 5, result.stdout
 
 
 def test_gguf_reader_failures_say_what_failed(tmp_path, monkeypatch):
