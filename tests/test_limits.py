@@ -54,7 +54,9 @@ def _memory_error(args, what):
     line, seconds = _one_line_error(args, what, "GiB of memory", "GiB available")
     needed = float(line.split("needs about ")[1].split(" GiB")[0].replace(",", ""))
     assert needed * 2**30 > psutil.virtual_memory().available
-    assert seconds < 0.5, f"took {seconds:.2f} s: the estimate must come before the work"
+    # loose: the work it prevents would take minutes or exhaust memory; a loaded CI machine
+    # must not trip it
+    assert seconds < 5, f"took {seconds:.2f} s: the estimate must come before the work"
 
 
 @pytest.fixture(scope="module")
@@ -202,4 +204,4 @@ def test_make_checkpoint_beyond_the_free_disk_is_refused_before_writing(tmp_path
     line, seconds = _one_line_error(["make-checkpoint", "--like", "deepseek-v3", "--layers", "61", "--experts",
                                      "256", "--format", "int8", "--quiet", "-o", str(out)],
                                     "GiB of disk", "GiB free")
-    assert seconds < 0.5 and not out.exists() and list(tmp_path.iterdir()) == []
+    assert seconds < 5 and not out.exists() and list(tmp_path.iterdir()) == []
