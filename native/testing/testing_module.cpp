@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "bindings/gil.hpp"
 #include "common/cpu_features.hpp"
 #include "common/openmp_team.hpp"
 #include "common/worker_pool.hpp"
@@ -25,17 +26,12 @@ namespace py = pybind11;
 namespace numa_moe::testing {
 namespace {
 
-bool check_signals() {
-    py::gil_scoped_acquire gil;
-    return PyErr_CheckSignals() == 0;
-}
-
 // Each round every participant adds one in a phase and checks in the next that all did.
 py::tuple barrier_check(WorkerPool& pool, int rounds) {
     std::atomic<int64_t> counter{0}, failures{0};
     const int64_t n = pool.participants();
     {
-        py::gil_scoped_release release;
+        bindings::NoGil no_gil;
         pool.run(2 * rounds, [&](int phase, const ThreadInfo&) {
             if (phase % 2 == 0) counter.fetch_add(1);
             else if (counter.load() < n * (phase / 2 + 1)) failures.fetch_add(1);
@@ -50,7 +46,7 @@ py::tuple participant_cpus(WorkerPool& pool) {
     std::vector<int> cpus(pool.participants(), -2);
     std::vector<int> caller_affinity;
     {
-        py::gil_scoped_release release;
+        bindings::NoGil no_gil;
         pool.run(1, [&](int, const ThreadInfo& ti) {
             cpus[ti.global] = sched_getcpu();
             if (ti.global != pool.n_threads()) return;
@@ -69,12 +65,12 @@ py::tuple participant_cpus(WorkerPool& pool) {
 bool busy_job(WorkerPool& pool, double seconds) {
     bool completed;
     {
-        py::gil_scoped_release release;
+        bindings::NoGil no_gil;
         completed = pool.run(2, [&](int, const ThreadInfo&) {
             const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds / 2);
             while (std::chrono::steady_clock::now() < end && !pool.aborted())
                 std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        }, check_signals);
+        }, bindings::check_signals);
     }
     if (!completed) throw py::error_already_set();
     return completed;
@@ -82,7 +78,7 @@ bool busy_job(WorkerPool& pool, double seconds) {
 
 // A job of n_phases phases in which participant `thrower` throws in phase `phase`.
 void throwing_job(WorkerPool& pool, int n_phases, int phase, int thrower) {
-    py::gil_scoped_release release;
+    bindings::NoGil no_gil;
     pool.run(n_phases, [&](int p, const ThreadInfo& ti) {
         if (p == phase && ti.global == thrower)
             throw std::runtime_error("test job: participant " + std::to_string(thrower) + " failed in phase " +
@@ -98,7 +94,7 @@ py::tuple participant_threads(WorkerPool& pool) {
     std::vector<int64_t> tids(pool.participants(), -1);
     std::vector<std::vector<int>> affinity(pool.participants());
     {
-        py::gil_scoped_release release;
+        bindings::NoGil no_gil;
         pool.run(1, [&](int, const ThreadInfo& ti) {
             tids[ti.global] = gettid_now();
             cpu_set_t set;
@@ -120,7 +116,7 @@ std::vector<int64_t> openmp_team_threads(int n) {
         const OpenMpRuntime* omp;
         std::vector<int64_t> tids;
     } team{omp, std::vector<int64_t>(n, -1)};
-    py::gil_scoped_release release;
+    bindings::NoGil no_gil;
     omp->parallel([](void* raw) {
         Team& t = *static_cast<Team*>(raw);
         const int i = t.omp->thread_num();
