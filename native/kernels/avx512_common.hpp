@@ -301,18 +301,23 @@ inline void quantize_block(const __m512* v, int8_t* q, float* scale) {
     auto rounded = [&](int64_t i) {
         return _mm512_cvtps_epi32(_mm512_div_ps(v[i], sv));
     };
-    int64_t i = 0;
+    constexpr int64_t n_vectors = G / 16;
+    constexpr int64_t n_quads = n_vectors / 4;
     // The packs leave dword 4l + j of the result holding vector j's lanes 4l..4l+3.
     const __m512i vector_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    for (; i + 4 <= G / 16; i += 4) {
+    for (int64_t i = 0; i < 4 * n_quads; i += 4) {
         const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(rounded(i), rounded(i + 1)),
                                                  _mm512_packs_epi32(rounded(i + 2), rounded(i + 3)));
         _mm512_storeu_si512(q + 16 * i,
                             _mm512_max_epi8(_mm512_permutexvar_epi32(vector_order, bytes), _mm512_set1_epi8(-127)));
     }
-    for (; i < G / 16; ++i)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
-                         _mm512_cvtsepi32_epi8(_mm512_max_epi32(rounded(i), _mm512_set1_epi32(-127))));
+    // The vectors left over: groups of 32 only. Compiled only there: left in for 64 and 128
+    // the dead loop is what GCC's link-time optimizer reports as undefined behaviour.
+    if constexpr (n_vectors % 4 != 0) {
+        for (int64_t i = 4 * n_quads; i < n_vectors; ++i)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
+                             _mm512_cvtsepi32_epi8(_mm512_max_epi32(rounded(i), _mm512_set1_epi32(-127))));
+    }
 }
 
 // The gather: token t is row token_index[t] of x, quantized group by group. Tokens are
