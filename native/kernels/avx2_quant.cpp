@@ -4,39 +4,58 @@
 // cpuid + XCR0 allow AVX2 + FMA. One table per format and group G (32, 64, 128); G is also
 // the tokens' quantization block.
 //
-// Operand layouts (kernel_api.hpp), all those of ref_quant.cpp, whose gather,
-// silu_mul_pack and epilogues this table reuses:
+// Operand layouts (kernel_api.hpp):
 //   weights  int8 w[r * ld + c]; int4: byte (r * ld + c) / 2, the even column in its low
 //            nibble, 4-bit two's complement; never repacked. Scales (fp32, fp16 or bf16)
 //            s[r * scales_ld + c / G]
-//   tokens   plain: int8 q[t * k + c] (m * k bytes, padded to 64), then fp32
-//            scale[t * (k / G) + b]
+//   tokens   the int8 values and fp32 scales of ref_quant.cpp's token rule (per token and
+//            block of G columns), quantized once by gather / silu_mul_pack:
+//            values  int8: q[t * k + c]; int4: the same bytes, but each 32 columns (a
+//                    16-byte run of packed weights) as its 16 even columns, then its 16
+//                    odd ones: q[t * k + (c & ~31) + 16 (c % 2) + (c % 32) / 2]
+//                    (m * k bytes, padded to 64)
+//            scales  fp32 scale[t * (k / G) + b]
+//            int4    then int32 offset[b * m4 + t] = 8 * sum of token t's values in block
+//                    b (m4 = m rounded up to 4, padding 0): the bias correction below
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
 // The result is the reference's bit for bit: per group an exact int32 dot product,
 // float(dot) * (s_w * s_x) added in fp32 in increasing group order, starting from 0 per
 // segment and added to out at the end (hence -ffp-contract=off: no fused multiply-add may
-// change a rounding).
+// change a rounding). The token rule itself is the reference's too: division by the
+// scale and vcvtps2dq round exactly as its x / s and nearbyint.
 //
 // The dot products use vpmaddubsw (u8 x s8, adjacent products summed into saturating
 // int16), which is exact here because no pair sum can reach the int16 limit 32767:
 //   int8: |w| . sign(x, w), |w| <= 128 (even the -128 the format never writes), |x| <= 127
-//         (gather and silu_mul_pack clamp to [-127, 127]): |pair| <= 2 * 128 * 127 = 32512;
+//         (the token rule clamps to [-127, 127]): |pair| <= 2 * 128 * 127 = 32512;
 //         vpmaddwd with ones then widens each step's pairs to int32.
 //   int4: the nibble biased to u = q + 8 in [0, 15]: |pair| <= 2 * 15 * 127 = 3810, and
 //         dot(u, x) = dot(q, x) + 8 * sum(x). A group has G / 32 <= 4 steps, so the int16
 //         sums of a group's u products stay below 4 * 3810 = 15240: accumulated in int16,
-//         widened once per group; 8 * sum(x) of each token and group is taken once per
-//         call and subtracted from the group totals.
+//         widened once per group; the token's offset is subtracted from the group totals.
+//         A step unpacks 32 columns in three operations: the row's 16 bytes broadcast to
+//         both halves of a vector, the upper half shifted right by 4, masked to nibbles,
+//         biased by xor 8; the low half then holds the even columns and the upper half
+//         the odd ones, the order of the token values.
 // Register block: R rows x T tokens = up to 8 (row, token) pairs (T = 1, 2, 3, 4 tokens;
-// R = 8, 4, 2, 2 rows), one int32 vector each, so each weight vector loaded serves T tokens.
+// R = 8, 4, 2, 2 rows), one vector each, so each weight vector loaded serves T tokens.
 // Per group the 8 pair vectors reduce (vphaddd tree) to one vector of group totals, lane
-// p = pair p, and the fp32 scale-and-add runs on the 8 pairs at once.
+// p = pair p, and the fp32 scale-and-add runs on the 8 pairs at once. Rows are read 8 at
+// a time (a row block), which the hardware prefetchers follow badly: while the first
+// token block reads a row block, each 64 bytes of a row read request one line of the row
+// block after next, in address order (LinePrefetcher).
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstring>
+#include <limits>
+
 #include "common/util.hpp"
+#include "kernels/bf16.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
+#include "kernels/line_prefetcher.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -48,15 +67,158 @@ constexpr Isa kIsa = Isa::avx2_emulated;
 constexpr Isa kIsa = Isa::avx2;
 #endif
 
-constexpr int kPairs = 8;          // (row, token) pairs of a register block: the lanes of a vector
-constexpr int kBlockRows = 8;      // rows collected per block, split into R = kPairs / T per token block
-constexpr int64_t kStepColumns = 32;  // columns of one step (a vector of int8 weights)
-constexpr int kOffsetsSlot = 0;       // thread_scratch slot of the int4 token offsets
+constexpr int kPairs = 8;             // (row, token) pairs of a register block: the lanes of a vector
+constexpr int kBlockRows = 8;         // rows per row block, split into R = kPairs / T per token block
+constexpr int64_t kStepColumns = 32;  // columns of one step (a vector of int8 weights or tokens)
+constexpr int kTokenBlock = 4;        // tokens per register block at most
 
-const float* token_scales(const void* packed, int64_t m, int64_t k) {
-    return reinterpret_cast<const float*>(static_cast<const uint8_t*>(packed) +
-                                          (static_cast<size_t>(m * k) + 63) / 64 * 64);
+// ---------------------------------------------------------------------------------------
+// Token operand.
+
+int64_t offsets_stride(int64_t m) { return (m + kTokenBlock - 1) / kTokenBlock * kTokenBlock; }
+
+size_t value_bytes(int64_t m, int64_t k) { return (static_cast<size_t>(m * k) + 63) / 64 * 64; }
+
+template <Format F, int64_t G>
+size_t packed_bytes(int64_t m, int64_t k) {
+    const size_t scales = static_cast<size_t>(m * (k / G)) * sizeof(float);
+    const size_t offsets = F == Format::int4 ? static_cast<size_t>(offsets_stride(m) * (k / G)) * sizeof(int32_t) : 0;
+    return value_bytes(m, k) + scales + offsets;
 }
+
+template <Format F, int64_t G>
+struct TokenOperand {
+    TokenOperand(const void* packed, int64_t m_, int64_t k_)
+        : values(static_cast<int8_t*>(const_cast<void*>(packed))),
+          scales(reinterpret_cast<float*>(values + value_bytes(m_, k_))),
+          offsets(F == Format::int4 ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
+          m(m_), k(k_) {}
+
+    // Token t's block b: G values in column order and their scale.
+    void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
+        int8_t* dst = values + t * k + b * G;
+        scales[t * (k / G) + b] = scale;
+        if constexpr (F == Format::int8) {
+            std::memcpy(dst, q, G);
+        } else {
+            // Per 128-bit half (16 columns): its 8 even columns, then its 8 odd ones; the
+            // 64-bit permute then puts the 16 even columns of the 32 first.
+            const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                   0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+            const __m256i ones8 = _mm256_set1_epi8(1);
+            __m256i pairs = _mm256_setzero_si256();  // at most G / 32 * 2 * 127 per int16: exact
+            for (int64_t c = 0; c < G; c += kStepColumns) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                                    _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, order), 0xd8));
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(ones8, v));
+            }
+            const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+            const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+            const __m128i two = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+            offsets[b * offsets_stride(m) + t] = 8 * _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
+        }
+    }
+
+    // int4: the offsets of the padding tokens of blocks [b_begin, b_end), 0 (each writer
+    // fills its own blocks: no shared bytes).
+    void zero_padding(int64_t b_begin, int64_t b_end) const {
+        if constexpr (F == Format::int4)
+            for (int64_t b = b_begin; b < b_end; ++b)
+                for (int64_t t = m; t < offsets_stride(m); ++t) offsets[b * offsets_stride(m) + t] = 0;
+    }
+
+    int8_t* values;
+    float* scales;
+    int32_t* offsets;
+    int64_t m, k;
+};
+
+// The token rule on G values in 8-float vectors: scale amax / 127 (the reference's fp32
+// division), values round(v / scale) clamped to [-127, 127]; a zero block gets scale 0 and
+// values 0, a block holding a NaN or an infinity scale NaN and values 0 (ref_quant.cpp).
+template <int64_t G>
+void quantize_block(const __m256* v, int8_t* q, float* scale) {
+    const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 infinity = _mm256_set1_ps(INFINITY);
+    __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int64_t i = 0; i < G / 8; ++i) {
+        const __m256 magnitude = _mm256_and_ps(v[i], magnitude_mask);
+        finite = _mm256_and_ps(finite, _mm256_cmp_ps(magnitude, infinity, _CMP_LT_OQ));
+        amax = _mm256_max_ps(amax, magnitude);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const bool all_finite = _mm256_movemask_ps(finite) == 0xff;
+    const float s = all_finite ? _mm_cvtss_f32(m4) / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    *scale = s;
+    if (!(s > 0.0f)) {
+        std::memset(q, 0, G);
+        return;
+    }
+    const __m256 sv = _mm256_set1_ps(s);
+    // packs of four vectors leave dword 2j + h holding vector j's lanes 4h..4h+3
+    const __m256i vector_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < G / 8; i += 4) {
+        __m256i r[4];
+        for (int j = 0; j < 4; ++j) r[j] = _mm256_cvtps_epi32(_mm256_div_ps(v[i + j], sv));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i),
+                            _mm256_max_epi8(_mm256_permutevar8x32_epi32(bytes, vector_order), _mm256_set1_epi8(-127)));
+    }
+}
+
+template <Format F, int64_t G>
+void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
+    const TokenOperand<F, G> out(packed, m, k);
+    out.zero_padding(0, k / G);
+    __m256 v[G / 8];
+    alignas(32) int8_t q[G];
+    for (int64_t t = 0; t < m; ++t) {
+        const bf16* row = x + token_index[t] * ldx;
+        for (int64_t b = 0; b < k / G; ++b) {
+            for (int64_t i = 0; i < G / 8; ++i) {
+                const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * G + 8 * i));
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            }
+            float scale;
+            quantize_block<G>(v, q, &scale);
+            out.put(t, b, q, scale);
+        }
+    }
+}
+
+// The activation is ref_quant.cpp's scalar expression (same sums, same silu), so that the
+// values quantized are the reference's bit for bit.
+template <Format F, int64_t G>
+void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+    const TokenOperand<F, G> out(packed, m, i_total);
+    out.zero_padding(i_begin / G, i_end / G);
+    alignas(32) float block[G];
+    __m256 v[G / 8];
+    alignas(32) int8_t q[G];
+    for (int64_t t = 0; t < m; ++t) {
+        for (int64_t b0 = i_begin; b0 < i_end; b0 += G) {
+            for (int64_t j = 0; j < G; ++j) {
+                float g = 0.0f, u = 0.0f;
+                for (int p = 0; p < n_parts; ++p) {
+                    g += gate_parts[p][(b0 + j) * ld + t];
+                    u += up_parts[p][(b0 + j) * ld + t];
+                }
+                block[j] = silu(g) * u;
+            }
+            for (int64_t i = 0; i < G / 8; ++i) v[i] = _mm256_load_ps(block + 8 * i);
+            float scale;
+            quantize_block<G>(v, q, &scale);
+            out.put(t, b0 / G, q, scale);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Weights.
 
 // n (<= 8) consecutive scales of one row from group g0 as fp32, lanes past n zero. fp16
 // is converted exactly with integer operations (no F16C in the flags): normal numbers
@@ -128,25 +290,24 @@ inline void scale_tile(const void* const* scales, ScaleType scale_type, const fl
     transpose8(tile);
 }
 
-// 32 columns of a weight row from `p` (int4: p points at the byte of the first column):
-// int8 the signed bytes; int4 the biased nibbles u = q + 8 as bytes, in column order.
+template <Format F>
+constexpr int64_t column_bytes(int64_t c) {
+    return F == Format::int8 ? c : c / 2;
+}
+
+// 32 columns of a weight row from `p` (the byte of the first column), as vpmaddubsw's
+// unsigned operand's source: int8 the signed bytes; int4 the biased nibbles u = q + 8,
+// the 16 even columns in the low half and the 16 odd ones in the high half.
 template <Format F>
 inline __m256i load_weights(const uint8_t* p) {
     if constexpr (F == Format::int8) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     } else {
-        // Widened to 16 bits, byte 0xHL (after the xor that biases each nibble) becomes
-        // the byte pair (L, H) with (word | word << 4) & 0x0f0f.
-        const __m128i raw = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
-                                          _mm_set1_epi8(static_cast<char>(0x88)));
-        const __m256i wide = _mm256_cvtepu8_epi16(raw);
-        return _mm256_and_si256(_mm256_or_si256(wide, _mm256_slli_epi16(wide, 4)), _mm256_set1_epi16(0x0f0f));
+        const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                                 _mm256_set1_epi8(0x0f));
+        return _mm256_xor_si256(nibbles, _mm256_set1_epi8(8));
     }
-}
-
-template <Format F>
-constexpr int64_t column_bytes(int64_t c) {
-    return F == Format::int8 ? c : c / 2;
 }
 
 // Lane p of the result = the sum of v[p]'s eight lanes.
@@ -158,18 +319,38 @@ inline __m256i reduce_pairs(const __m256i v[kPairs]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
+// The rows of a register block and the prefetch of a later row block's lines; pf is null
+// where the row block's lines were already requested (token blocks after the first).
+template <int R>
+struct RowBlock {
+    const uint8_t* w[R];      // column 0 of each row
+    const void* scales[R];    // each row's first scale
+    LinePrefetcher* pf;
+};
+
+// The token operand of a block of T tokens from t0.
+struct TokenBlock {
+    const int8_t* x;          // token t0, column 0
+    const float* scales;      // token t0's first scale
+    const int32_t* offsets;   // int4: offsets + t0 (stride m4 per group)
+    int64_t k;
+    int64_t m4;
+};
+
 // The int32 dot products of one group (G columns from c0) for the R x T pairs, pair
 // p = r * T + t in dot[p]'s lanes (pairs past R * T: zero).
 template <Format F, int64_t G, int R, int T>
-inline void group_dots(const uint8_t* const* w, const int8_t* x, int64_t k, int64_t c0, __m256i dot[kPairs]) {
+inline void group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c0, __m256i dot[kPairs]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int p = 0; p < kPairs; ++p) dot[p] = _mm256_setzero_si256();
     if constexpr (F == Format::int8) {
         for (int64_t c = c0; c < c0 + G; c += kStepColumns) {
             __m256i xv[T];
-            for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * k + c));
+            for (int t = 0; t < T; ++t)
+                xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tokens.x + t * tokens.k + c));
             for (int r = 0; r < R; ++r) {
-                const __m256i wv = load_weights<F>(w[r] + c);
+                if (b.pf && (c & 63) == 0) b.pf->next();
+                const __m256i wv = load_weights<F>(b.w[r] + c);
                 const __m256i magnitude = _mm256_abs_epi8(wv);
                 for (int t = 0; t < T; ++t) {
                     const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[t], wv));
@@ -182,9 +363,11 @@ inline void group_dots(const uint8_t* const* w, const int8_t* x, int64_t k, int6
         for (int p = 0; p < R * T; ++p) sums[p] = _mm256_setzero_si256();
         for (int64_t c = c0; c < c0 + G; c += kStepColumns) {
             __m256i xv[T];
-            for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * k + c));
+            for (int t = 0; t < T; ++t)
+                xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tokens.x + t * tokens.k + c));
             for (int r = 0; r < R; ++r) {
-                const __m256i uv = load_weights<F>(w[r] + c / 2);
+                if (b.pf && (c & 127) == 0) b.pf->next();
+                const __m256i uv = load_weights<F>(b.w[r] + c / 2);
                 for (int t = 0; t < T; ++t)
                     sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
             }
@@ -193,76 +376,38 @@ inline void group_dots(const uint8_t* const* w, const int8_t* x, int64_t k, int6
     }
 }
 
-// int4: the weights' bias times each token's group sums, 8 * sum(x[t][group g]), at
-// offsets[g * m_pad + t] (m_pad = m rounded up to 4, padding 0): subtracted from the
-// biased dots once per group, for all pairs at once.
-int64_t offsets_stride(int64_t m) { return (m + 3) / 4 * 4; }
-
-template <int64_t G>
-void token_offsets(const int8_t* q, int64_t m, int64_t k, int32_t* offsets) {
-    const int64_t m_pad = offsets_stride(m);
-    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-    for (int64_t g = 0; g < k / G; ++g) {
-        for (int64_t t = 0; t < m_pad; ++t) {
-            if (t >= m) {
-                offsets[g * m_pad + t] = 0;
-                continue;
-            }
-            __m256i pairs = _mm256_setzero_si256();  // at most 4 steps x 2 x 127: int16 holds it
-            for (int64_t c = g * G; c < (g + 1) * G; c += kStepColumns)
-                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(
-                                                    ones8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * k + c))));
-            const __m256i quads = _mm256_madd_epi16(pairs, ones16);
-            const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
-            const __m128i two = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
-            offsets[g * m_pad + t] = 8 * _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
-        }
-    }
-}
-
 // The offsets of group g for the pairs, lane p = token p % T of the block.
 template <int T>
-inline __m256i pair_offsets(const int32_t* offsets_t0, int64_t m_pad, int64_t g) {
-    const __m256i four = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets_t0 + g * m_pad)));
+inline __m256i pair_offsets(const int32_t* offsets_t0, int64_t m4, int64_t g) {
+    const __m256i four = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets_t0 + g * m4)));
     return _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(0 % T, 1 % T, 2 % T, 3 % T, 4 % T, 5 % T, 6 % T, 7 % T));
 }
 
-// The token operand of a block of T tokens from t0.
-struct TokenBlock {
-    const int8_t* x;          // token t0, column 0
-    const float* scales;      // token t0's first scale
-    const int32_t* offsets;   // int4: offsets + t0 (stride m_pad per group)
-    int64_t k;
-    int64_t m_pad;
-};
-
 // One register block over columns [k0, k1) of a segment: sums[p] = sum over its groups of
 // float(dot) * (s_w * s_x), pair p = r * T + t, in increasing group order from 0.
-// w[r]: column 0 of row r; scales[r]: its first scale.
 template <Format F, int64_t G, int R, int T>
-void block_sums(const uint8_t* const* w, const void* const* scales, ScaleType scale_type, const TokenBlock& tokens,
-                int64_t k0, int64_t k1, float sums[kPairs]) {
+void block_sums(const RowBlock<R>& b, ScaleType scale_type, const TokenBlock& tokens, int64_t k0, int64_t k1,
+                float sums[kPairs]) {
     static_assert(R * T <= kPairs, "a register block holds at most kPairs pairs");
     const int64_t x_groups = tokens.k / G;
     __m256 total = _mm256_setzero_ps();
     for (int64_t g0 = k0 / G; g0 < k1 / G; g0 += kPairs) {
         const int64_t n = k1 / G - g0 < kPairs ? k1 / G - g0 : kPairs;
         __m256 tile[kPairs];
-        scale_tile<R, T>(scales, scale_type, tokens.scales, x_groups, g0, n, tile);
+        scale_tile<R, T>(b.scales, scale_type, tokens.scales, x_groups, g0, n, tile);
         for (int64_t i = 0; i < n; ++i) {
             __m256i dot[kPairs];
-            group_dots<F, G, R, T>(w, tokens.x, tokens.k, (g0 + i) * G, dot);
+            group_dots<F, G, R, T>(b, tokens, (g0 + i) * G, dot);
             __m256i totals = reduce_pairs(dot);
             if constexpr (F == Format::int4)
-                totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m_pad, g0 + i));
+                totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m4, g0 + i));
             total = _mm256_add_ps(total, _mm256_mul_ps(_mm256_cvtepi32_ps(totals), tile[i]));
         }
     }
     _mm256_storeu_ps(sums, total);
 }
 
-// The rows collected for a block (up to kBlockRows of a segment inside [row_begin, row_end)).
+// The rows of a row block (up to kBlockRows of a segment inside [row_begin, row_end)).
 struct Rows {
     const uint8_t* w[kBlockRows];
     const void* scales[kBlockRows];
@@ -270,21 +415,21 @@ struct Rows {
     int n = 0;
 };
 
-// Rows r0 .. r0 + R of the block against tokens t0 .. t0 + T; rows past the block's end
-// repeat row r0 (valid memory), their sums dropped.
+// Rows r0 .. r0 + R of the row block against tokens t0 .. t0 + T; rows past the block's
+// end repeat row r0 (valid memory), their sums dropped.
 template <Format F, int64_t G, int R, int T>
-void run_block(const Rows& rows, ScaleType scale_type, const TokenBlock& tokens, int64_t k0, int64_t k1,
-               int64_t t0) {
+void run_block(const Rows& rows, ScaleType scale_type, const TokenBlock& tokens, int64_t k0, int64_t k1, int64_t t0,
+               LinePrefetcher* pf) {
     for (int r0 = 0; r0 < rows.n; r0 += R) {
-        const uint8_t* w[R];
-        const void* scales[R];
+        RowBlock<R> b;
         for (int r = 0; r < R; ++r) {
             const int row = r0 + r < rows.n ? r0 + r : r0;
-            w[r] = rows.w[row];
-            scales[r] = rows.scales[row];
+            b.w[r] = rows.w[row];
+            b.scales[r] = rows.scales[row];
         }
+        b.pf = pf;
         float sums[kPairs];
-        block_sums<F, G, R, T>(w, scales, scale_type, tokens, k0, k1, sums);
+        block_sums<F, G, R, T>(b, scale_type, tokens, k0, k1, sums);
         for (int r = 0; r < R && r0 + r < rows.n; ++r)
             for (int t = 0; t < T; ++t) rows.out[r0 + r][t0 + t] += sums[r * T + t];
     }
@@ -293,17 +438,10 @@ void run_block(const Rows& rows, ScaleType scale_type, const TokenBlock& tokens,
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
-    const int8_t* q = static_cast<const int8_t*>(packed);
-    const float* x_scales = token_scales(packed, m, k);
+    const TokenOperand<F, G> operand(packed, m, k);
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
     const int64_t row_bytes = column_bytes<F>(w.ld);
     const int64_t scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
-    const int64_t m_pad = offsets_stride(m);
-    int32_t* offsets = nullptr;
-    if constexpr (F == Format::int4) {
-        offsets = static_cast<int32_t*>(thread_scratch(kOffsetsSlot, static_cast<size_t>(m_pad * (k / G)) * sizeof(int32_t)));
-        token_offsets<G>(q, m, k, offsets);
-    }
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {
@@ -315,14 +453,18 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                 rows.out[rows.n] = out + r * ldo;
                 ++rows.n;
             }
+            LinePrefetcher pf(rows.w[0] + 2 * kBlockRows * stride * row_bytes, column_bytes<F>(seg.k0),
+                              column_bytes<F>(seg.k1), stride * row_bytes);
             for (int64_t t0 = 0; t0 < m;) {
-                const int64_t nt = m - t0 < 4 ? m - t0 : 4;
-                const TokenBlock tokens{q + t0 * k, x_scales + t0 * (k / G), offsets ? offsets + t0 : nullptr, k, m_pad};
+                const int64_t nt = m - t0 < kTokenBlock ? m - t0 : kTokenBlock;
+                const TokenBlock tokens{operand.values + t0 * k, operand.scales + t0 * (k / G),
+                                        operand.offsets ? operand.offsets + t0 : nullptr, k, offsets_stride(m)};
+                LinePrefetcher* first = t0 == 0 ? &pf : nullptr;
                 switch (nt) {
-                    case 1: run_block<F, G, 8, 1>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
-                    case 2: run_block<F, G, 4, 2>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
-                    case 3: run_block<F, G, 2, 3>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
-                    default: run_block<F, G, 2, 4>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0); break;
+                    case 1: run_block<F, G, 8, 1>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
+                    case 2: run_block<F, G, 4, 2>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
+                    case 3: run_block<F, G, 2, 3>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
+                    default: run_block<F, G, 2, 4>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
                 }
                 t0 += nt;
             }
@@ -332,11 +474,13 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
 
 template <Format F, int64_t G>
 const KernelOps& table() {
-    // The token layout is the reference's plain one, and the epilogues touch rows x tokens
-    // floats, nothing next to the weights: the reference versions serve.
+    // The epilogues of the down projection touch rows x tokens floats, nothing next to the
+    // weights: the reference's serve.
     static const KernelOps& ref = *ref_integer_ops(F, G);
-    static const KernelOps ops{kIsa, isa_name(kIsa), F, G, plain_layout, ref.packed_bytes, ref.gather,
-                               matmul_segments<F, G>, ref.silu_mul_pack, ref.combine_down, ref.store_down};
+    static const KernelOps ops{kIsa,           isa_name(kIsa),        F,
+                               G,              plain_layout,          packed_bytes<F, G>,
+                               gather<F, G>,   matmul_segments<F, G>, silu_mul_pack<F, G>,
+                               ref.combine_down, ref.store_down};
     return ops;
 }
 

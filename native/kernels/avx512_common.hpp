@@ -18,6 +18,7 @@
 #include <limits>
 
 #include "kernels/kernel_api.hpp"
+#include "kernels/line_prefetcher.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -31,28 +32,6 @@ inline void prefetch_out_floats(const float* out, int64_t n) {
     _mm_prefetch(reinterpret_cast<const char*>(out), _MM_HINT_T2);
     _mm_prefetch(reinterpret_cast<const char*>(out + n - 1), _MM_HINT_T2);
 }
-
-// The lines of a later row block of weights in address order: row by row, bytes
-// [begin, end) of each (a segment's columns), one request per call, kBytes on (32-byte
-// steps ask for each line twice). Past the segment's last row it requests lines no one
-// reads: prefetch never faults. The integer kernels read 8-32 rows side by side, which
-// the hardware prefetchers do not follow well (docs/kernels.md, "Prefetch in address
-// order").
-struct LinePrefetcher {
-    const uint8_t* row;
-    int64_t at, begin, end, step;
-    LinePrefetcher(const uint8_t* first_row, int64_t begin_, int64_t end_, int64_t step_)
-        : row(first_row), at(begin_), begin(begin_), end(end_), step(step_) {}
-    template <int64_t kBytes = 64>
-    void next() {
-        _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T2);
-        at += kBytes;
-        if (at >= end) {
-            at = begin;
-            row += step;
-        }
-    }
-};
 
 // exp(x) to ~2 ulp over the fp32 range: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial,
 // 2^n applied with scalef (which also handles the over/underflow ends).
