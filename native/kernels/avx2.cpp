@@ -6,13 +6,18 @@
 //   tokens   plain row-major packed[t * k + c] bf16
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
-// bf16 -> fp32 is a 16-bit left shift (zero-extend to 32 bits, shift); 8 columns per step,
-// a block of 2 rows x 4 tokens of ymm accumulators, FMA, horizontal sums at the end.
+// bf16 -> fp32 in-lane, 16 columns per step split into even and odd columns (a 16-bit
+// left shift of each dword for the even ones, a mask for the odd ones) for weights and
+// tokens alike; R rows x T tokens of ymm FMA accumulators (8 x 1, 4 x 2, 2 x 3, 2 x 4),
+// horizontal sums at the end. Rows are read 8 at a time, and while the first token block
+// reads a row block each 64 bytes of a row request one line of the row block after next,
+// in address order (LinePrefetcher): 8 rows read side by side are a pattern the hardware
+// prefetchers follow badly.
 #include <immintrin.h>
-
 
 #include "kernels/bf16.hpp"
 #include "kernels/isa_tables.hpp"
+#include "kernels/line_prefetcher.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -25,9 +30,14 @@ constexpr Isa kIsa = Isa::avx2;
 #endif
 
 
-inline __m256 load8_bf16(const bf16* p) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+// 16 columns of bf16 from p as fp32: the even columns (low halves, shifted up) and the
+// odd ones (high halves, masked). Two in-lane operations per 16 columns, where widening
+// in column order takes a lane-crossing one per 8; weights and tokens split alike, so the
+// products still pair column with column.
+inline void load16_bf16(const bf16* p, __m256* even, __m256* odd) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
 inline float hsum8(__m256 v) {
@@ -36,18 +46,53 @@ inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
+constexpr int kBlockRows = 8;  // rows per row block
+constexpr int kTokenBlock = 4;  // tokens per register block at most
+
+// Rows per register block for T tokens: R x T accumulators and the operands of a step in
+// 16 ymm registers.
+constexpr int rows_for_tokens(int t) { return t == 1 ? 8 : t == 2 ? 4 : 2; }
+
+// out_rows[r][t] += w_rows[r][k0, k1) . tok[t][k0, k1) for R rows and T tokens. pf (null
+// when the lines were requested already) takes one line of a later row block per 64 bytes
+// of a row read.
 template <int R, int T>
-void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, int64_t k1, float* const* out_rows) {
+void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, int64_t k1, float* const* out_rows,
+           LinePrefetcher* pf) {
+    // The operands held across a step: the rows' vectors (then each token's in turn) where
+    // they fit in 16 registers beside the accumulators, else the tokens' (then each row's).
+    constexpr bool kRowsFirst = 2 * R + R * T + 2 <= 16;
     __m256 acc[R][T];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
     int64_t c = k0;
-    for (; c + 8 <= k1; c += 8) {
-        __m256 w[R];
-        for (int r = 0; r < R; ++r) w[r] = load8_bf16(w_rows[r] + c);
-        for (int t = 0; t < T; ++t) {
-            const __m256 x = load8_bf16(tok + t * ldt + c);
-            for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(w[r], x, acc[r][t]);
+    for (; c + 16 <= k1; c += 16) {
+        if constexpr (kRowsFirst) {
+            __m256 w_even[R], w_odd[R];
+            for (int r = 0; r < R; ++r) {
+                if (pf && ((c - k0) & 31) == 0) pf->next();
+                load16_bf16(w_rows[r] + c, &w_even[r], &w_odd[r]);
+            }
+            for (int t = 0; t < T; ++t) {
+                __m256 x_even, x_odd;
+                load16_bf16(tok + t * ldt + c, &x_even, &x_odd);
+                for (int r = 0; r < R; ++r) {
+                    acc[r][t] = _mm256_fmadd_ps(w_even[r], x_even, acc[r][t]);
+                    acc[r][t] = _mm256_fmadd_ps(w_odd[r], x_odd, acc[r][t]);
+                }
+            }
+        } else {
+            __m256 x_even[T], x_odd[T];
+            for (int t = 0; t < T; ++t) load16_bf16(tok + t * ldt + c, &x_even[t], &x_odd[t]);
+            for (int r = 0; r < R; ++r) {
+                if (pf && ((c - k0) & 31) == 0) pf->next();
+                __m256 w_even, w_odd;
+                load16_bf16(w_rows[r] + c, &w_even, &w_odd);
+                for (int t = 0; t < T; ++t) {
+                    acc[r][t] = _mm256_fmadd_ps(w_even, x_even[t], acc[r][t]);
+                    acc[r][t] = _mm256_fmadd_ps(w_odd, x_odd[t], acc[r][t]);
+                }
+            }
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -59,15 +104,21 @@ void micro(const bf16* const* w_rows, const bf16* tok, int64_t ldt, int64_t k0, 
     }
 }
 
-using MicroFn = void (*)(const bf16* const*, const bf16*, int64_t, int64_t, int64_t, float* const*);
-
-template <int R>
-MicroFn micro_for_tokens(int64_t t) {
-    switch (t) {
-        case 1: return micro<R, 1>;
-        case 2: return micro<R, 2>;
-        case 3: return micro<R, 3>;
-        default: return micro<R, 4>;
+// The rows of a row block against tokens t0 .. t0 + T, R rows at a time; rows past the
+// block's end repeat its first row (valid memory), their sums written to a scratch row.
+template <int T>
+void run_block(const bf16* const* w_rows, float* const* out_rows, int n_rows, const bf16* tok, int64_t ldt,
+               int64_t k0, int64_t k1, int64_t t0, LinePrefetcher* pf) {
+    constexpr int R = rows_for_tokens(T);
+    float discard[kTokenBlock];
+    for (int r0 = 0; r0 < n_rows; r0 += R) {
+        const bf16* w[R];
+        float* out[R];
+        for (int r = 0; r < R; ++r) {
+            w[r] = r0 + r < n_rows ? w_rows[r0 + r] : w_rows[r0];
+            out[r] = r0 + r < n_rows ? out_rows[r0 + r] + t0 : discard;
+        }
+        micro<R, T>(w, tok, ldt, k0, k1, out, pf);
     }
 }
 
@@ -78,21 +129,30 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
     const bf16* tokens = static_cast<const bf16*>(packed);
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
-        for (int64_t j0 = j_lo; j0 < j_hi; j0 += 2) {  // 2 rows at a time
-            const bf16* w_rows[2];
-            float* out_base[2];
-            int rows = 0;
-            for (int64_t j = j0; j < j_hi && rows < 2; ++j) {
+        for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {
+            const bf16* w_rows[kBlockRows];
+            float* out_rows[kBlockRows];
+            int n_rows = 0;
+            for (int64_t j = j0; j < j_hi && n_rows < kBlockRows; ++j) {
                 const int64_t r = seg.row0 + j * stride;
-                w_rows[rows] = w + r * ldw;
-                out_base[rows] = out + r * ldo;
-                ++rows;
+                w_rows[n_rows] = w + r * ldw;
+                out_rows[n_rows] = out + r * ldo;
+                ++n_rows;
             }
-            for (int64_t t0 = 0; t0 < m; t0 += 4) {
-                const int64_t nt = m - t0 < 4 ? m - t0 : 4;
-                float* out_rows[2] = {out_base[0] + t0, rows > 1 ? out_base[1] + t0 : nullptr};
-                const MicroFn fn = rows == 2 ? micro_for_tokens<2>(nt) : micro_for_tokens<1>(nt);
-                fn(w_rows, tokens + t0 * k, k, seg.k0, seg.k1, out_rows);
+            const int64_t row_step = stride * ldw * static_cast<int64_t>(sizeof(bf16));
+            LinePrefetcher pf(reinterpret_cast<const uint8_t*>(w_rows[0]) + 2 * kBlockRows * row_step,
+                              seg.k0 * static_cast<int64_t>(sizeof(bf16)), seg.k1 * static_cast<int64_t>(sizeof(bf16)),
+                              row_step);
+            for (int64_t t0 = 0; t0 < m; t0 += kTokenBlock) {
+                const int64_t nt = m - t0 < kTokenBlock ? m - t0 : kTokenBlock;
+                LinePrefetcher* first = t0 == 0 ? &pf : nullptr;
+                const bf16* tok = tokens + t0 * k;
+                switch (nt) {
+                    case 1: run_block<1>(w_rows, out_rows, n_rows, tok, k, seg.k0, seg.k1, t0, first); break;
+                    case 2: run_block<2>(w_rows, out_rows, n_rows, tok, k, seg.k0, seg.k1, t0, first); break;
+                    case 3: run_block<3>(w_rows, out_rows, n_rows, tok, k, seg.k0, seg.k1, t0, first); break;
+                    default: run_block<4>(w_rows, out_rows, n_rows, tok, k, seg.k0, seg.k1, t0, first); break;
+                }
             }
         }
     });
