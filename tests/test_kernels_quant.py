@@ -137,6 +137,31 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
 
 
 @pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
+def test_matmul_segments_on_odd_32_column_edges(rng, fmt, isa):
+    """Group 32 with k an odd multiple of 32 and segments that start and end on odd groups:
+    the 32-column edges of kernels that step 64 columns at a time (avx2 int4 reads each 64
+    columns' even, then odd token values, and k's last 32 columns as 16 + 16), against the
+    float64 reference and equal to ref bit for bit."""
+    rows, cols, group = 21, 7 * 32, 32
+    _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
+    segments = np.array([[0, 1, 7, 0, 96], [0, 1, 7, 96, cols], [7, 1, 7, 32, 160], [7, 1, 7, 0, 32],
+                         [7, 1, 7, 160, cols], [14, 1, 7, 0, cols]], np.int64)
+    for m in (1, 2, 3, 4, 5, 8, 9):
+        x = rng.standard_normal((m, cols)).astype(BF16)
+        start = rng.standard_normal((rows, m)).astype(np.float32)
+        out, ref_out = start.copy(), start.copy()
+        kernels.matmul_segments(qm, segments, x, out, isa=isa)
+        kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
+        x_q, x_s = quantize_tokens(x.astype(np.float32), group)
+        expected = start.astype(np.float64)
+        for row0, stride, nrows, k0, k1 in segments:
+            rs = np.arange(row0, row0 + stride * nrows, stride)
+            expected[rs] += reference_matmul(qm, x_q, x_s, rs, k0, k1)
+        assert np.abs(out - expected).max() / np.abs(expected).max() < 1e-5, m
+        np.testing.assert_array_equal(out, ref_out, err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
 def test_matmul_segments_long_rows(rng, fmt, isa):
     """Segment spans over 4 KiB of weights a row (Mixtral's and DeepSeek-V3's shapes): the
     AMX kernel requests no lines ahead for them and, at <= 16 tokens, takes 16-row blocks

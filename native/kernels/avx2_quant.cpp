@@ -10,9 +10,10 @@
 //            s[r * scales_ld + c / G]
 //   tokens   the int8 values and fp32 scales of ref_quant.cpp's token rule (per token and
 //            block of G columns), quantized once by gather / silu_mul_pack:
-//            values  int8: q[t * k + c]; int4: the same bytes, but each 32 columns (a
-//                    16-byte run of packed weights) as its 16 even columns, then its 16
-//                    odd ones: q[t * k + (c & ~31) + 16 (c % 2) + (c % 32) / 2]
+//            values  int8: q[t * k + c]; int4: the same bytes, but each 64 columns (a
+//                    32-byte run of packed weights) as its 32 even columns, then its 32
+//                    odd ones: q[t * k + (c & ~63) + 32 (c % 2) + (c % 64) / 2] (a k
+//                    that is an odd multiple of 32 ends on 32 columns: 16 even, 16 odd)
 //                    (m * k bytes, padded to 64)
 //            scales  fp32 scale[t * (k / G) + b]
 //            int4    then int32 offset[b * m4 + t] = 8 * sum of token t's values in block
@@ -34,10 +35,13 @@
 //         dot(u, x) = dot(q, x) + 8 * sum(x). A group has G / 32 <= 4 steps, so the int16
 //         sums of a group's u products stay below 4 * 3810 = 15240: accumulated in int16,
 //         widened once per group; the token's offset is subtracted from the group totals.
-//         A step unpacks 32 columns in three operations: the row's 16 bytes broadcast to
-//         both halves of a vector, the upper half shifted right by 4, masked to nibbles,
-//         biased by xor 8; the low half then holds the even columns and the upper half
-//         the odd ones, the order of the token values.
+//         A step unpacks 64 columns (32 bytes of a row) in four operations: bias (xor
+//         0x88), mask the low nibbles (the even columns), shift and mask the high ones
+//         (the odd columns), the order of the token values; at group 32 the two 128-bit
+//         halves of a step's sums are its two groups. At a 32-column edge (a segment or
+//         k that is not on the 64-column grid) a half step unpacks 32 columns in three:
+//         16 bytes broadcast to both halves, the upper half shifted right by 4, masked and
+//         biased, against the 16 even and 16 odd token values loaded side by side.
 // Register block: R rows x T tokens = up to 8 (row, token) pairs (T = 1, 2, 3, 4 tokens;
 // R = 8, 4, 2, 2 rows), one vector each, so each weight vector loaded serves T tokens.
 // Per group the 8 pair vectors reduce (vphaddd tree) to one vector of group totals, lane
@@ -86,6 +90,19 @@ size_t packed_bytes(int64_t m, int64_t k) {
     return value_bytes(m, k) + scales + offsets;
 }
 
+// int4 token values: where the 16 even and the 16 odd columns of the 32 from column c
+// (a multiple of 32) lie in a token's k bytes. Each 64 columns hold their 32 even columns,
+// then their 32 odd ones (a k that is an odd multiple of 32 ends on 32 columns: 16 even,
+// then 16 odd), the order in which a 32-byte run of packed weights unpacks.
+struct NibbleColumns {
+    int64_t even, odd;
+};
+inline NibbleColumns nibble_columns(int64_t c, int64_t k) {
+    const int64_t block = c & ~int64_t{63};
+    const int64_t width = k - block < 64 ? k - block : 64;
+    return NibbleColumns{block + (c - block) / 2, block + width / 2 + (c - block) / 2};
+}
+
 template <Format F, int64_t G>
 struct TokenOperand {
     TokenOperand(const void* packed, int64_t m_, int64_t k_)
@@ -96,10 +113,9 @@ struct TokenOperand {
 
     // Token t's block b: G values in column order and their scale.
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
-        int8_t* dst = values + t * k + b * G;
         scales[t * (k / G) + b] = scale;
         if constexpr (F == Format::int8) {
-            std::memcpy(dst, q, G);
+            std::memcpy(values + t * k + b * G, q, G);
         } else {
             // Per 128-bit half (16 columns): its 8 even columns, then its 8 odd ones; the
             // 64-bit permute then puts the 16 even columns of the 32 first.
@@ -109,8 +125,10 @@ struct TokenOperand {
             __m256i pairs = _mm256_setzero_si256();  // at most G / 32 * 2 * 127 per int16: exact
             for (int64_t c = 0; c < G; c += kStepColumns) {
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                                    _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, order), 0xd8));
+                const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, order), 0xd8);
+                const NibbleColumns at = nibble_columns(b * G + c, k);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(values + t * k + at.even), _mm256_castsi256_si128(split));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(values + t * k + at.odd), _mm256_extracti128_si256(split, 1));
                 pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(ones8, v));
             }
             const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
@@ -298,6 +316,10 @@ constexpr int64_t column_bytes(int64_t c) {
 // 32 columns of a weight row from `p` (the byte of the first column), as vpmaddubsw's
 // unsigned operand's source: int8 the signed bytes; int4 the biased nibbles u = q + 8,
 // the 16 even columns in the low half and the 16 odd ones in the high half.
+// 32 columns of a weight row from `p` (the byte of the first column), as vpmaddubsw's
+// unsigned operand's source: int8 the signed bytes; int4 the biased nibbles u = q + 8,
+// the 16 even columns in the low half and the 16 odd ones in the high half (the int4
+// kernel's half step, at a 32-column edge).
 template <Format F>
 inline __m256i load_weights(const uint8_t* p) {
     if constexpr (F == Format::int8) {
@@ -310,13 +332,33 @@ inline __m256i load_weights(const uint8_t* p) {
     }
 }
 
-// Lane p of the result = the sum of v[p]'s eight lanes.
-inline __m256i reduce_pairs(const __m256i v[kPairs]) {
+// int4, 64 columns of a row from `p` (32 bytes): the biased nibbles u = q + 8 of the even
+// columns (the low nibbles) and of the odd ones (the high nibbles), in the token values'
+// order. Four operations: bias, mask, shift, mask.
+inline void load_nibbles64(const uint8_t* p, __m256i* even, __m256i* odd) {
+    const __m256i biased = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                                            _mm256_set1_epi8(static_cast<char>(0x88)));
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    *even = _mm256_and_si256(biased, low);
+    *odd = _mm256_and_si256(_mm256_srli_epi16(biased, 4), low);
+}
+
+// The sums of each pair vector's 128-bit halves: first lane p = the sum of v[p]'s lanes
+// 0-3, second lane p = of its lanes 4-7.
+inline void reduce_halves(const __m256i v[kPairs], __m256i* first, __m256i* second) {
     const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
     const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
     // 128-bit half h of ab: pairs 0-3 summed over their half h; of cd: pairs 4-7.
     const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+    *first = _mm256_permute2x128_si256(ab, cd, 0x20);
+    *second = _mm256_permute2x128_si256(ab, cd, 0x31);
+}
+
+// Lane p of the result = the sum of v[p]'s eight lanes.
+inline __m256i reduce_pairs(const __m256i v[kPairs]) {
+    __m256i first, second;
+    reduce_halves(v, &first, &second);
+    return _mm256_add_epi32(first, second);
 }
 
 // The rows of a register block and the prefetch of a later row block's lines; pf is null
@@ -337,43 +379,71 @@ struct TokenBlock {
     int64_t m4;
 };
 
-// The int32 dot products of one group (G columns from c0) for the R x T pairs, pair
-// p = r * T + t in dot[p]'s lanes (pairs past R * T: zero).
-template <Format F, int64_t G, int R, int T>
-inline void group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c0, __m256i dot[kPairs]) {
+// int8: the int32 dot products of one group (G columns from c0) for the R x T pairs,
+// pair p = r * T + t in dot[p]'s lanes (pairs past R * T: zero).
+template <int64_t G, int R, int T>
+inline void int8_group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c0, __m256i dot[kPairs]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int p = 0; p < kPairs; ++p) dot[p] = _mm256_setzero_si256();
-    if constexpr (F == Format::int8) {
-        for (int64_t c = c0; c < c0 + G; c += kStepColumns) {
-            __m256i xv[T];
-            for (int t = 0; t < T; ++t)
-                xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tokens.x + t * tokens.k + c));
-            for (int r = 0; r < R; ++r) {
-                if (b.pf && (c & 63) == 0) b.pf->next();
-                const __m256i wv = load_weights<F>(b.w[r] + c);
-                const __m256i magnitude = _mm256_abs_epi8(wv);
-                for (int t = 0; t < T; ++t) {
-                    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[t], wv));
-                    dot[r * T + t] = _mm256_add_epi32(dot[r * T + t], _mm256_madd_epi16(pairs, ones));
-                }
+    for (int64_t c = c0; c < c0 + G; c += kStepColumns) {
+        __m256i xv[T];
+        for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tokens.x + t * tokens.k + c));
+        for (int r = 0; r < R; ++r) {
+            if (b.pf && (c & 63) == 0) b.pf->next();
+            const __m256i wv = load_weights<Format::int8>(b.w[r] + c);
+            const __m256i magnitude = _mm256_abs_epi8(wv);
+            for (int t = 0; t < T; ++t) {
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[t], wv));
+                dot[r * T + t] = _mm256_add_epi32(dot[r * T + t], _mm256_madd_epi16(pairs, ones));
             }
         }
-    } else {
-        __m256i sums[R * T];
-        for (int p = 0; p < R * T; ++p) sums[p] = _mm256_setzero_si256();
-        for (int64_t c = c0; c < c0 + G; c += kStepColumns) {
-            __m256i xv[T];
-            for (int t = 0; t < T; ++t)
-                xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tokens.x + t * tokens.k + c));
-            for (int r = 0; r < R; ++r) {
-                if (b.pf && (c & 127) == 0) b.pf->next();
-                const __m256i uv = load_weights<F>(b.w[r] + c / 2);
-                for (int t = 0; t < T; ++t)
-                    sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
-            }
-        }
-        for (int p = 0; p < R * T; ++p) dot[p] = _mm256_madd_epi16(sums[p], ones);
     }
+}
+
+// int4: adds to the int16 sums of the R x T pairs the 64 columns from c (a multiple of 64,
+// a whole 64-column block of the token values): the 128-bit half h of a sum holds columns
+// c + 32h .. c + 32h + 31.
+template <int R, int T>
+inline void int4_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
+    __m256i x_even[T], x_odd[T];
+    for (int t = 0; t < T; ++t) {
+        const int8_t* x = tokens.x + t * tokens.k + c;
+        x_even[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        x_odd[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+    }
+    for (int r = 0; r < R; ++r) {
+        if (b.pf && (c & 127) == 0) b.pf->next();
+        __m256i u_even, u_odd;
+        load_nibbles64(b.w[r] + c / 2, &u_even, &u_odd);
+        for (int t = 0; t < T; ++t)
+            sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(u_even, x_even[t]),
+                                                                                 _mm256_maddubs_epi16(u_odd, x_odd[t])));
+    }
+}
+
+// int4: the int16 sums of the 32 columns from c (a multiple of 32 at a 64-column edge of
+// the segment or of k), the even ones in the low half, the odd ones in the high half.
+template <int R, int T>
+inline void int4_half_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
+    const NibbleColumns at = nibble_columns(c, tokens.k);
+    __m256i xv[T];
+    for (int t = 0; t < T; ++t) {
+        const int8_t* x = tokens.x + t * tokens.k;
+        xv[t] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + at.even))),
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + at.odd)), 1);
+    }
+    for (int r = 0; r < R; ++r) {
+        if (b.pf && (c & 127) == 0) b.pf->next();
+        const __m256i uv = load_weights<Format::int4>(b.w[r] + c / 2);
+        for (int t = 0; t < T; ++t) sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
+    }
+}
+
+// The int32 widening of int16 pair sums (pairs past R * T: zero).
+template <int R, int T>
+inline void widen_pairs(const __m256i sums[kPairs], __m256i dot[kPairs]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int p = 0; p < kPairs; ++p) dot[p] = p < R * T ? _mm256_madd_epi16(sums[p], ones) : _mm256_setzero_si256();
 }
 
 // The offsets of group g for the pairs, lane p = token p % T of the block.
@@ -381,6 +451,14 @@ template <int T>
 inline __m256i pair_offsets(const int32_t* offsets_t0, int64_t m4, int64_t g) {
     const __m256i four = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets_t0 + g * m4)));
     return _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(0 % T, 1 % T, 2 % T, 3 % T, 4 % T, 5 % T, 6 % T, 7 % T));
+}
+
+// total + float(group totals) * the group's scale products (int4: the totals less the
+// tokens' bias offsets first).
+template <Format F, int T>
+inline __m256 add_group(__m256 total, __m256i totals, const TokenBlock& tokens, int64_t g, __m256 tile) {
+    if constexpr (F == Format::int4) totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m4, g));
+    return _mm256_add_ps(total, _mm256_mul_ps(_mm256_cvtepi32_ps(totals), tile));
 }
 
 // One register block over columns [k0, k1) of a segment: sums[p] = sum over its groups of
@@ -395,13 +473,34 @@ void block_sums(const RowBlock<R>& b, ScaleType scale_type, const TokenBlock& to
         const int64_t n = k1 / G - g0 < kPairs ? k1 / G - g0 : kPairs;
         __m256 tile[kPairs];
         scale_tile<R, T>(b.scales, scale_type, tokens.scales, x_groups, g0, n, tile);
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = 0; i < n;) {
+            const int64_t c = (g0 + i) * G;
             __m256i dot[kPairs];
-            group_dots<F, G, R, T>(b, tokens, (g0 + i) * G, dot);
-            __m256i totals = reduce_pairs(dot);
-            if constexpr (F == Format::int4)
-                totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m4, g0 + i));
-            total = _mm256_add_ps(total, _mm256_mul_ps(_mm256_cvtepi32_ps(totals), tile[i]));
+            if constexpr (F == Format::int8) {
+                int8_group_dots<G, R, T>(b, tokens, c, dot);
+            } else {
+                __m256i sums16[kPairs];
+                for (int p = 0; p < kPairs; ++p) sums16[p] = _mm256_setzero_si256();
+                if constexpr (G == 32) {
+                    // A whole 64-column block holds two groups, one per half of the sums.
+                    if (c % 64 == 0 && i + 1 < n && c + 64 <= tokens.k) {
+                        int4_full_step<R, T>(b, tokens, c, sums16);
+                        widen_pairs<R, T>(sums16, dot);
+                        __m256i first, second;
+                        reduce_halves(dot, &first, &second);
+                        total = add_group<F, T>(total, first, tokens, g0 + i, tile[i]);
+                        total = add_group<F, T>(total, second, tokens, g0 + i + 1, tile[i + 1]);
+                        i += 2;
+                        continue;
+                    }
+                    int4_half_step<R, T>(b, tokens, c, sums16);
+                } else {
+                    for (int64_t s = 0; s < G; s += 64) int4_full_step<R, T>(b, tokens, c + s, sums16);
+                }
+                widen_pairs<R, T>(sums16, dot);
+            }
+            total = add_group<F, T>(total, reduce_pairs(dot), tokens, g0 + i, tile[i]);
+            ++i;
         }
     }
     _mm256_storeu_ps(sums, total);
