@@ -29,6 +29,7 @@ CpuFeatures detect() {
     if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
     const bool osxsave = ecx & (1u << 27);
     f.fma = ecx & (1u << 12);
+    f.f16c = ecx & (1u << 29);
     if (osxsave) {
         const unsigned long long xcr0 = read_xcr0();
         f.os_avx = (xcr0 & 0x6) == 0x6;
@@ -97,7 +98,7 @@ bool has_avx512_vnni_kernels() { return has_avx512_bf16_kernels() && cpu_feature
 
 bool has_avx2_kernels() {
     const CpuFeatures& f = cpu_features();
-    return f.os_avx && f.avx2 && f.fma;
+    return f.os_avx && f.avx2 && f.fma && f.f16c;
 }
 
 bool request_amx_permission(std::string* error) {

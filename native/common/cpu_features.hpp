@@ -9,6 +9,7 @@ namespace numa_moe {
 struct CpuFeatures {
     bool avx2 = false;
     bool fma = false;
+    bool f16c = false;
     bool avx512f = false;
     bool avx512bw = false;
     bool avx512vl = false;
@@ -30,7 +31,8 @@ const CpuFeatures& cpu_features();
 bool has_avx512_bf16_kernels();
 // ... and VNNI (vpdpbusd): what the avx512 int8 / int4 kernels need.
 bool has_avx512_vnni_kernels();
-// AVX2 + FMA with OS support: the portable SIMD path.
+// AVX2 + FMA + F16C with OS support: the portable SIMD path (every CPU with AVX2 has FMA
+// and F16C; the integer kernels convert fp16 scales with F16C).
 bool has_avx2_kernels();
 
 // Asks Linux for AMX tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM) once per

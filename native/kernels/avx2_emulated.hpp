@@ -1,4 +1,4 @@
-// AVX2 + FMA intrinsics on every x86-64 CPU, for the avx2_emulated test builds
+// AVX2 + FMA (+ F16C) intrinsics on every x86-64 CPU, for the avx2_emulated test builds
 // (avx2_emulated.cpp, avx2_quant_emulated.cpp, attention_avx2_emulated.cpp): the AVX2 kernel
 // sources compiled with baseline flags, so that the tests run them on CPUs without AVX2.
 //
@@ -15,3 +15,4 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx2.h>
 #include <simde/x86/fma.h>
+#include <simde/x86/f16c.h>

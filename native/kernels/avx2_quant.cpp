@@ -1,7 +1,7 @@
 // AVX2 kernels of the integer weight formats (docs/quantization.md): int8 and int4 weights
 // against int8 tokens, the portable SIMD path for x86-64 CPUs without AVX-512-VNNI.
-// Compiled with -mavx2 -mfma -ffp-contract=off; dispatch only hands these tables out when
-// cpuid + XCR0 allow AVX2 + FMA. One table per format and group G (32, 64, 128); G is also
+// Compiled with -mavx2 -mfma -mf16c -ffp-contract=off; dispatch only hands these tables out
+// when cpuid + XCR0 allow AVX2 + FMA + F16C. One table per format and group G (32, 64, 128); G is also
 // the tokens' quantization block.
 //
 // Operand layouts (kernel_api.hpp):
@@ -238,10 +238,8 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 // ---------------------------------------------------------------------------------------
 // Weights.
 
-// n (<= 8) consecutive scales of one row from group g0 as fp32, lanes past n zero. fp16
-// is converted exactly with integer operations (no F16C in the flags): normal numbers
-// rebias the exponent, subnormals are mantissa * 2^-24, infinities and NaNs (which the
-// bindings refuse anyway) keep their class, as ref_quant.cpp's fp16_to_float does.
+// n (<= 8) consecutive scales of one row from group g0 as fp32, lanes past n zero (fp16
+// widened by vcvtph2ps, exact like ref_quant.cpp's fp16_to_float; bf16 by a shift).
 inline __m256 row_scales(ScaleType type, const void* row_scales, int64_t g0, int64_t n) {
     if (type == ScaleType::fp32) {
         const float* p = static_cast<const float*>(row_scales) + g0;
@@ -259,19 +257,8 @@ inline __m256 row_scales(ScaleType type, const void* row_scales, int64_t g0, int
         for (int64_t i = 0; i < n; ++i) part[i] = p[i];
         raw = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
     }
-    const __m256i h = _mm256_cvtepu16_epi32(raw);
-    if (type == ScaleType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
-    const __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi32(0x7fff));
-    const __m256i shifted = _mm256_slli_epi32(magnitude, 13);
-    const __m256i normal = _mm256_add_epi32(shifted, _mm256_set1_epi32(112 << 23));
-    const __m256i special = _mm256_or_si256(shifted, _mm256_set1_epi32(0x7f800000));
-    const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-24f));
-    const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x400), magnitude);
-    const __m256i is_special = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7bff));
-    __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal), is_subnormal);
-    bits = _mm256_blendv_epi8(bits, special, is_special);
-    return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+    if (type == ScaleType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    return _mm256_cvtph_ps(raw);
 }
 
 inline void transpose8(__m256 v[8]) {

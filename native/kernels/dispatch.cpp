@@ -128,7 +128,7 @@ std::string unavailable_reason(Isa isa, Format format) {
     switch (isa) {
         case Isa::ref: return "";
         case Isa::avx2:
-        case Isa::amx_model: return "this CPU (or OS) lacks AVX2 + FMA";
+        case Isa::amx_model: return "this CPU (or OS) lacks AVX2 + FMA + F16C";
         case Isa::avx512: return "this CPU (or OS) lacks AVX-512 with BF16";
         case Isa::amx: {
             if (!has_avx512_bf16_kernels()) return "this CPU (or OS) lacks AVX-512 with BF16";
@@ -141,7 +141,7 @@ std::string unavailable_reason(Isa isa, Format format) {
             if (!kEmulatedBuilds)
                 return std::string(isa_name(isa)) + " is a test build, compiled only with NUMA_MOE_TEST_HOOKS=ON "
                        "(tools/setup.sh)";
-            return "this CPU (or OS) lacks AVX2 + FMA";
+            return "this CPU (or OS) lacks AVX2 + FMA + F16C";
     }
     return "unknown ISA";
 }

@@ -26,7 +26,7 @@ list(APPEND NUMA_MOE_ISA_SOURCES
 )
 numa_moe_isa_source(native/kernels/avx2.cpp avx2 -mavx2 -mfma)
 # The integer kernels round as the reference: no contraction.
-numa_moe_isa_source(native/kernels/avx2_quant.cpp avx2_quant -mavx2 -mfma -ffp-contract=off)
+numa_moe_isa_source(native/kernels/avx2_quant.cpp avx2_quant -mavx2 -mfma -mf16c -ffp-contract=off)
 numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
 # The integer kernels also need VNNI; no contraction, so that they round as the reference.
 numa_moe_isa_source(native/kernels/avx512_quant.cpp avx512_vnni ${NUMA_MOE_AVX512_FLAGS} -mavx512vnni -ffp-contract=off)
