@@ -181,6 +181,30 @@ def test_deterministic_and_independent_of_thread_count(rng):
     np.testing.assert_array_equal(a, c)
 
 
+@pytest.mark.parametrize("n_nodes", [1, 2])
+def test_the_same_bits_whichever_thread_claims_which_rows(rng, n_nodes):
+    """A node's threads claim its row chunks in turn, so which thread computes which rows
+    changes from call to call (here: one CPU shared with a busy process, which delays its
+    thread at random); every chunk's result must not, nor the fused combine's order."""
+    import subprocess
+    import sys
+
+    weights = make_weights(rng, inter=256)
+    layer = make_layer(weights, n_nodes, rng, threads_per_node=2)
+    x = random_bf16(rng, (7, H))
+    ids, w = routing(rng, 7, 3)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(busy.pid, {CPUS[0]})
+        first = layer.forward_numpy(x, ids, w, out_dtype="float32")
+        for _ in range(30):
+            np.testing.assert_array_equal(layer.forward_numpy(x, ids, w, out_dtype="float32"), first)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert rel_error(first, moe_reference(x, ids, w, *weights)) < TOL_REF
+
+
 def test_rows_are_split_over_a_nodes_threads_by_bytes(rng):
     weights = make_weights(rng, n_experts=1, inter=256)
     nodes = (0, 1)

@@ -3,6 +3,8 @@
 #include "engine/pipeline.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cstring>
 #include <stdexcept>
 
@@ -30,6 +32,12 @@ bool is_whole_matrix(const std::vector<Segment>& segments, int64_t rows, int64_t
 }
 
 constexpr int64_t kRowAlign = 32;
+
+// Row chunks per participant that a node's threads claim in turn. Several, so that a thread
+// the machine slows down (another tenant, an interrupt) leaves the rest of its share to the
+// others instead of holding up the step; few, so that each chunk's row blocks still stream
+// long enough for the kernels' prefetch to run ahead.
+constexpr int kChunksPerParticipant = 4;
 
 // Splits the rows of one node's segments over its participants by weight elements, in
 // multiples of `align` rows; `elements` receives the node's total.
@@ -89,12 +97,17 @@ void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants,
     }
     if (verify_partition) check_partition(part.node_segments, part.rows, part.cols, what);
     part.thread_rows.assign(n_nodes, {});
+    part.node_chunks.assign(n_nodes, {});
     part.node_bytes.assign(n_nodes, 0);
     for (size_t n = 0; n < n_nodes; ++n) {
         int64_t elements = 0;
         part.thread_rows[n] = split_node_rows(part.node_segments[n], part.rows, part.cols, node_participants[n],
                                               row_align(part), &elements);
         part.node_bytes[n] = weight_bytes(part, elements);
+        for (const Range& chunk : split_node_rows(part.node_segments[n], part.rows, part.cols,
+                                                  node_participants[n] * kChunksPerParticipant, row_align(part),
+                                                  &elements))
+            if (!chunk.empty()) part.node_chunks[n].push_back(chunk);
     }
     part.even_split =
         n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], row_align(part));
@@ -174,13 +187,24 @@ private:
         size_t task;
         Range tokens;
     };
+    // A unit of work the threads of a node claim in turn (row-split experts): rows `rows` of
+    // task a's gate, its up, or both with their silu (fused groups); of its down; or, in a
+    // fused group, a range of output columns over all its experts (down, then combine).
+    enum class UnitKind { gate, up, gate_up_silu, down, down_combine };
+    struct Unit {
+        size_t a;
+        UnitKind kind;
+        Range rows;
+    };
+    enum ClaimedPhase { kGateUpUnits = 0, kDownUnits = 1 };
 
     void plan();
+    void plan_units(const Group& g);
+    template <class Fn>
+    void claim(ClaimedPhase phase, const ThreadInfo& ti, Fn&& fn);
     void grow_arena(size_t packed_bytes, size_t partial_floats);
     bool run_group(const Group& g, const std::function<bool()>& keep_going);
     void gather(const ExpertTask& task, const Placed& p) const;
-    void matmul(const ExpertTask& task, const MatrixPart& mp, const void* tokens, int64_t k, float* part,
-                const ThreadInfo& ti) const;
     void matmul_rows(const ExpertTask& task, const MatrixPart& mp, const std::vector<Segment>& segs, Range rows,
                      const void* tokens, int64_t m, int64_t k, float* out, int64_t ldo) const;
     void token_block(size_t a, Range tokens, const ThreadInfo& ti);
@@ -208,6 +232,9 @@ private:
     std::vector<Group> groups_;
     std::vector<const float*> part_ptrs_;  // [task][gate, up, down][node]
     std::vector<TokenItem> items_;
+    std::vector<Unit> units_[2];                      // of the running group, per phase: node n's from
+    std::vector<size_t> unit_begin_[2];               // unit_begin_[phase][n] to unit_begin_[phase][n + 1]
+    std::unique_ptr<std::atomic<int64_t>[]> next_unit_;  // [phase * n_nodes + node]: next unclaimed
     size_t token_work_stride_ = 0;         // bytes of arena.token_work per participant
 
     // A token block's own operands: packed x, packed activation, gate, up and down partials.
@@ -256,7 +283,8 @@ void StepRun::plan() {
         for (size_t a = g.begin; a < g.end; ++a) {
             const ExpertParts& p = *tasks_[a].parts;
             g.fused = g.fused && even_split(p) && p.gate.thread_rows == first.gate.thread_rows &&
-                      p.down.thread_rows == first.down.thread_rows;
+                      p.down.thread_rows == first.down.thread_rows && p.gate.node_chunks == p.up.node_chunks &&
+                      p.down.node_chunks == first.down.node_chunks;
         }
     }
     groups_.front().first = true;
@@ -306,13 +334,6 @@ float* StepRun::partial(int node, size_t a, int which) const {
 
 void StepRun::gather(const ExpertTask& task, const Placed& p) const {
     task.ops->gather(shape_.x, shape_.ldx, task.x_rows, task.m, shape_.hidden, packed() + p.packed_x);
-}
-
-// This thread's rows of one matrix over its node's segments, into the node's partial.
-void StepRun::matmul(const ExpertTask& task, const MatrixPart& mp, const void* tokens, int64_t k, float* part,
-                     const ThreadInfo& ti) const {
-    matmul_rows(task, mp, mp.node_segments[ti.node], mp.thread_rows[ti.node][ti.local], tokens, task.m, k, part,
-                task.m);
 }
 
 // Rows `rows` of one matrix over the segments `segs`: out zeroed for tokens [0, m), then
@@ -367,14 +388,58 @@ void StepRun::gate_up(const Group& g, const ThreadInfo& ti) {
         const TokenItem& item = items_[g.items_begin + i];
         if (!item.tokens.empty()) token_block(item.task, item.tokens, ti);
     }
-    for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
-        const ExpertTask& t = tasks_[a];
-        if (placed_[a].token_block > 0) continue;
-        const uint8_t* tokens = packed() + placed_[a].packed_x;
-        matmul(t, t.parts->gate, tokens, shape_.hidden, partial(ti.node, a, 0), ti);
-        matmul(t, t.parts->up, tokens, shape_.hidden, partial(ti.node, a, 1), ti);
-        if (g.fused) silu(g, t.parts->gate.thread_rows[0][ti.local], a);
+    claim(kGateUpUnits, ti, [&](const Unit& u) {
+        const ExpertTask& t = tasks_[u.a];
+        const uint8_t* tokens = packed() + placed_[u.a].packed_x;
+        const ExpertParts& p = *t.parts;
+        if (u.kind != UnitKind::up)
+            matmul_rows(t, p.gate, p.gate.node_segments[ti.node], u.rows, tokens, t.m, shape_.hidden,
+                        partial(ti.node, u.a, 0), t.m);
+        if (u.kind != UnitKind::gate)
+            matmul_rows(t, p.up, p.up.node_segments[ti.node], u.rows, tokens, t.m, shape_.hidden,
+                        partial(ti.node, u.a, 1), t.m);
+        if (u.kind == UnitKind::gate_up_silu && !team_.aborted()) silu(g, u.rows, u.a);
+    });
+}
+
+// The units of group g, per node, and their counters at 0 (before the group's run: the
+// pool's start of a run orders these writes before every thread's reads).
+void StepRun::plan_units(const Group& g) {
+    for (int phase = 0; phase < 2; ++phase) {
+        units_[phase].clear();
+        unit_begin_[phase].assign(1, 0);
     }
+    for (int n = 0; n < n_nodes_; ++n) {
+        for (size_t a = g.begin; a < g.end; ++a) {
+            if (placed_[a].token_block > 0) continue;
+            const ExpertParts& p = *tasks_[a].parts;
+            if (g.fused) {
+                for (const Range& c : p.gate.node_chunks[n]) units_[kGateUpUnits].push_back(Unit{a, UnitKind::gate_up_silu, c});
+                continue;
+            }
+            for (const Range& c : p.gate.node_chunks[n]) units_[kGateUpUnits].push_back(Unit{a, UnitKind::gate, c});
+            for (const Range& c : p.up.node_chunks[n]) units_[kGateUpUnits].push_back(Unit{a, UnitKind::up, c});
+            for (const Range& c : p.down.node_chunks[n]) units_[kDownUnits].push_back(Unit{a, UnitKind::down, c});
+        }
+        if (g.fused)
+            for (const Range& c : tasks_[g.begin].parts->down.node_chunks[n])
+                units_[kDownUnits].push_back(Unit{g.begin, UnitKind::down_combine, c});
+        for (int phase = 0; phase < 2; ++phase) unit_begin_[phase].push_back(units_[phase].size());
+    }
+    if (!next_unit_) next_unit_ = std::make_unique<std::atomic<int64_t>[]>(2 * static_cast<size_t>(n_nodes_));
+    for (int i = 0; i < 2 * n_nodes_; ++i) next_unit_[i].store(0, std::memory_order_relaxed);
+}
+
+// Runs fn on the units of this thread's node that it claims, one at a time, until none is
+// left. Every unit writes its own rows or columns, the same whichever thread claims it, so
+// the results do not depend on the claiming order.
+template <class Fn>
+void StepRun::claim(ClaimedPhase phase, const ThreadInfo& ti, Fn&& fn) {
+    const size_t begin = unit_begin_[phase][ti.node], count = unit_begin_[phase][ti.node + 1] - begin;
+    std::atomic<int64_t>& next = next_unit_[phase * n_nodes_ + ti.node];
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < static_cast<int64_t>(count) && !team_.aborted();
+         i = next.fetch_add(1, std::memory_order_relaxed))
+        fn(units_[phase][begin + static_cast<size_t>(i)]);
 }
 
 void StepRun::silu(const Group&, Range rows, size_t a) const {
@@ -385,21 +450,30 @@ void StepRun::silu(const Group&, Range rows, size_t a) const {
 }
 
 void StepRun::down(const Group& g, const ThreadInfo& ti) {
-    // Fused: the down rows of every expert of the group are the same even split, and each
-    // expert's partial is combined right after its down projection, while it is still in
-    // this thread's caches (the same additions in the same expert order as the epilogue).
-    const bool combine_here = g.fused && !output_.store;
-    const Range h = g.fused ? tasks_[g.begin].parts->down.thread_rows[0][ti.local] : Range{};
-    if (combine_here && g.first) clear_y(h);
-    for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
+    const auto down_rows = [&](size_t a, Range rows) {
         const ExpertTask& t = tasks_[a];
-        if (placed_[a].token_block == 0)  // token-split experts ran theirs in the gate/up phase
-            matmul(t, t.parts->down, packed() + placed_[a].packed_act, shape_.intermediate, partial(ti.node, a, 2), ti);
-        if (combine_here) combine(a, h);
-    }
-    if (team_.aborted()) return;
-    if (combine_here && g.last) write_out(h);
-    if (g.fused && output_.store) epilogue(g, h);
+        matmul_rows(t, t.parts->down, t.parts->down.node_segments[ti.node], rows, packed() + placed_[a].packed_act, t.m,
+                    shape_.intermediate, partial(ti.node, a, 2), t.m);
+    };
+    claim(kDownUnits, ti, [&](const Unit& u) {
+        if (u.kind == UnitKind::down) {
+            down_rows(u.a, u.rows);
+            return;
+        }
+        // Fused: the down rows of every expert of the group are cut alike, and each expert's
+        // partial is combined right after its down projection, while it is still in this
+        // thread's caches (the same additions in the same expert order as the epilogue).
+        const Range h = u.rows;
+        const bool combine_here = !output_.store;
+        if (combine_here && g.first) clear_y(h);
+        for (size_t a = g.begin; a < g.end && !team_.aborted(); ++a) {
+            if (placed_[a].token_block == 0) down_rows(a, h);  // token-split experts ran theirs in the gate/up phase
+            if (combine_here) combine(a, h);
+        }
+        if (team_.aborted()) return;
+        if (combine_here && g.last) write_out(h);
+        if (output_.store) epilogue(g, h);
+    });
 }
 
 // y = 0, columns h (before the first group's combines).
@@ -459,6 +533,7 @@ bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going)
         for (size_t a = g.begin; a < g.end; ++a)
             if (placed_[a].token_block == 0) gather(tasks_[a], placed_[a]);
     }
+    plan_units(g);
     phases.push_back(kGateUp);
     if (!g.fused) phases.push_back(kSilu);
     phases.push_back(kDown);

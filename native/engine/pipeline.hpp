@@ -1,8 +1,8 @@
 // The expert FFN pipeline, written once for the layer step and for a single expert:
 //
 //   gather   each expert's tokens, once, into its ISA's packed operand (KernelOps.gather)
-//   gate/up  node n's threads multiply node n's segments of W_gate and W_up, rows split by
-//            weight bytes; fp32 partials [I, m] per node
+//   gate/up  node n's threads multiply node n's segments of W_gate and W_up, claiming row
+//            chunks (cut by weight bytes) in turn; fp32 partials [I, m] per node
 //   silu     sum_n g_n, sum_n u_n (node order fixed), silu(g) * u packed for the down
 //            projection (KernelOps.silu_mul_pack)
 //   down     node partials [H, m] of W_down, split as gate/up
@@ -12,9 +12,11 @@
 //            out[t] = d straight away (KernelOps.store_down)
 //
 // with a barrier between phases (WorkerPool::run). When the team is one node and every
-// matrix of the group is split evenly, each thread's silu rows are its own gate/up rows
-// and its epilogue rows its own down rows, so those phases fuse and two barriers go (each
-// expert's down partial is then combined right after the thread computes it, while hot).
+// matrix of the group is split evenly, a gate/up chunk runs silu on its own rows and a down
+// chunk is a range of output columns over all the group's experts, each combined right
+// after its down rows (while hot), so those phases fuse and two barriers go. Chunks are
+// claimed from one counter per node, and each writes its own rows whichever thread takes
+// it: the bits do not depend on the claiming order.
 //
 // Operands (bf16 = raw uint16_t bit patterns):
 //   x        x[t * ldx + h], n_tokens x H
@@ -46,6 +48,9 @@ struct MatrixPart {
     std::vector<std::vector<Segment>> node_segments;  // [node][i]
     // Filled by prepare_matrix:
     std::vector<std::vector<Range>> thread_rows;  // [node][local participant]
+    // The units a node's participants claim in turn (row-split experts): its rows cut into
+    // kChunksPerParticipant x participants ranges by weight bytes, row_align(*this) apart.
+    std::vector<std::vector<Range>> node_chunks;  // [node][chunk]
     std::vector<int64_t> node_bytes;              // weight (and scale) bytes per node
     bool even_split = false;  // one node, rows split as split_even(rows, participants, row_align(*this))
 };
