@@ -33,6 +33,11 @@ def pytest_sessionstart(session):
     if lines["int8"] != lines["bf16"] or lines["int4"] != lines["bf16"]:
         for fmt in ("int8", "int4"):
             reporter.write_line(f"ISAs ({fmt}): {lines[fmt]}")
+    from numa_moe import _native
+
+    builds = [f"{isa} {build}" for isa in ("avx2", "avx2_emulated")
+              if (build := _native.testing.avx2_integer_build(isa)) and isa in kernels.available_isas("int8")]
+    reporter.write_line(f"AVX2 integer builds (vpmaddubsw, AVX-VNNI): {', '.join(builds) or 'none'}")
 
 
 @pytest.fixture

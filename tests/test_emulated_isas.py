@@ -60,6 +60,22 @@ def test_emulated_isas_are_never_a_default():
             assert kernels.isa_for_tokens(m, fmt) not in kernels.EMULATED_ISAS
 
 
+def test_the_avx2_integer_builds_are_both_tested():
+    """The AVX2 integer kernels have two builds, vpmaddubsw and AVX-VNNI's vpdpbusd; avx2 runs
+    the one this CPU has, avx2_emulated the other, so that the bit-for-bit comparison below
+    covers both (the vpmaddubsw one alone where AVX2 is missing)."""
+    from numa_moe import _native
+
+    build = {isa: _native.testing.avx2_integer_build(isa) for isa in ("avx2", "avx2_emulated")}
+    assert build["avx2_emulated"] in ("maddubs", "avx_vnni")
+    if "avx2" in kernels.available_isas("int8"):
+        expected = "avx_vnni" if _native.cpu_features()["avx_vnni"] else "maddubs"
+        assert build["avx2"] == expected
+        assert {build["avx2"], build["avx2_emulated"]} == {"maddubs", "avx_vnni"}
+    else:
+        assert build["avx2_emulated"] == "maddubs"
+
+
 @pytest.mark.parametrize(("emulated", "native"), PAIRS)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("m", TOKEN_COUNTS)

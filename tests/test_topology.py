@@ -56,7 +56,8 @@ def test_detect_matches_the_kernel():
     flags = set(next(l for l in cpuinfo.splitlines() if l.startswith("flags")).split(":")[1].split())
     for key, flag in [("avx2", "avx2"), ("avx512f", "avx512f"), ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"),
                       ("avx512_bf16", "avx512_bf16"), ("avx512_vnni", "avx512_vnni"), ("amx_tile", "amx_tile"),
-                      ("amx_bf16", "amx_bf16"), ("amx_int8", "amx_int8"), ("fma", "fma")]:
+                      ("amx_bf16", "amx_bf16"), ("amx_int8", "amx_int8"), ("fma", "fma"), ("f16c", "f16c"),
+                      ("avx_vnni", "avx_vnni")]:
         assert topo.cpu_features[key] == (flag in flags), key
     if not topo.cpu_features["amx_tile"]:
         assert not topo.amx_permitted and "AMX" in topo.amx_reason

@@ -47,6 +47,7 @@ CpuFeatures detect() {
     f.amx_tile = edx & (1u << 24);
     f.amx_int8 = edx & (1u << 25);
     __cpuid_count(7, 1, eax, ebx, ecx, edx);
+    f.avx_vnni = eax & (1u << 4);
     f.avx512_bf16 = eax & (1u << 5);
     return f;
 }
@@ -68,7 +69,7 @@ CpuFeatures hide_for_tests(CpuFeatures f) {
         if (name.empty()) continue;
         if (name != "avx2" && name != "avx512" && name != "amx")
             throw std::invalid_argument("NUMA_MOE_TEST_HIDE_ISA: '" + name + "' is not one of avx2, avx512, amx");
-        if (name == "avx2") f.avx2 = f.fma = false;
+        if (name == "avx2") f.avx2 = f.fma = f.avx_vnni = false;
         if (name == "avx2" || name == "avx512")
             f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = f.avx512_vnni = false;
         f.amx_tile = f.amx_bf16 = f.amx_int8 = false;
@@ -100,6 +101,8 @@ bool has_avx2_kernels() {
     const CpuFeatures& f = cpu_features();
     return f.os_avx && f.avx2 && f.fma && f.f16c;
 }
+
+bool has_avx_vnni_kernels() { return has_avx2_kernels() && cpu_features().avx_vnni; }
 
 bool request_amx_permission(std::string* error) {
     static std::once_flag once;

@@ -10,6 +10,7 @@ struct CpuFeatures {
     bool avx2 = false;
     bool fma = false;
     bool f16c = false;
+    bool avx_vnni = false;  // vpdpbusd in its VEX (ymm) form
     bool avx512f = false;
     bool avx512bw = false;
     bool avx512vl = false;
@@ -34,6 +35,8 @@ bool has_avx512_vnni_kernels();
 // AVX2 + FMA + F16C with OS support: the portable SIMD path (every CPU with AVX2 has FMA
 // and F16C; the integer kernels convert fp16 scales with F16C).
 bool has_avx2_kernels();
+// ... and AVX-VNNI: the avx2 integer tables use its vpdpbusd.
+bool has_avx_vnni_kernels();
 
 // Asks Linux for AMX tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM) once per
 // process; returns whether AMX instructions may be executed. `error` receives the reason

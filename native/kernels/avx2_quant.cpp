@@ -42,6 +42,11 @@
 //         k that is not on the 64-column grid) a half step unpacks 32 columns in three:
 //         16 bytes broadcast to both halves, the upper half shifted right by 4, masked and
 //         biased, against the 16 even and 16 odd token values loaded side by side.
+// AVX-VNNI (vpdpbusd in its VEX form: Intel Alder Lake and later, AMD Zen 5) takes the
+// place of vpmaddubsw in a second build of this source (avx2_vnni_quant.cpp, kVnni), which
+// the avx2 tables use where the CPU has it: four u8 x s8 products straight into each int32
+// lane, so no int16 stage and no sign trick; int8 weights are biased to w + 128 like int4's
+// q + 8, and each token's 128 * sum(x) per group comes with the operand as int4's offsets do.
 // Register block: R rows x T tokens = up to 8 (row, token) pairs (T = 1, 2, 3, 4 tokens;
 // R = 8, 4, 2, 2 rows), one vector each, so each weight vector loaded serves T tokens.
 // Per group the 8 pair vectors reduce (vphaddd tree) to one vector of group totals, lane
@@ -74,6 +79,22 @@ constexpr Isa kIsa = Isa::avx2;
 constexpr int kPairs = 8;             // (row, token) pairs of a register block: the lanes of a vector
 constexpr int kBlockRows = 8;         // rows per row block, split into R = kPairs / T per token block
 constexpr int64_t kStepColumns = 32;  // columns of one step (a vector of int8 weights or tokens)
+
+#ifdef NUMA_MOE_AVX_VNNI
+// avx2_vnni_quant.cpp: this source with AVX-VNNI's vpdpbusd (u8 x s8, four products into
+// each int32 lane, no int16 stage) in place of vpmaddubsw; the weights are made unsigned
+// by their bias (int8 w + 128, int4 q + 8) and each token's bias term per group comes
+// with the operand.
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// The tokens' bias terms: int4 always, int8 where the weights are biased too (AVX-VNNI).
+template <Format F>
+constexpr bool kHasOffsets = F == Format::int4 || kVnni;
+template <Format F>
+constexpr int32_t kWeightBias = F == Format::int8 ? 128 : 8;
 constexpr int kTokenBlock = 4;        // tokens per register block at most
 
 // ---------------------------------------------------------------------------------------
@@ -86,7 +107,7 @@ size_t value_bytes(int64_t m, int64_t k) { return (static_cast<size_t>(m * k) + 
 template <Format F, int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
     const size_t scales = static_cast<size_t>(m * (k / G)) * sizeof(float);
-    const size_t offsets = F == Format::int4 ? static_cast<size_t>(offsets_stride(m) * (k / G)) * sizeof(int32_t) : 0;
+    const size_t offsets = kHasOffsets<F> ? static_cast<size_t>(offsets_stride(m) * (k / G)) * sizeof(int32_t) : 0;
     return value_bytes(m, k) + scales + offsets;
 }
 
@@ -108,7 +129,7 @@ struct TokenOperand {
     TokenOperand(const void* packed, int64_t m_, int64_t k_)
         : values(static_cast<int8_t*>(const_cast<void*>(packed))),
           scales(reinterpret_cast<float*>(values + value_bytes(m_, k_))),
-          offsets(F == Format::int4 ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
+          offsets(kHasOffsets<F> ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
           m(m_), k(k_) {}
 
     // Token t's block b: G values in column order and their scale.
@@ -121,27 +142,31 @@ struct TokenOperand {
             // 64-bit permute then puts the 16 even columns of the 32 first.
             const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-            const __m256i ones8 = _mm256_set1_epi8(1);
-            __m256i pairs = _mm256_setzero_si256();  // at most G / 32 * 2 * 127 per int16: exact
             for (int64_t c = 0; c < G; c += kStepColumns) {
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c));
                 const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, order), 0xd8);
                 const NibbleColumns at = nibble_columns(b * G + c, k);
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(values + t * k + at.even), _mm256_castsi256_si128(split));
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(values + t * k + at.odd), _mm256_extracti128_si256(split, 1));
-                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(ones8, v));
             }
+        }
+        if constexpr (kHasOffsets<F>) {
+            const __m256i ones8 = _mm256_set1_epi8(1);
+            __m256i pairs = _mm256_setzero_si256();  // at most G / 32 * 2 * 127 per int16: exact
+            for (int64_t c = 0; c < G; c += kStepColumns)
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(ones8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c))));
             const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
             const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
             const __m128i two = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
-            offsets[b * offsets_stride(m) + t] = 8 * _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
+            offsets[b * offsets_stride(m) + t] =
+                kWeightBias<F> * _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
         }
     }
 
-    // int4: the offsets of the padding tokens of blocks [b_begin, b_end), 0 (each writer
-    // fills its own blocks: no shared bytes).
+    // The offsets of the padding tokens of blocks [b_begin, b_end), 0 (each writer fills
+    // its own blocks: no shared bytes).
     void zero_padding(int64_t b_begin, int64_t b_end) const {
-        if constexpr (F == Format::int4)
+        if constexpr (kHasOffsets<F>)
             for (int64_t b = b_begin; b < b_end; ++b)
                 for (int64_t t = m; t < offsets_stride(m); ++t) offsets[b * offsets_stride(m) + t] = 0;
     }
@@ -300,9 +325,16 @@ constexpr int64_t column_bytes(int64_t c) {
     return F == Format::int8 ? c : c / 2;
 }
 
-// 32 columns of a weight row from `p` (the byte of the first column), as vpmaddubsw's
-// unsigned operand's source: int8 the signed bytes; int4 the biased nibbles u = q + 8,
-// the 16 even columns in the low half and the 16 odd ones in the high half.
+// acc + the sums of each lane's four u8 x s8 products (AVX-VNNI builds only).
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#ifdef NUMA_MOE_AVX_VNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    (void)u, (void)s;
+    return acc;
+#endif
+}
+
 // 32 columns of a weight row from `p` (the byte of the first column), as vpmaddubsw's
 // unsigned operand's source: int8 the signed bytes; int4 the biased nibbles u = q + 8,
 // the 16 even columns in the low half and the 16 odd ones in the high half (the int4
@@ -367,7 +399,8 @@ struct TokenBlock {
 };
 
 // int8: the int32 dot products of one group (G columns from c0) for the R x T pairs,
-// pair p = r * T + t in dot[p]'s lanes (pairs past R * T: zero).
+// pair p = r * T + t in dot[p]'s lanes (pairs past R * T: zero). AVX-VNNI: the dots of
+// the biased weights w + 128, the bias term left to the offsets.
 template <int64_t G, int R, int T>
 inline void int8_group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c0, __m256i dot[kPairs]) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -378,10 +411,15 @@ inline void int8_group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int6
         for (int r = 0; r < R; ++r) {
             if (b.pf && (c & 63) == 0) b.pf->next();
             const __m256i wv = load_weights<Format::int8>(b.w[r] + c);
-            const __m256i magnitude = _mm256_abs_epi8(wv);
-            for (int t = 0; t < T; ++t) {
-                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[t], wv));
-                dot[r * T + t] = _mm256_add_epi32(dot[r * T + t], _mm256_madd_epi16(pairs, ones));
+            if constexpr (kVnni) {
+                const __m256i biased = _mm256_xor_si256(wv, _mm256_set1_epi8(static_cast<char>(0x80)));
+                for (int t = 0; t < T; ++t) dot[r * T + t] = dpbusd(dot[r * T + t], biased, xv[t]);
+            } else {
+                const __m256i magnitude = _mm256_abs_epi8(wv);
+                for (int t = 0; t < T; ++t) {
+                    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[t], wv));
+                    dot[r * T + t] = _mm256_add_epi32(dot[r * T + t], _mm256_madd_epi16(pairs, ones));
+                }
             }
         }
     }
@@ -402,9 +440,13 @@ inline void int4_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int64
         if (b.pf && (c & 127) == 0) b.pf->next();
         __m256i u_even, u_odd;
         load_nibbles64(b.w[r] + c / 2, &u_even, &u_odd);
-        for (int t = 0; t < T; ++t)
-            sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(u_even, x_even[t]),
-                                                                                 _mm256_maddubs_epi16(u_odd, x_odd[t])));
+        for (int t = 0; t < T; ++t) {
+            if constexpr (kVnni)
+                sums[r * T + t] = dpbusd(dpbusd(sums[r * T + t], u_even, x_even[t]), u_odd, x_odd[t]);
+            else
+                sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(u_even, x_even[t]),
+                                                                                     _mm256_maddubs_epi16(u_odd, x_odd[t])));
+        }
     }
 }
 
@@ -422,15 +464,19 @@ inline void int4_half_step(const RowBlock<R>& b, const TokenBlock& tokens, int64
     for (int r = 0; r < R; ++r) {
         if (b.pf && (c & 127) == 0) b.pf->next();
         const __m256i uv = load_weights<Format::int4>(b.w[r] + c / 2);
-        for (int t = 0; t < T; ++t) sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
+        for (int t = 0; t < T; ++t)
+            sums[r * T + t] = kVnni ? dpbusd(sums[r * T + t], uv, xv[t])
+                                    : _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
     }
 }
 
-// The int32 widening of int16 pair sums (pairs past R * T: zero).
+// The int32 widening of int16 pair sums (pairs past R * T: zero); AVX-VNNI's sums are
+// int32 already.
 template <int R, int T>
 inline void widen_pairs(const __m256i sums[kPairs], __m256i dot[kPairs]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int p = 0; p < kPairs; ++p) dot[p] = p < R * T ? _mm256_madd_epi16(sums[p], ones) : _mm256_setzero_si256();
+    for (int p = 0; p < kPairs; ++p)
+        dot[p] = p >= R * T ? _mm256_setzero_si256() : kVnni ? sums[p] : _mm256_madd_epi16(sums[p], ones);
 }
 
 // The offsets of group g for the pairs, lane p = token p % T of the block.
@@ -444,7 +490,7 @@ inline __m256i pair_offsets(const int32_t* offsets_t0, int64_t m4, int64_t g) {
 // tokens' bias offsets first).
 template <Format F, int T>
 inline __m256 add_group(__m256 total, __m256i totals, const TokenBlock& tokens, int64_t g, __m256 tile) {
-    if constexpr (F == Format::int4) totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m4, g));
+    if constexpr (kHasOffsets<F>) totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m4, g));
     return _mm256_add_ps(total, _mm256_mul_ps(_mm256_cvtepi32_ps(totals), tile));
 }
 
@@ -572,8 +618,12 @@ const KernelOps& table() {
 
 }  // namespace
 
-#ifdef NUMA_MOE_EMULATED
+#if defined(NUMA_MOE_EMULATED) && defined(NUMA_MOE_AVX_VNNI)
+const KernelOps* avx2_vnni_emulated_integer_ops(Format format, int64_t group) {
+#elif defined(NUMA_MOE_EMULATED)
 const KernelOps* avx2_emulated_integer_ops(Format format, int64_t group) {
+#elif defined(NUMA_MOE_AVX_VNNI)
+const KernelOps* avx2_vnni_integer_ops(Format format, int64_t group) {
 #else
 const KernelOps* avx2_integer_ops(Format format, int64_t group) {
 #endif

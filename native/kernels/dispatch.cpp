@@ -72,7 +72,13 @@ constexpr bool kEmulatedBuilds =
 const KernelOps* emulated_ops(Isa isa, Format format, int64_t group) {
 #ifdef NUMA_MOE_TEST_HOOKS
     const bool bf16 = format == Format::bf16;
-    if (isa == Isa::avx2_emulated) return bf16 ? &avx2_emulated_ops() : avx2_emulated_integer_ops(format, group);
+    if (isa == Isa::avx2_emulated) {
+        if (bf16) return &avx2_emulated_ops();
+        // The AVX2 integer build this CPU does not run natively, so that the tests run both
+        // (the AVX-VNNI one on a CPU with AVX2 but no AVX-VNNI; else the vpmaddubsw one).
+        const bool vnni = has_avx2_kernels() && !has_avx_vnni_kernels();
+        return vnni ? avx2_vnni_emulated_integer_ops(format, group) : avx2_emulated_integer_ops(format, group);
+    }
     if (isa == Isa::avx512_emulated && has_avx2_kernels())
         return bf16 ? &avx512_emulated_ops() : avx512_emulated_integer_ops(format, group);
 #else
@@ -91,7 +97,9 @@ bool has_amx_int8_kernels() {
 const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
     switch (isa) {
         case Isa::ref: return ref_integer_ops(format, group);
-        case Isa::avx2: return has_avx2_kernels() ? avx2_integer_ops(format, group) : nullptr;
+        case Isa::avx2:
+            if (!has_avx2_kernels()) return nullptr;
+            return has_avx_vnni_kernels() ? avx2_vnni_integer_ops(format, group) : avx2_integer_ops(format, group);
         case Isa::avx512: return has_avx512_vnni_kernels() ? avx512_integer_ops(format, group) : nullptr;
         case Isa::amx_model: return has_avx2_kernels() ? amx_model_integer_ops(format, group) : nullptr;
         case Isa::amx: return has_amx_int8_kernels() ? amx_integer_ops(format, group) : nullptr;

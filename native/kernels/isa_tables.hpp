@@ -11,8 +11,11 @@
 namespace numa_moe::kernels {
 
 const KernelOps& avx2_ops();       // avx2.cpp        (-mavx2 -mfma)
-// avx2_quant.cpp (-mavx2 -mfma): int8 / int4, nullptr for a group outside kIntegerGroups.
+// avx2_quant.cpp (-mavx2 -mfma -mf16c): int8 / int4, nullptr for a group outside
+// kIntegerGroups; avx2_vnni_quant.cpp, the same source with AVX-VNNI's vpdpbusd, serves the
+// avx2 integer tables of CPUs that have it.
 const KernelOps* avx2_integer_ops(Format format, int64_t group);
+const KernelOps* avx2_vnni_integer_ops(Format format, int64_t group);
 const KernelOps& avx512_ops();     // avx512_bf16.cpp (-mavx512f/bw/vl/bf16 -mfma)
 // avx512_quant.cpp (... and -mavx512vnni): int8 / int4, nullptr for a group outside
 // kIntegerGroups.
@@ -28,6 +31,8 @@ const KernelOps* amx_model_integer_ops(Format format, int64_t group);
 // SIMDe's AVX-512 at AVX2 flags (avx512_bf16_emulated.cpp, avx512_quant_emulated.cpp).
 const KernelOps& avx2_emulated_ops();
 const KernelOps* avx2_emulated_integer_ops(Format format, int64_t group);
+// avx2_vnni_quant_emulated.cpp: the AVX-VNNI build of avx2_quant.cpp over SIMDe.
+const KernelOps* avx2_vnni_emulated_integer_ops(Format format, int64_t group);
 const KernelOps& avx512_emulated_ops();
 const KernelOps* avx512_emulated_integer_ops(Format format, int64_t group);
 

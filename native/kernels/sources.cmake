@@ -13,6 +13,7 @@ list(APPEND NUMA_MOE_SOURCES
 list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/avx2.cpp
   native/kernels/avx2_quant.cpp
+  native/kernels/avx2_vnni_quant.cpp
   native/kernels/avx512_bf16.cpp
   native/kernels/avx512_quant.cpp
   native/kernels/amx_bf16_model.cpp
@@ -27,6 +28,7 @@ list(APPEND NUMA_MOE_ISA_SOURCES
 numa_moe_isa_source(native/kernels/avx2.cpp avx2 -mavx2 -mfma)
 # The integer kernels round as the reference: no contraction.
 numa_moe_isa_source(native/kernels/avx2_quant.cpp avx2_quant -mavx2 -mfma -mf16c -ffp-contract=off)
+numa_moe_isa_source(native/kernels/avx2_vnni_quant.cpp avx2_vnni_quant -mavx2 -mfma -mf16c -mavxvnni -ffp-contract=off)
 numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
 # The integer kernels also need VNNI; no contraction, so that they round as the reference.
 numa_moe_isa_source(native/kernels/avx512_quant.cpp avx512_vnni ${NUMA_MOE_AVX512_FLAGS} -mavx512vnni -ffp-contract=off)
@@ -53,6 +55,7 @@ if(NUMA_MOE_TEST_HOOKS)
   list(APPEND NUMA_MOE_ISA_SOURCES
     native/kernels/avx2_emulated.cpp
     native/kernels/avx2_quant_emulated.cpp
+    native/kernels/avx2_vnni_quant_emulated.cpp
     native/kernels/attention_avx2_emulated.cpp
     native/kernels/avx512_bf16_emulated.cpp
     native/kernels/avx512_quant_emulated.cpp
@@ -60,6 +63,8 @@ if(NUMA_MOE_TEST_HOOKS)
   )
   numa_moe_isa_source(native/kernels/avx2_emulated.cpp avx2_emulated -Wno-psabi -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/avx2_quant_emulated.cpp avx2_quant_emulated -Wno-psabi -ffp-contract=off -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/avx2_vnni_quant_emulated.cpp avx2_vnni_quant_emulated -Wno-psabi -ffp-contract=off
+                      -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/attention_avx2_emulated.cpp attn_avx2_emulated -Wno-psabi -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/avx512_bf16_emulated.cpp avx512_emulated ${NUMA_MOE_AMX_MODEL_FLAGS} -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/avx512_quant_emulated.cpp avx512_vnni_emulated ${NUMA_MOE_AMX_MODEL_FLAGS}

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "common/openmp_team.hpp"
 #include "common/worker_pool.hpp"
 #include "kernels/amx_model.hpp"
+#include "kernels/isa_tables.hpp"
 
 namespace py = pybind11;
 
@@ -135,6 +137,23 @@ void amx_model_tile_dot(const py::array& config, bool int8, py::array& c, const 
     amx_model::tile_dot(config.data(), int8, c.mutable_data(), a.data(), b.data());
 }
 
+// Which build of the AVX2 integer kernels an ISA's int8 table is: "avx_vnni" (vpdpbusd,
+// avx2_vnni_quant.cpp), "maddubs" (vpmaddubsw, avx2_quant.cpp), "" for other ISAs or none here.
+std::string avx2_integer_build(const std::string& isa_name) {
+    kernels::Isa isa;
+    if (!kernels::parse_isa(isa_name.c_str(), &isa)) throw std::invalid_argument("unknown ISA '" + isa_name + "'");
+    const kernels::KernelOps* ops = kernels::kernel_ops(isa, kernels::Format::int8, kernels::kDefaultGroup);
+    if (!ops) return "";
+    const kernels::Format int8 = kernels::Format::int8;
+    const int64_t group = kernels::kDefaultGroup;
+    // Comparing table addresses runs no instruction of either build.
+    if (ops == kernels::avx2_vnni_integer_ops(int8, group) || ops == kernels::avx2_vnni_emulated_integer_ops(int8, group))
+        return "avx_vnni";
+    if (ops == kernels::avx2_integer_ops(int8, group) || ops == kernels::avx2_emulated_integer_ops(int8, group))
+        return "maddubs";
+    return "";
+}
+
 }  // namespace
 
 void register_testing(py::module_& parent) {
@@ -154,6 +173,9 @@ void register_testing(py::module_& parent) {
           "something).");
     m.def("amx_model_tile_dot", &amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"), py::arg("a"),
           py::arg("b"), "One TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
+    m.def("avx2_integer_build", &avx2_integer_build, py::arg("isa"),
+          "Which build of the AVX2 integer kernels the ISA's tables are: 'avx_vnni', 'maddubs', or '' (another ISA, "
+          "or none here).");
     m.def("amx_model_counts", [](bool reset) {
         const amx_model::InstructionCounts c = amx_model::instruction_counts();
         if (reset) amx_model::reset_instruction_counts();
