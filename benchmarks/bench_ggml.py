@@ -85,9 +85,12 @@ class Harness:
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"bench_ggml: the ggml harness exited (status {self.proc.wait()})")
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            self.proc.kill()
+            raise SystemExit(f"bench_ggml: the ggml harness failed (status {self.proc.wait()}; "
+                             "its message is above)") from None
 
     def step(self, ids: np.ndarray, weights: np.ndarray) -> dict:
         self.proc.stdin.write(" ".join(map(str, ids.ravel().tolist())) + " "

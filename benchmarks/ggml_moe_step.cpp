@@ -139,8 +139,10 @@ int run(const Args &a) {
     ggml_tensor *down = ggml_new_tensor_3d(wctx, type, I, H, E);
 
     // Activations, routing and the graph in a second context.
-    const size_t asize = 64 * ggml_tensor_overhead() + ggml_graph_overhead() +
-                         sizeof(float) * (M * H * (2 + 2 * K) + M * K * (3 * I + 2) + 4096) + (1 << 20);
+    // Input, routing, gate/up/act [I, K, M], down and weighted [H, K, M], K - 1 sums [H, M],
+    // with room for alignment.
+    const size_t asize = (2 * K + 64) * ggml_tensor_overhead() + ggml_graph_overhead() +
+                         sizeof(float) * (M * H * (3 * K + 4) + M * K * (3 * I + 2)) + (1 << 20);
     ggml_init_params ap = {asize, nullptr, false};
     ggml_context *ctx = ggml_init(ap);
     ggml_tensor *x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, H, M);
