@@ -6,7 +6,7 @@
 // benchmarks/bench_ggml.py.
 //
 //   ggml_moe_step --experts E --top-k K --hidden H --inter I --tokens M --type bf16|q8_0|q4_0
-//                 --threads T [--repeats R] [--weights FILE --input FILE --check]
+//                 --threads T [--repeats R] [--no-repack] [--weights FILE --input FILE --check]
 //
 // Weights are random (filled once) unless --weights names a float32 file of gate [E,I,H],
 // up [E,I,H], down [E,H,I]; the input is random unless --input names a float32 [M,H].
@@ -31,6 +31,8 @@
 #include <vector>
 
 #include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 
 namespace {
@@ -39,7 +41,7 @@ struct Args {
     int64_t experts = 0, top_k = 0, hidden = 0, inter = 0, tokens = 0;
     int threads = 1, repeats = 1;
     std::string type, weights, input;
-    bool check = false;
+    bool check = false, no_repack = false;
 };
 
 int64_t positive(const char *name, const char *value) {
@@ -54,6 +56,7 @@ Args parse(int argc, char **argv) {
     for (int i = 1; i < argc; ++i) {
         std::string k = argv[i];
         if (k == "--check") { a.check = true; continue; }
+        if (k == "--no-repack") { a.no_repack = true; continue; }
         if (i + 1 >= argc) throw std::runtime_error(k + " needs a value");
         const char *v = argv[++i];
         if (k == "--experts") a.experts = positive("--experts", v);
@@ -92,23 +95,21 @@ std::vector<float> read_floats(const std::string &path, size_t n) {
 }
 
 // Converts rows of float32 to the tensor's type (ggml_quantize_chunk quantizes Q8_0/Q4_0,
-// converts BF16).
-void store_rows(ggml_tensor *t, int64_t row0, const float *src, int64_t nrows) {
+// converts BF16) into dst, the tensor's bytes in ggml's plain layout.
+void store_rows(const ggml_tensor *t, char *dst, int64_t row0, const float *src, int64_t nrows) {
     const int64_t k = t->ne[0];
-    char *dst = static_cast<char *>(t->data) + row0 * ggml_row_size(t->type, k);
-    ggml_quantize_chunk(t->type, src, dst, 0, nrows, k, nullptr);
+    ggml_quantize_chunk(t->type, src, dst + row0 * ggml_row_size(t->type, k), 0, nrows, k, nullptr);
 }
 
 // Random weights: a block of rows quantized once and tiled over the tensor (the content
 // does not matter for speed; only for --check do the values come from a file).
-void fill_random(ggml_tensor *t, std::mt19937 &gen, float scale) {
+void fill_random(const ggml_tensor *t, char *base, std::mt19937 &gen, float scale) {
     const int64_t k = t->ne[0], rows = ggml_nrows(t);
     const int64_t block_rows = std::min<int64_t>(rows, std::max<int64_t>(1, (1 << 20) / k));
     std::normal_distribution<float> normal(0.0f, scale);
     std::vector<float> block(block_rows * k);
     for (auto &x : block) x = normal(gen);
-    store_rows(t, 0, block.data(), block_rows);
-    char *base = static_cast<char *>(t->data);
+    store_rows(t, base, 0, block.data(), block_rows);
     for (int64_t r = block_rows; r < rows; r += block_rows) {
         const int64_t n = std::min(block_rows, rows - r);
         std::memcpy(base + r * ggml_row_size(t->type, k), base, n * ggml_row_size(t->type, k));
@@ -126,17 +127,51 @@ int run(const Args &a) {
         throw std::runtime_error("--hidden and --inter must be multiples of the type's block size");
     ggml_cpu_init();
 
-    // Weights in their own context over an mmap'ed 4 KB-page buffer.
+    // Q4_0 goes into the CPU backend's repack buffer where ggml has a repacked layout for
+    // this CPU (Q4_0 8x8 with AVX2), as llama.cpp loads it by default; the other types
+    // have none on x86 and stay in plain memory. Weights live in their own context.
+    ggml_backend_buffer_type_t repack = nullptr;
+    if (type == GGML_TYPE_Q4_0 && !a.no_repack) {
+        ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+        auto get_extra = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+            ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
+        if (get_extra && ggml_cpu_has_avx2() && I % 8 == 0 && H % 8 == 0)
+            for (ggml_backend_buffer_type_t *b = get_extra(ggml_backend_reg_dev_get(reg, 0)); b && *b; ++b)
+                if (std::string(ggml_backend_buft_name(*b)) == "CPU_REPACK") repack = *b;
+    }
     const size_t weight_bytes = E * (2 * ggml_row_size(type, H) * I + ggml_row_size(type, I) * H);
     const size_t wsize = weight_bytes + 3 * ggml_tensor_overhead() + 3 * 64 + 4096;
-    void *wbuf = mmap(nullptr, wsize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (wbuf == MAP_FAILED) throw std::runtime_error("cannot map " + std::to_string(wsize) + " bytes of weights");
-    madvise(wbuf, wsize, MADV_NOHUGEPAGE);
-    ggml_init_params wp = {wsize, wbuf, false};
+    void *wbuf = nullptr;
+    if (!repack) {
+        wbuf = mmap(nullptr, wsize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (wbuf == MAP_FAILED) throw std::runtime_error("cannot map " + std::to_string(wsize) + " bytes of weights");
+        madvise(wbuf, wsize, MADV_NOHUGEPAGE);
+    }
+    ggml_init_params wp = {repack ? 8 * ggml_tensor_overhead() : wsize, wbuf, repack != nullptr};
     ggml_context *wctx = ggml_init(wp);
     ggml_tensor *gate = ggml_new_tensor_3d(wctx, type, H, I, E);
     ggml_tensor *up = ggml_new_tensor_3d(wctx, type, H, I, E);
     ggml_tensor *down = ggml_new_tensor_3d(wctx, type, I, H, E);
+    ggml_backend_buffer_t repack_buf = nullptr;
+    if (repack) {
+        repack_buf = ggml_backend_alloc_ctx_tensors_from_buft(wctx, repack);
+        if (!repack_buf) throw std::runtime_error("cannot allocate the repacked weights");
+        // 4 KB pages before the first touch, as for the plain buffer.
+        auto *base = static_cast<char *>(ggml_backend_buffer_get_base(repack_buf));
+        auto *page = reinterpret_cast<char *>(reinterpret_cast<uintptr_t>(base) & ~uintptr_t(4095));
+        madvise(page, ggml_backend_buffer_get_size(repack_buf) + (base - page), MADV_NOHUGEPAGE);
+    }
+    // The plain bytes of each tensor: in place, or staged and handed to the repack buffer
+    // (whose set_tensor takes a whole tensor and rearranges it).
+    std::vector<char> staging;  // released after the fill, below
+    auto plain = [&](ggml_tensor *t) {
+        if (!repack) return static_cast<char *>(t->data);
+        staging.assign(ggml_nbytes(t), 0);
+        return staging.data();
+    };
+    auto commit = [&](ggml_tensor *t) {
+        if (repack) ggml_backend_tensor_set(t, staging.data(), 0, ggml_nbytes(t));
+    };
 
     // Activations, routing and the graph in a second context.
     // Input, routing, gate/up/act [I, K, M], down and weighted [H, K, M], K - 1 sums [H, M],
@@ -151,15 +186,22 @@ int run(const Args &a) {
 
     std::mt19937 gen(1234);
     if (a.weights.empty()) {
-        fill_random(gate, gen, 1.0f / std::sqrt(static_cast<float>(H)));
-        fill_random(up, gen, 1.0f / std::sqrt(static_cast<float>(H)));
-        fill_random(down, gen, 1.0f / std::sqrt(static_cast<float>(I)));
+        fill_random(gate, plain(gate), gen, 1.0f / std::sqrt(static_cast<float>(H)));
+        commit(gate);
+        fill_random(up, plain(up), gen, 1.0f / std::sqrt(static_cast<float>(H)));
+        commit(up);
+        fill_random(down, plain(down), gen, 1.0f / std::sqrt(static_cast<float>(I)));
+        commit(down);
     } else {
         std::vector<float> w = read_floats(a.weights, static_cast<size_t>(E * 3 * I * H));
-        store_rows(gate, 0, w.data(), E * I);
-        store_rows(up, 0, w.data() + E * I * H, E * I);
-        store_rows(down, 0, w.data() + 2 * E * I * H, E * H);
+        store_rows(gate, plain(gate), 0, w.data(), E * I);
+        commit(gate);
+        store_rows(up, plain(up), 0, w.data() + E * I * H, E * I);
+        commit(up);
+        store_rows(down, plain(down), 0, w.data() + 2 * E * I * H, E * H);
+        commit(down);
     }
+    std::vector<char>().swap(staging);
     if (a.input.empty()) {
         std::normal_distribution<float> normal(0.0f, 1.0f);
         for (int64_t i = 0; i < M * H; ++i) static_cast<float *>(x->data)[i] = normal(gen);
@@ -188,7 +230,8 @@ int run(const Args &a) {
     std::vector<uint8_t> work(plan.work_size + 64);
     plan.work_data = work.data();
 
-    std::cout << "{\"ready\": true, \"weight_bytes\": " << weight_bytes << "}" << std::endl;
+    std::cout << "{\"ready\": true, \"weight_bytes\": " << weight_bytes << ", \"repacked\": "
+              << (repack ? "true" : "false") << "}" << std::endl;
     std::string line;
     while (std::getline(std::cin, line)) {
         if (line.empty()) continue;
@@ -225,7 +268,8 @@ int run(const Args &a) {
     ggml_threadpool_free(pool);
     ggml_free(ctx);
     ggml_free(wctx);
-    munmap(wbuf, wsize);
+    if (repack_buf) ggml_backend_buffer_free(repack_buf);
+    if (wbuf) munmap(wbuf, wsize);
     return 0;
 }
 
