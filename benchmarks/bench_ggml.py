@@ -81,7 +81,7 @@ class Harness:
                "--inter", str(inter), "--tokens", str(tokens), "--type", ggml_type, "--threads", str(threads),
                *extra]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()  # {"ready": true}: weights filled
+        self.info = self._read()  # {"ready": true, ...}: weights filled
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -130,6 +130,7 @@ def bench_case(shape: str, tokens, fmt: str, repeats: int, threads: int, rng, ec
     rows = []
     for m in tokens:
         harness = Harness(experts, top_k, hidden, inter, m, GGML_TYPES[fmt], threads)
+        repacked = harness.info.get("repacked")
         try:
             ours, theirs = [], []
             for i in range(repeats + 1):  # the first is untimed: both sides size their buffers
@@ -150,7 +151,7 @@ def bench_case(shape: str, tokens, fmt: str, repeats: int, threads: int, rng, ec
         row = {"shape": shape, "model_experts": model_experts, "experts": experts, "top_k": top_k,
                "hidden": hidden, "intermediate": inter, "tokens": m, "format": fmt, "ggml_type": GGML_TYPES[fmt],
                "threads": threads, "repeats": repeats, "ours_ms": o, "ours_spread": os_, "ggml_ms": g,
-               "ggml_spread": gs, "ours_samples_ms": ours, "ggml_samples_ms": theirs}
+               "ggml_spread": gs, "ggml_repacked": repacked, "ours_samples_ms": ours, "ggml_samples_ms": theirs}
         echo(format_table([row], cpu_model(), threads).splitlines()[-1])
         rows.append(row)
     del layer

@@ -125,6 +125,10 @@ int run(const Args &a) {
     const int64_t E = a.experts, K = a.top_k, H = a.hidden, I = a.inter, M = a.tokens;
     if (H % ggml_blck_size(type) || I % ggml_blck_size(type))
         throw std::runtime_error("--hidden and --inter must be multiples of the type's block size");
+    // ggml's info lines (one per repacked tensor) would interleave with the driver's table.
+    ggml_log_set([](ggml_log_level level, const char *text, void *) {
+        if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+    }, nullptr);
     ggml_cpu_init();
 
     // Q4_0 goes into the CPU backend's repack buffer where ggml has a repacked layout for
