@@ -20,9 +20,10 @@ from numa_moe import attention, kernels, quant
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 PAIRS = [("avx2_emulated", "avx2"), ("avx512_emulated", "avx512")]
-# Token counts across the kernels' paths: avx512 pairs (1-4), row lanes (5-12, int4 to 16),
-# token lanes (13 or 17 and more), and a tail of a lane block.
-TOKEN_COUNTS = [1, 3, 5, 13, 17, 40]
+# Token counts across the kernels' paths: avx512 pairs (1-4; groups of 32 1-3), row lanes
+# (5-12, groups of 32 from 4; int4 to 16), token lanes (13 or 17 and more), and a tail of a
+# lane block.
+TOKEN_COUNTS = [1, 3, 4, 5, 13, 17, 40]
 
 
 def both_available(emulated: str, native: str, fmt: str = "bf16"):

@@ -10,9 +10,9 @@
 //            s[r * scales_ld + c / G]
 //   tokens   the same int8 values and fp32 scales as ref_quant.cpp (per token and block of
 //            G columns), laid out by token count:
-//            plain (m < 5)  q[t * k + c] (int4 at G = 128: each group's even columns,
+//            plain (m < 5; at G = 32 m < 4)  q[t * k + c] (int4 at G = 128: each group's even columns,
 //                           then its odd ones), then scale[t * (k / G) + b]
-//            interleaved (5 <= m <= 12; int4 to 16) the m tokens' values of each
+//            interleaved (5 (G = 32: 4) <= m <= 12; int4 to 16) the m tokens' values of each
 //                           weight dword side by side: int8 q[(c / 4) * 4m + 4t + c % 4];
 //                           int4 per 8 columns (a packed weight dword) each token's 4
 //                           even ones, then its 4 odd ones:
@@ -33,7 +33,7 @@
 // change a rounding).
 //
 // vpdpbusd wants one unsigned operand.
-// 1 to 4 tokens (pairs, plain operand): the weights are made unsigned by an offset, one
+// 1 to 4 tokens, at G = 32 1 to 3 (pairs, plain operand): the weights are made unsigned by an offset, one
 // xor per weight vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8
 // (nibble ^ 8); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
@@ -43,7 +43,7 @@
 // one token, where a block is 8 rows (8 pairs): 16 row streams read from memory more
 // slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens.
-// 5 to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
+// 5 (G = 32: 4) to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
 // each 64 bytes of the 16 rows transposed in registers so that lane r holds row r: every
 // weight dword then meets each token's 4 bytes broadcast from memory (the interleaved
 // operand; for int8 the same quads as the AMX B operand), and a group's totals come out
@@ -87,12 +87,14 @@ constexpr int64_t kChunkGroups = 16;   // groups whose scale products one tile h
 constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of int8 weights)
 
 // From 5 tokens the row lanes beat the pairs (a transpose per 16 x 64 weight bytes,
-// amortised over the tokens, against a reduction tree per group and 16 pairs), and the
+// amortised over the tokens, against a reduction tree per group and 16 pairs), from 4 at
+// G = 32, where the pairs need a tree per 32 columns (docs/kernels.md), and the
 // token lanes, whose 16 lanes are partly padding, up to 12 tokens (one pass: 12
 // accumulators and 16 weight vectors fill the registers); int4 up to 16 as well, in two
 // passes over the same rows, since its token lanes first unpack every row block to bytes.
 // docs/kernels.md.
-constexpr int64_t kRowLaneMinTokens = 5;
+template <int64_t G>
+constexpr int64_t kRowLaneMinTokens = G == 32 ? 4 : 5;
 constexpr int kRowLaneMaxPass = 12;  // tokens of one row-lane pass
 template <Format F>
 constexpr int64_t kLaneMinTokens = F == Format::int8 ? kRowLaneMaxPass + 1 : 17;  // int4: two passes to 16
@@ -107,9 +109,9 @@ template <Format F>
 constexpr bool uses_lanes(int64_t m) {
     return m >= kLaneMinTokens<F>;
 }
-template <Format F>
+template <Format F, int64_t G>
 constexpr bool uses_row_lanes(int64_t m) {
-    return m >= kRowLaneMinTokens && m < kLaneMinTokens<F>;
+    return m >= kRowLaneMinTokens<G> && m < kLaneMinTokens<F>;
 }
 inline int64_t lane_groups(int64_t m) { return (m + kLaneTokens - 1) / kLaneTokens; }
 
@@ -122,7 +124,7 @@ size_t value_bytes(int64_t m, int64_t k) {
 template <Format F, int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
     const int64_t scales = uses_lanes<F>(m) ? lane_groups(m) * (k / G) * 16 : m * (k / G);
-    const int64_t starts = uses_row_lanes<F>(m) ? m * (k / G) : 0;
+    const int64_t starts = uses_row_lanes<F, G>(m) ? m * (k / G) : 0;
     return value_bytes<F>(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
 }
 
@@ -141,8 +143,8 @@ struct TokenWriter {
     TokenWriter(void* packed, int64_t m_, int64_t k_)
         : values(static_cast<uint8_t*>(packed)),
           scales(reinterpret_cast<float*>(values + value_bytes<F>(m_, k_))),
-          starts(uses_row_lanes<F>(m_) ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
-          m(m_), k(k_), lanes(uses_lanes<F>(m_)), row_lanes(uses_row_lanes<F>(m_)) {}
+          starts(uses_row_lanes<F, G>(m_) ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
+          m(m_), k(k_), lanes(uses_lanes<F>(m_)), row_lanes(uses_row_lanes<F, G>(m_)) {}
 
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
         if (row_lanes) {
@@ -651,7 +653,7 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 }
 
 // ---------------------------------------------------------------------------------------
-// 5 to 12 tokens, int4 to 16: row lanes.
+// 5 (G = 32: 4) to 12 tokens, int4 to 16: row lanes.
 
 // acc += vpdpbusd(u, the 4 token bytes at x broadcast to every lane), the broadcast taken
 // by the instruction's memory operand (no shuffle); "+v" as in dpbusd.
@@ -744,7 +746,8 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
     const __m512i low = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(kBias<F>);
     constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
     const __mmask64 mask = kWhole || n_groups == S::kGroups ? ~0ull : (1ull << (n_groups * S::kGroupBytes)) - 1;
-    __m512i acc[T];
+    __m512i acc[T];  // each started at its group's first dword; zeroed for GCC's -Wmaybe-uninitialized
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int h = 0; h < S::kVectors; ++h) {
         __m512i u[kRowLaneRows];
@@ -837,7 +840,7 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
     using std::integral_constant;
     static_assert(kRowLaneMaxPass == 12 && kLaneMinTokens<F> <= 17, "the switches below list every pass");
     if (m > kRowLaneMaxPass) {
-        if constexpr (uses_row_lanes<F>(16)) {
+        if constexpr (uses_row_lanes<F, G>(16)) {
             switch (m) {
                 case 13:
                     pass(integral_constant<int, 7>{}, integral_constant<int, 13>{}, 0);
@@ -860,6 +863,7 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
         return;
     }
     switch (m) {
+        case 4: pass(integral_constant<int, 4>{}, integral_constant<int, 4>{}, 0); break;
         case 5: pass(integral_constant<int, 5>{}, integral_constant<int, 5>{}, 0); break;
         case 6: pass(integral_constant<int, 6>{}, integral_constant<int, 6>{}, 0); break;
         case 7: pass(integral_constant<int, 7>{}, integral_constant<int, 7>{}, 0); break;
@@ -875,7 +879,7 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
 // Segments.
 
 // Blocks of rows of each segment, in row order, each over all the tokens (its weights
-// read once): 1-4 tokens the pairs (rows_for_tokens(m) rows), 5-12 the row lanes (16
+// read once): 1-4 tokens (G = 32: 1-3) the pairs (rows_for_tokens(m) rows), then to 12 the row lanes (16
 // rows; int4 to 16), then the lanes (lane_rows(m) rows over every lane group).
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end,
@@ -886,7 +890,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const float* xs = reinterpret_cast<const float*>(values + value_bytes<F>(m, k));
     const int32_t* starts = reinterpret_cast<const int32_t*>(xs + m * (k / G));  // row lanes
     const int rows = uses_lanes<F>(m)       ? lane_rows(m)
-                     : uses_row_lanes<F>(m) ? kRowLaneRows
+                     : uses_row_lanes<F, G>(m) ? kRowLaneRows
                                             : rows_for_tokens(static_cast<int>(m));
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t) {
@@ -897,14 +901,16 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     lane_row_block<F, G, 8>(w, seg, j0, j1, values, xs, m, k, out, ldo);
                 else
                     lane_row_block<F, G, 6>(w, seg, j0, j1, values, xs, m, k, out, ldo);
-            } else if (uses_row_lanes<F>(m)) {
+            } else if (uses_row_lanes<F, G>(m)) {
                 row_lane_row_block<F, G>(w, seg, j0, j1, q, xs, starts, m, k, out, ldo);
             } else {
                 switch (m) {
                     case 1: pair_row_block<F, G, 1>(w, seg, j0, j1, q, xs, k, out, ldo); break;
                     case 2: pair_row_block<F, G, 2>(w, seg, j0, j1, q, xs, k, out, ldo); break;
                     case 3: pair_row_block<F, G, 3>(w, seg, j0, j1, q, xs, k, out, ldo); break;
-                    default: pair_row_block<F, G, 4>(w, seg, j0, j1, q, xs, k, out, ldo); break;
+                    default:
+                        if constexpr (!uses_row_lanes<F, G>(4)) pair_row_block<F, G, 4>(w, seg, j0, j1, q, xs, k, out, ldo);
+                        break;
                 }
             }
         }
