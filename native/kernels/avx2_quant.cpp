@@ -232,8 +232,8 @@ void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, i
     }
 }
 
-// The activation is ref_quant.cpp's scalar expression (same sums, same silu), so that the
-// values quantized are the reference's bit for bit.
+// The activation is ref_quant.cpp's (silu_mul_rows), so that the values quantized are the
+// reference's bit for bit.
 template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
@@ -244,14 +244,7 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
     alignas(32) int8_t q[G];
     for (int64_t t = 0; t < m; ++t) {
         for (int64_t b0 = i_begin; b0 < i_end; b0 += G) {
-            for (int64_t j = 0; j < G; ++j) {
-                float g = 0.0f, u = 0.0f;
-                for (int p = 0; p < n_parts; ++p) {
-                    g += gate_parts[p][(b0 + j) * ld + t];
-                    u += up_parts[p][(b0 + j) * ld + t];
-                }
-                block[j] = silu(g) * u;
-            }
+            silu_mul_rows(gate_parts, up_parts, n_parts, ld, b0, G, t, block);
             for (int64_t i = 0; i < G / 8; ++i) v[i] = _mm256_load_ps(block + 8 * i);
             float scale;
             quantize_block<G>(v, q, &scale);

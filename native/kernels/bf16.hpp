@@ -33,5 +33,20 @@ inline void floats_to_bf16(const float* src, uint16_t* dst, int64_t n) {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// The activation silu_mul_pack quantizes, for rows [i0, i0 + n) of token t: the node parts
+// summed in order 0..n_parts-1, then silu(g) * u. One expression for every integer table, so
+// that they quantize the same values bit for bit.
+inline void silu_mul_rows(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                          int64_t i0, int64_t n, int64_t t, float* out) {
+    for (int64_t j = 0; j < n; ++j) {
+        float g = 0.0f, u = 0.0f;
+        for (int p = 0; p < n_parts; ++p) {
+            g += gate_parts[p][(i0 + j) * ld + t];
+            u += up_parts[p][(i0 + j) * ld + t];
+        }
+        out[j] = silu(g) * u;
+    }
+}
+
 }  // namespace NUMA_MOE_ISA_NS
 }  // namespace numa_moe::kernels

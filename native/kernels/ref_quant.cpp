@@ -135,14 +135,7 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
     float block[G];
     for (int64_t t = 0; t < m; ++t) {
         for (int64_t b0 = i_begin; b0 < i_end; b0 += G) {
-            for (int64_t j = 0; j < G; ++j) {
-                float g = 0.0f, u = 0.0f;
-                for (int p = 0; p < n_parts; ++p) {
-                    g += gate_parts[p][(b0 + j) * ld + t];
-                    u += up_parts[p][(b0 + j) * ld + t];
-                }
-                block[j] = silu(g) * u;
-            }
+            silu_mul_rows(gate_parts, up_parts, n_parts, ld, b0, G, t, block);
             quantize_block<G>(block, q + t * i_total + b0, scales + t * (i_total / G) + b0 / G);
         }
     }
