@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # numa_moe.MoELayer without importing the native layer (or torch) at package import
     if name == "MoELayer":
-        from numa_moe.moe import MoELayer
+        from numa_moe.layer.moe_layer import MoELayer
 
         return MoELayer
     raise AttributeError(f"module 'numa_moe' has no attribute {name!r}")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import safetensors
 
-from numa_moe.checkpoint import (
+from numa_moe.checkpoints.safetensors import (
     KINDS,
     Checkpoint,
     CheckpointError,
@@ -21,7 +21,7 @@ from numa_moe.checkpoint import (
     read_matrix_into,
     read_safetensors_header,
 )
-from numa_moe.synthetic import MODEL_SPECS, TensorPlan, make_checkpoint, write_safetensors
+from numa_moe.checkpoints.synthetic import MODEL_SPECS, TensorPlan, make_checkpoint, write_safetensors
 
 H, I, E, LAYERS = 64, 48, 4, 2
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import Checkpoint, CheckpointError, scale_tensor_name
-from numa_moe.store import ExpertStore
-from numa_moe.synthetic import TensorPlan, write_safetensors
+from numa_moe.checkpoints.safetensors import Checkpoint, CheckpointError, scale_tensor_name
+from numa_moe.layer.store import ExpertStore
+from numa_moe.checkpoints.synthetic import TensorPlan, write_safetensors
 
 H, I, E = 128, 64, 2
 NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -70,7 +70,7 @@ def test_quantized_checkpoint_is_recognised_and_reported(tmp_path, rng, fmt, sca
 
 
 def test_float_checkpoint_reports_no_quantization(tmp_path, rng):
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     ck = Checkpoint.open(make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, hidden_size=H,
                                          intermediate_size=I, progress=False))

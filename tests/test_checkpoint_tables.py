@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from numa_moe.checkpoint import Checkpoint
-from numa_moe.segments import SegmentTable
-from numa_moe.store import checkpoint_tables
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.safetensors import Checkpoint
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.layer.store import checkpoint_tables
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 BITS = {"bf16": 16, "int8": 8, "int4": 4, "fp32": 32}
@@ -60,7 +60,7 @@ def test_tables_follow_interleave_rule_of_stacked_layout(tmp_path, rng, nodes, f
 
 def test_tables_from_checkpoint_equal_tables_from_shapes_real_models(tmp_path):
     """A real-shape Qwen3-30B-A3B checkpoint: tables from its headers equal tables from the
-    model's published shapes (numa_moe.synthetic.MODEL_SPECS), and the paper's periods
+    model's published shapes (numa_moe.checkpoints.synthetic.MODEL_SPECS), and the paper's periods
     hold at 2 nodes."""
     directory = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, progress=False)
     tables = checkpoint_tables(Checkpoint.open(directory), 2, "4k", "bf16")[0]

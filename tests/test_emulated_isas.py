@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from attention_reference import error_bound, reference_decode
-from numa_moe import attention, kernels, quant
+from numa_moe import quant
+from numa_moe.layer import attention, kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 PAIRS = [("avx2_emulated", "avx2"), ("avx512_emulated", "avx512")]

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch", reason="FP8 test checkpoints are written wi
 from safetensors.torch import save_file  # noqa: E402
 
 from numa_moe import quant as q  # noqa: E402
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError  # noqa: E402
-from numa_moe.store import ExpertStore, expert_rows  # noqa: E402
+from numa_moe.checkpoints.safetensors import KINDS, Checkpoint, CheckpointError  # noqa: E402
+from numa_moe.layer.store import ExpertStore, expert_rows  # noqa: E402
 
 E, H, I = 3, 256, 192  # I is not a multiple of 128: the last block of a row is partial
 NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -84,7 +84,7 @@ def test_int8_import_within_the_quantization_bound(tmp_path, rng, group):
 
 
 def test_inspect_reports_the_conversion(tmp_path, rng):
-    from numa_moe.placement_report import inspect_checkpoint
+    from numa_moe.apps.placement_report import inspect_checkpoint
 
     path, _ = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
     report = inspect_checkpoint(path, nodes=2, weight_format="int8", group=64)

@@ -23,8 +23,8 @@ FUZZ = textwrap.dedent(r'''
 
     from hypothesis import HealthCheck, given, settings, strategies as st
 
-    from numa_moe.checkpoint import DTYPE_BYTES, Checkpoint, CheckpointError
-    from numa_moe.store import checkpoint_tables
+    from numa_moe.checkpoints.safetensors import DTYPE_BYTES, Checkpoint, CheckpointError
+    from numa_moe.layer.store import checkpoint_tables
 
     HUGE = [2**31, 2**32 + 1, 2**40, 2**62 + 1, 2**63, 2**64, 10**12, 999999999999, -1]
     ints = st.one_of(st.integers(0, 8), st.integers(0, 70), st.sampled_from(HUGE),

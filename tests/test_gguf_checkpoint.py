@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from moe_reference import moe_reference, random_bf16, rel_error  # noqa: E402
 from numa_moe import quant as q  # noqa: E402
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError  # noqa: E402
-from numa_moe.store import ExpertStore  # noqa: E402
+from numa_moe.checkpoints.safetensors import KINDS, Checkpoint, CheckpointError  # noqa: E402
+from numa_moe.layer.store import ExpertStore  # noqa: E402
 
 E, H, I = 4, 256, 512
 ARCH = "qwen3moe"
@@ -187,8 +187,8 @@ def test_dims_from_metadata_and_what_is_reported_apart(tmp_path, rng):
 @pytest.mark.parametrize("types", [uniform(T.Q8_0), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
                          ids=["Q8_0", "Q4_K_M"])
 def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
-    from numa_moe.moe import MoELayer
-    from numa_moe.topology import Topology
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.placement.topology import Topology
 
     path = write_gguf(tmp_path / "m.gguf", rng, types, layers=(0,))
     store = ExpertStore.load(path, progress=False)
@@ -337,7 +337,7 @@ def _string(text):
 
 
 def test_metadata_beyond_plausible_sizes_is_refused_before_it_costs_memory(tmp_path):
-    from numa_moe.gguf_checkpoint import MAX_METADATA_ELEMENTS, MAX_TENSORS
+    from numa_moe.checkpoints.gguf import MAX_METADATA_ELEMENTS, MAX_TENSORS
 
     n = MAX_METADATA_ELEMENTS + 1  # uint8 elements: 4 MB of file, ~1 GB of reader views
     array = (9).to_bytes(4, "little") + (0).to_bytes(4, "little") + n.to_bytes(8, "little") + bytes(n)
@@ -372,7 +372,7 @@ def test_not_a_gguf_file_and_a_pattern(tmp_path, good_file):
     path.write_bytes(b"GGUX" + bytes(100))
     _one_line_error(path, "not a readable GGUF file")
     with pytest.raises(CheckpointError, match="naming pattern applies to safetensors"):
-        from numa_moe.checkpoint import NamingPattern
+        from numa_moe.checkpoints.safetensors import NamingPattern
 
         Checkpoint.open(good_file, pattern=NamingPattern("p", r"(?P<layer>\d+)(?P<kind>x)", {"x": "gate"}))
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from numa_moe.checkpoint import Checkpoint, CheckpointError, read_safetensors_header
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.safetensors import Checkpoint, CheckpointError, read_safetensors_header
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 # Address space a checker subprocess may use: imports need ~150 MB; the inputs below
@@ -55,8 +55,8 @@ def _cli(*args: str, cwd=None, timeout: float = TIMEOUT) -> subprocess.Completed
 def _load(path) -> subprocess.CompletedProcess:
     """ExpertStore.load in a limited subprocess; prints the error type and message."""
     return _limited("""
-        from numa_moe.checkpoint import CheckpointError
-        from numa_moe.store import ExpertStore
+        from numa_moe.checkpoints.safetensors import CheckpointError
+        from numa_moe.layer.store import ExpertStore
         try:
             ExpertStore.load(sys.argv[1], nodes=1, progress=False)
         except CheckpointError as err:
@@ -127,7 +127,7 @@ def _tree(directory: Path) -> dict[str, bytes]:
 
 
 def test_interrupted_make_checkpoint_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
-    from numa_moe import synthetic
+    from numa_moe.checkpoints import synthetic
 
     d = _small(tmp_path / "d")
     before = _tree(d)
@@ -150,7 +150,7 @@ def test_interrupted_make_checkpoint_leaves_the_old_checkpoint_whole(tmp_path, m
 
 _SIGNAL_SELF = """
     import os, signal
-    from numa_moe import synthetic
+    from numa_moe.checkpoints import synthetic
     original = synthetic._random_bytes
     calls = []
     def _bytes(plan, rng):

@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from moe_reference import random_bf16
-from numa_moe import moe
-from numa_moe.moe import MoELayer
-from numa_moe.topology import Topology
+from numa_moe.layer import moe_layer as moe
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement.topology import Topology
 
 H, I, E, TOP_K = 64, 32, 4, 2
 CHILD_TIMEOUT_S = 20.0

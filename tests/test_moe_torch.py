@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from moe_reference import random_partition_table, rel_error  # noqa: E402
-from numa_moe.moe import MoELayer  # noqa: E402
+from numa_moe.layer.moe_layer import MoELayer  # noqa: E402
 
 CPUS = sorted(os.sched_getaffinity(0))
 H, I, E = 128, 64, 5

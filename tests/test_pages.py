@@ -1,12 +1,13 @@
-"""Page-size names: one rule (numa_moe.pages) used by memory, store, layer and CLI."""
+"""Page-size names: one rule (numa_moe.placement.pages) used by memory, store, layer and CLI."""
 
 import numpy as np
 import pytest
 
 from moe_reference import random_bf16
-from numa_moe import memory, pages, store
-from numa_moe.moe import MoELayer
-from numa_moe.topology import Topology
+from numa_moe.placement import memory, pages
+from numa_moe.layer import store
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement.topology import Topology
 
 
 @pytest.mark.parametrize("text,name,page_bytes", [("4k", "4k", 4096), (" 4K", "4k", 4096),

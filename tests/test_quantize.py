@@ -1,4 +1,4 @@
-"""numa-moe quantize / numa_moe.quantize: the checkpoint layout of docs/quantization.md,
+"""numa-moe quantize / numa_moe.checkpoints.quantize: the checkpoint layout of docs/quantization.md,
 round trip within numa_moe.quant.error_bound, atomic output, one-line refusals."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import safetensors
 from click.testing import CliRunner
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError, read_safetensors_header
-from numa_moe.quantize import quantize_checkpoint
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.safetensors import KINDS, Checkpoint, CheckpointError, read_safetensors_header
+from numa_moe.checkpoints.quantize import quantize_checkpoint
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 H, I, E = 256, 128, 3
@@ -236,7 +236,7 @@ def test_single_file_checkpoint_may_write_beside_it(tmp_path, rng):
 
 
 def test_tables_of_a_quantized_checkpoint_default_to_its_format(source, tmp_path):
-    from numa_moe.segments import SegmentTable
+    from numa_moe.placement.segments import SegmentTable
 
     quantize_checkpoint(source, tmp_path / "q", "int4", 64, "bf16", progress=False)
     result = CliRunner().invoke(cli, ["tables", str(tmp_path / "q"), "--nodes", "2", "-o",

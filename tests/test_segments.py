@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numa_moe import segments as sg
-from numa_moe.segments import (
+from numa_moe.placement import segments as sg
+from numa_moe.placement.segments import (
     SCHEMA,
     WEIGHT_FORMATS,
     Segment,

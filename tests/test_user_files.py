@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import safetensors
 
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.safetensors import KINDS, Checkpoint, CheckpointError
+from numa_moe.checkpoints.synthetic import make_checkpoint
 
 LIMIT_AS = 2 << 30
 TIMEOUT = 60
@@ -100,7 +100,7 @@ def test_checkpoint_in_a_hub_cache_loads_by_snapshot_path_and_by_repo_id(source,
                                                                          monkeypatch):
     import huggingface_hub.constants
 
-    from numa_moe.store import ExpertStore
+    from numa_moe.layer.store import ExpertStore
 
     cache = tmp_path / "hub"
     snapshot = hub_cache(cache, "Org/Tiny-MoE", source)
@@ -174,7 +174,7 @@ def test_links_that_are_not_regular_files_are_refused_naming_them(source, tmp_pa
     blob.rmdir()
     os.mkfifo(blob)
     result = run_limited("""
-        from numa_moe.checkpoint import Checkpoint, CheckpointError
+        from numa_moe.checkpoints.safetensors import Checkpoint, CheckpointError
         try:
             Checkpoint.open(sys.argv[1])
         except CheckpointError as err:
@@ -185,7 +185,7 @@ def test_links_that_are_not_regular_files_are_refused_naming_them(source, tmp_pa
 
 
 def test_quantize_copies_linked_files_of_a_snapshot(source, tmp_path):
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     (source / "tokenizer.json").write_text('{"v": 1}')
     snapshot = hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
@@ -220,7 +220,7 @@ def test_quantize_into_the_parent_of_its_source_deletes_nothing(source, tmp_path
         assert _tree(tmp_path) == before
     # the same through a link to the parent
     (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     with pytest.raises(ValueError, match=f"lie inside {source}"):
         quantize_checkpoint(source, tmp_path.parent / f"{tmp_path.name}-link", "int8", 32,
@@ -230,7 +230,7 @@ def test_quantize_into_the_parent_of_its_source_deletes_nothing(source, tmp_path
 
 
 def test_quantize_output_may_not_contain_a_snapshots_blobs(source, tmp_path):
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     snapshot = hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
     repo = snapshot.parent.parent
@@ -244,7 +244,7 @@ def test_quantize_output_may_not_contain_a_snapshots_blobs(source, tmp_path):
 
 
 def test_overwrite_replaces_only_an_earlier_output(source, tmp_path):
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     out = tmp_path / "q"
     out.mkdir()
@@ -323,7 +323,7 @@ def _gguf_string(text: bytes) -> bytes:
 # took 80-120 s on such files, so only a hang or a per-element parse exceeds it.
 TIMED_OPEN = """
     import time
-    from numa_moe.checkpoint import Checkpoint, CheckpointError
+    from numa_moe.checkpoints.safetensors import Checkpoint, CheckpointError
     start = time.perf_counter()
     try:
         Checkpoint.open(sys.argv[1])
@@ -496,7 +496,7 @@ def test_npy_trace_whose_header_claims_more_than_the_file(tmp_path):
 def test_segment_table_file_that_is_odd(tmp_path, kind):
     path = _odd_file(tmp_path, kind)
     result = run_limited("""
-        from numa_moe.segments import SegmentTable, SegmentTableFormatError
+        from numa_moe.placement.segments import SegmentTable, SegmentTableFormatError
         try:
             SegmentTable.load(sys.argv[1])
         except SegmentTableFormatError as err:

@@ -24,7 +24,7 @@ def _pattern_options(fn):
 
 
 def _naming(pattern: str | None, kinds: str | None):
-    from numa_moe.checkpoint import NamingPattern, parse_kind_map
+    from numa_moe.checkpoints.safetensors import NamingPattern, parse_kind_map
 
     if pattern is None:
         if kinds is not None:
@@ -36,7 +36,7 @@ def _naming(pattern: str | None, kinds: str | None):
 
 
 def _open(path: str, pattern: str | None, kinds: str | None):
-    from numa_moe.checkpoint import Checkpoint, CheckpointError
+    from numa_moe.checkpoints.safetensors import Checkpoint, CheckpointError
 
     try:
         return Checkpoint.open(path, pattern=_naming(pattern, kinds))
@@ -74,8 +74,8 @@ def _open(path: str, pattern: str | None, kinds: str | None):
 def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
                             fmt, group, scale_dtype, quiet):
     """Generate a small safetensors checkpoint with a real model's expert shapes."""
-    from numa_moe.checkpoint import Checkpoint
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     try:
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
@@ -123,7 +123,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
     is in the local cache (nothing is downloaded).
     """
-    from numa_moe.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
+    from numa_moe.layer.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
 
     if group is not None and fmt == "bf16":
         raise click.UsageError("--group applies to --format int8/int4 only")
@@ -225,7 +225,7 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
     CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
     is in the local cache (nothing is downloaded).
     """
-    from numa_moe.placement_report import inspect_checkpoint, plot_placement
+    from numa_moe.apps.placement_report import inspect_checkpoint, plot_placement
 
     if pages and not as_json:
         raise click.UsageError("--pages needs --json (the text report has no per-page lists)")
@@ -280,8 +280,8 @@ def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pat
     CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
     is in the local cache (nothing is downloaded).
     """
-    from numa_moe.checkpoint import CheckpointError
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.safetensors import CheckpointError
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     ck = _open(checkpoint, pattern, kinds)
     try:

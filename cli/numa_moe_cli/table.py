@@ -8,9 +8,9 @@ import click
 
 from numa_moe_cli.options import page_option
 
-from numa_moe.pages import page_bytes_of
+from numa_moe.placement.pages import page_bytes_of
 
-from numa_moe.segments import (
+from numa_moe.placement.segments import (
     SCALE_FORMATS,
     WEIGHT_FORMATS,
     SegmentTable,

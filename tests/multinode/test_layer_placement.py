@@ -6,10 +6,10 @@ that node's CPUs, and the layer's result matches a float64 reference."""
 import ml_dtypes
 import numpy as np
 
-from numa_moe import memory
-from numa_moe.moe import MATRIX_KINDS, MoELayer
-from numa_moe.segments import SegmentTable
-from numa_moe.topology import Topology
+from numa_moe.placement import memory
+from numa_moe.layer.moe_layer import MATRIX_KINDS, MoELayer
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.placement.topology import Topology
 
 E, H, I = 3, 1536, 256  # 3072-byte gate/up rows: pages split rows, strided segments
 

@@ -85,9 +85,9 @@ QUANT_DTYPES = {"int8": "I8", "int4": "U8"}
 # scale dtype name (numa_moe.quant.SCALE_DTYPES) -> safetensors dtype
 SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
 QUANT_GROUPS = (32, 64, 128)
-# safetensors dtype of float expert weights -> their weight format (numa_moe.segments)
+# safetensors dtype of float expert weights -> their weight format (numa_moe.placement.segments)
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-# safetensors dtypes of FP8 expert weights that come with block scales (numa_moe.fp8_checkpoint)
+# safetensors dtypes of FP8 expert weights that come with block scales (numa_moe.checkpoints.fp8)
 FP8_DTYPES = ("F8_E4M3",)
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
@@ -627,7 +627,7 @@ class Checkpoint:
     file_metadata: dict[Path, dict] = field(default_factory=dict)
     quant: QuantInfo | None = None
     # experts in an encoding the store converts while loading (GGUF, FP8 with block
-    # scales): a numa_moe.expert_import.ExpertImport, else None
+    # scales): a numa_moe.checkpoints.expert_import.ExpertImport, else None
     importer: object | None = None
 
     # ---------------------------------------------------------------- opening
@@ -637,7 +637,7 @@ class Checkpoint:
         root = resolve_checkpoint_path(path)
         gguf_file = _gguf_file_of(root)
         if gguf_file is not None:
-            from numa_moe.gguf_checkpoint import open_gguf
+            from numa_moe.checkpoints.gguf import open_gguf
 
             return open_gguf(gguf_file, pattern)
         files, tensors, metadata = _read_tensors(root)
@@ -653,7 +653,7 @@ class Checkpoint:
         checkpoint.quant = _checkpoint_quant(metadata)
         checkpoint._find_experts(pattern)
         if checkpoint.dtype in FP8_DTYPES:
-            from numa_moe.fp8_checkpoint import attach_fp8_scales
+            from numa_moe.checkpoints.fp8 import attach_fp8_scales
 
             attach_fp8_scales(checkpoint)
         return checkpoint

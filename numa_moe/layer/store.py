@@ -16,7 +16,7 @@ its own table (``scale_table``). Tables count columns in weights (elements), als
 int4, as ``segments.WeightFormat`` does. A quantized checkpoint is copied as it is; a
 float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time);
 GGUF and FP8 experts are converted by the checkpoint's ``importer``
-(``numa_moe.expert_import``), one expert matrix at a time.
+(``numa_moe.checkpoints.expert_import``), one expert matrix at a time.
 
 Loading copies tensor by tensor straight from the file into the destination rows
 (``os.preadv``), so extra memory is nil beyond the page cache; the checkpoint is opened
@@ -35,14 +35,14 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import _short
-from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
+from numa_moe.checkpoints.safetensors import _short
+from numa_moe.checkpoints.safetensors import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
                                  OpenFiles, byte_progress, read_matrix_into, read_scales_into)
-from numa_moe.expert_import import LoadFormat
-from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
-from numa_moe.pages import page_bytes_of
+from numa_moe.checkpoints.expert_import import LoadFormat
+from numa_moe.placement.pages import PAGE_BYTES as PAGE_SIZES
+from numa_moe.placement.pages import page_bytes_of
 from numa_moe.quant import DEFAULT_GROUP, SCALE_DTYPES, check_arguments
-from numa_moe.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
+from numa_moe.placement.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
 
 __all__ = [
     "PAGE_SIZES",
@@ -245,7 +245,7 @@ class ExpertStore:
         -> int8 and Q4_0 -> int4 without loss, K-quants -> int8/int4 group 32, FP8 ->
         bf16; docs/checkpoints.md, "Formats").
         """
-        from numa_moe import memory
+        from numa_moe.placement import memory
 
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
@@ -332,7 +332,7 @@ class ExpertStore:
 
     def torch_weights(self, layer: int, kind: str):
         """The same buffer as a zero-copy torch tensor (torch.bfloat16 for bf16)."""
-        from numa_moe import memory
+        from numa_moe.placement import memory
 
         return memory.as_torch(self.weights(layer, kind))
 
@@ -425,7 +425,7 @@ class _LayerLoader:
 
     def _fill(self, kind: str, matrices, buffer: np.ndarray, scales: np.ndarray | None) -> None:
         """Each expert's matrix (and scales) into its rows of the stacked buffers."""
-        from numa_moe.quantize import quantize_expert
+        from numa_moe.checkpoints.quantize import quantize_expert
 
         for e, matrix in enumerate(matrices):
             where = slice(*expert_rows(self.dims, kind, e))

@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 
-from numa_moe.checkpoint import (Checkpoint, CheckpointError, ExpertLayer,
+from numa_moe.checkpoints.safetensors import (Checkpoint, CheckpointError, ExpertLayer,
                                  ExpertMatrix, _matrices_of, _short, read_matrix_into)
-from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
 
 __all__ = ["attach_fp8_scales", "FP8Import", "fp8_scale_name", "DEFAULT_BLOCK"]
 

@@ -1,6 +1,6 @@
 """Periodic segment tables: which part of a row-major weight matrix lies on which NUMA node.
 
-Pure Python/numpy, no system calls: the page map comes from ``numa_moe.memory`` (or from
+Pure Python/numpy, no system calls: the page map comes from ``numa_moe.placement.memory`` (or from
 the interleave rule), this module only does the arithmetic. See docs/placement.md for
 the math, the worked examples and the JSON schema.
 
@@ -820,7 +820,7 @@ class SegmentTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SegmentTable":
         """Read a table written by :meth:`save`; SegmentTableFormatError names the file."""
-        from numa_moe.checkpoint import read_json_file
+        from numa_moe.checkpoints.safetensors import read_json_file
 
         path = os.fspath(path)
         data = read_json_file(path, "segment table", error=SegmentTableFormatError)

@@ -28,9 +28,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from numa_moe import kernels, memory, quant
-from numa_moe.benchmarking import native_loops
-from numa_moe.benchmarking.yardsticks import (
+from numa_moe import quant
+from numa_moe.layer import kernels
+from numa_moe.placement import memory
+from numa_moe.apps.benchmarking import native_loops
+from numa_moe.apps.benchmarking.yardsticks import (
     MEASUREMENT_NOTE,
     Yardstick,
     busy_warning,
@@ -38,7 +40,7 @@ from numa_moe.benchmarking.yardsticks import (
     l3_bytes,
     ratio_cell,
 )
-from numa_moe.pages import page_name
+from numa_moe.placement.pages import page_name
 
 # Routed-expert shapes (hidden H, intermediate I) from the models' published configs.
 SHAPES: dict[str, tuple[int, int]] = {

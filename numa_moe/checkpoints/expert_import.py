@@ -1,6 +1,6 @@
 """Routed experts stored in an encoding the store does not hold as it is: GGUF
-(``numa_moe.gguf_checkpoint``) and FP8 block-scaled safetensors
-(``numa_moe.fp8_checkpoint``).
+(``numa_moe.checkpoints.gguf``) and FP8 block-scaled safetensors
+(``numa_moe.checkpoints.fp8``).
 
 A ``Checkpoint`` of such a file carries an ``ExpertImport`` (``checkpoint.importer``):
 it says which formats the experts can be loaded in (``resolve``), converts one expert
@@ -82,7 +82,7 @@ class ExpertImport:
         """The format a load request means: None picks ``default()``'s parts; refuses
         (ValueError, one line) a format the experts cannot become, a group that does not
         divide the columns and group/scale options for a float format."""
-        from numa_moe.segments import weight_format as format_of
+        from numa_moe.placement.segments import weight_format as format_of
 
         default = self.default()
         fmt = default.fmt if weight_format is None else format_of(weight_format).name
@@ -115,7 +115,7 @@ def convert_float(w: np.ndarray, values: np.ndarray, scales: np.ndarray | None,
                   fmt: LoadFormat, where: str) -> None:
     """float32 values of one matrix into the store's rows: rounded to a float format
     (round to nearest even), or quantized by ``numa_moe.quant.quantize``."""
-    from numa_moe.checkpoint import CheckpointError
+    from numa_moe.checkpoints.safetensors import CheckpointError
 
     if fmt.group is None:
         values[...] = w.astype(FLOAT_NUMPY[fmt.fmt])
@@ -155,7 +155,7 @@ def _loaded_values(values: np.ndarray, scales: np.ndarray | None, fmt: LoadForma
 def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[ConversionError]:
     """Convert ``matrices`` (ExpertMatrix of ``checkpoint``) as the store would and compare
     each with the file's own dequantization, in float64. One matrix in memory at a time."""
-    from numa_moe.checkpoint import OpenFiles
+    from numa_moe.checkpoints.safetensors import OpenFiles
 
     importer = checkpoint.importer
     out = []

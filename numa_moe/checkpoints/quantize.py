@@ -27,12 +27,12 @@ from typing import Iterable
 import numpy as np
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import (FLOAT_FORMATS, QUANT_DTYPES, QUANT_METADATA, SCALE_DTYPE_CODES,
+from numa_moe.checkpoints.safetensors import (FLOAT_FORMATS, QUANT_DTYPES, QUANT_METADATA, SCALE_DTYPE_CODES,
                                  Checkpoint, CheckpointError, ExpertMatrix, NamingPattern,
                                  OpenFiles, TensorInfo, byte_progress, open_checkpoint_file,
                                  overlapping_source,
                                  read_matrix_into, read_safetensors_header, scale_tensor_name)
-from numa_moe.synthetic import (NUMPY_DTYPES, TensorPlan, building_directory, check_replaceable,
+from numa_moe.checkpoints.synthetic import (NUMPY_DTYPES, TensorPlan, building_directory, check_replaceable,
                                 write_safetensors)
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]

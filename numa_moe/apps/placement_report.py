@@ -34,9 +34,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import (DTYPE_BYTES, FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
+from numa_moe.checkpoints.safetensors import (DTYPE_BYTES, FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
                                  open_checkpoint_file)
-from numa_moe.segments import SegmentTable, smallest_period, weight_format
+from numa_moe.placement.segments import SegmentTable, smallest_period, weight_format
 
 __all__ = [
     "TensorPlacement",
@@ -421,7 +421,7 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
     ``import_summary`` of loading it as ``weight_format``/``group``/``scale_dtype``
     (default: the importer's own choice), in ``report.conversion``.
     """
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     _check_inspect_request(touch, tensor)
     if not isinstance(checkpoint, Checkpoint):
@@ -471,8 +471,8 @@ def import_summary(checkpoint: Checkpoint, nodes: Sequence[int], weight_format: 
     theoretical tables of the store's buffers over ``nodes``), and the conversion error of
     the first ``sample_experts`` experts of the first MoE layer against the file's own
     dequantized values (``expert_import.measure_conversion``, one matrix at a time)."""
-    from numa_moe.expert_import import measure_conversion
-    from numa_moe.store import checkpoint_tables, page_bytes_of
+    from numa_moe.checkpoints.expert_import import measure_conversion
+    from numa_moe.layer.store import checkpoint_tables, page_bytes_of
 
     importer = checkpoint.importer
     fmt = importer.resolve(checkpoint.root, checkpoint.dims, weight_format, group, scale_dtype)
@@ -597,12 +597,12 @@ def _measure_file(memory, path, entries: list[_Inspected], touch: str,
 
 
 def _worker_nodes(nodes) -> tuple[int, ...]:
-    from numa_moe.store import parse_nodes
+    from numa_moe.layer.store import parse_nodes
 
     parsed = parse_nodes(nodes)
     if parsed is not None:
         return parsed
-    from numa_moe.topology import current_topology
+    from numa_moe.placement.topology import current_topology
 
     return tuple(current_topology().node_ids)
 
@@ -614,7 +614,7 @@ def placement_report(store, keep_pages: bool = True) -> PlacementReport:
     still equals the table built from the map (pages can move after loading, e.g. with
     automatic NUMA balancing).
     """
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     results = []
     quantized = getattr(store, "group", None) is not None

@@ -43,8 +43,9 @@ from typing import Sequence
 import ml_dtypes
 import numpy as np
 
-from numa_moe import _native, kernels
-from numa_moe.pages import page_bytes_of
+from numa_moe import _native
+from numa_moe.layer import kernels
+from numa_moe.placement.pages import page_bytes_of
 
 __all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "MATRIX_KINDS"]
 
@@ -81,7 +82,7 @@ def shutdown_pools() -> None:
 
 
 def topology_node_cpus(topology) -> tuple[tuple[int, ...], list[list[int]]]:
-    """(node ids, CPU list per node) of a Topology (numa_moe.topology), restricted to the
+    """(node ids, CPU list per node) of a Topology (numa_moe.placement.topology), restricted to the
     CPUs this process may use; a node without allowed CPUs borrows all allowed CPUs
     (virtual topologies on small machines share CPUs between nodes)."""
     allowed = set(getattr(topology, "allowed_cpus", ()) or os.sched_getaffinity(0))
@@ -94,7 +95,7 @@ def topology_node_cpus(topology) -> tuple[tuple[int, ...], list[list[int]]]:
 
 
 def _default_topology():
-    from numa_moe.topology import current_topology
+    from numa_moe.placement.topology import current_topology
 
     return current_topology()
 
@@ -177,9 +178,9 @@ class MoELayer:
     experts: sequence of (gate [I, H], up [I, H], down [H, I]) bf16 arrays/tensors, or
         numa_moe.quant.QuantizedMatrix (int8 / int4 with group scales, all three alike).
     tables: per expert a mapping kind -> segment table (anything with ``nodes`` and
-        ``node_array(node)``, e.g. numa_moe.segments.SegmentTable), rows numbered from 0
+        ``node_array(node)``, e.g. numa_moe.placement.segments.SegmentTable), rows numbered from 0
         within the expert's matrix.
-    topology: a numa_moe.topology.Topology (default: current_topology()); its nodes must
+    topology: a numa_moe.placement.topology.Topology (default: current_topology()); its nodes must
         be the tables' nodes. node_cpus=(node_ids, cpu lists) may be given instead.
     """
 
@@ -277,13 +278,14 @@ class MoELayer:
 
         Weights: stacked ``gate_up`` [E, 2I, H] + ``down`` [E, H, I], or ``gate``/``up``
         [E, I, H] (stacked or lists of [I, H]) + ``down`` (stacked or a list of [H, I]).
-        tables="measured": from the page map the kernel reports (numa_moe.memory.page_map);
+        tables="measured": from the page map the kernel reports (numa_moe.placement.memory.page_map);
         tables="theoretical": from the interleave rule with the given phase (virtual
         topologies, where the memory is not really on those nodes). weight_format "int8" or
         "int4" quantizes the experts while copying (numa_moe.quant: group-wise symmetric,
         ``group`` columns per scale, scales in ``scale_dtype``)."""
-        from numa_moe import memory, quant
-        from numa_moe.segments import SegmentTable
+        from numa_moe import quant
+        from numa_moe.placement import memory
+        from numa_moe.placement.segments import SegmentTable
 
         quant.check_arguments(weight_format=weight_format, group=group, scale_dtype=scale_dtype,
                               formats=("bf16", *quant.QUANT_FORMATS))
@@ -316,8 +318,9 @@ class MoELayer:
                         scale_dtype, **kwargs) -> "MoELayer":
         """from_tensors for integer formats: each expert matrix quantized into interleaved
         value and scale buffers stacked like the bf16 ones; tables of the value buffers."""
-        from numa_moe import memory, quant
-        from numa_moe.segments import SegmentTable
+        from numa_moe import quant
+        from numa_moe.placement import memory
+        from numa_moe.placement.segments import SegmentTable
 
         E, two_i, H = gate_up_bits.shape
         I = two_i // 2
@@ -357,7 +360,7 @@ class MoELayer:
 
     @classmethod
     def from_store(cls, store, layer: int, *, topology=None, **kwargs) -> "MoELayer":
-        """From one layer of a loaded numa_moe.store.ExpertStore: its interleaved buffers
+        """From one layer of a loaded numa_moe.layer.store.ExpertStore: its interleaved buffers
         (no copy) and the tables it measured. Under a virtual topology (node ids the
         store's memory is not really on) the tables are the interleave rule over the
         virtual nodes instead, so the partitioned code path runs as it would on a real
@@ -379,7 +382,7 @@ class MoELayer:
             return self.forward_numpy(hidden, topk_ids, topk_weights)
         import torch
 
-        from numa_moe import ops  # registers the op (torch.ops.numa_moe.moe_forward)
+        from numa_moe.layer import op as ops  # registers the op (torch.ops.numa_moe.moe_forward)
 
         # the op takes tensors only; routing from numpy or lists is converted (zero copy
         # for numpy) rather than failing inside the dispatcher
@@ -620,9 +623,9 @@ def store_layer_experts(store, layer, topology):
     """(experts, tables, keep_alive) of one ExpertStore layer: the experts are views of
     the store's stacked buffers (with their scales, as numa_moe.quant.QuantizedMatrix, for
     an int8 / int4 store) and their tables row slices of the stack's tables, both cut
-    where the store's layout (numa_moe.store.expert_rows) puts each expert."""
+    where the store's layout (numa_moe.layer.store.expert_rows) puts each expert."""
     from numa_moe.quant import QuantizedMatrix
-    from numa_moe.store import expert_tables_of, layer_tables
+    from numa_moe.layer.store import expert_tables_of, layer_tables
 
     n_experts = store.n_experts
     experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]

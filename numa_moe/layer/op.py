@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from numa_moe import moe as _moe
+from numa_moe.layer import moe_layer as _moe
 
 
 @torch.library.custom_op("numa_moe::moe_forward", mutates_args=(), device_types="cpu")

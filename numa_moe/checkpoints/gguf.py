@@ -43,10 +43,10 @@ from pathlib import Path
 import numpy as np
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import (KINDS, Checkpoint, CheckpointError, ExpertLayer, ExpertMatrix,
+from numa_moe.checkpoints.safetensors import (KINDS, Checkpoint, CheckpointError, ExpertLayer, ExpertMatrix,
                                  ModelDims, TensorInfo, _short, open_checkpoint_file,
                                  read_matrix_into)
-from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
 
 __all__ = ["open_gguf", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
            "MAX_TENSORS", "MAX_METADATA_KEYS"]

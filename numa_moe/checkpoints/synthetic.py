@@ -297,7 +297,7 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     ``hidden_size``/``intermediate_size`` override the real shapes (tests only).
     Output above ``max_shard_bytes`` is sharded with a ``model.safetensors.index.json``.
     ``weight_format`` "int8"/"int4": the routed experts are then quantized
-    (``numa_moe.quantize``, ``group``, ``scale_dtype``); the result equals generating the
+    (``numa_moe.checkpoints.quantize``, ``group``, ``scale_dtype``); the result equals generating the
     BF16 checkpoint and quantizing it.
     """
     if like not in MODEL_SPECS:
@@ -319,7 +319,7 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
                 quantized=weight_format is not None)
     check_replaceable(given, overwrite=True, command="make-checkpoint")
     if weight_format is not None:
-        from numa_moe.quantize import quantize_checkpoint
+        from numa_moe.checkpoints.quantize import quantize_checkpoint
 
         parent = _real_output(given).absolute().parent
         parent.mkdir(parents=True, exist_ok=True)
@@ -403,7 +403,7 @@ def is_earlier_output(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds exactly what an earlier make-checkpoint or quantize
     wrote: its ``OUTPUT_MARKER`` lists exactly its other entries (or, written before
     the marker existed, only make-checkpoint's file names and a generated config.json)."""
-    from numa_moe.checkpoint import CheckpointError, read_json_file
+    from numa_moe.checkpoints.safetensors import CheckpointError, read_json_file
 
     directory = Path(directory)
     entries = sorted(p.name for p in directory.iterdir())

@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from numa_moe import _native, kernels
-from numa_moe.kernels import ISA_ENV, _bf16_view, _is_bf16_dtype, _is_torch, _out_view, as_index_array
+from numa_moe import _native
+from numa_moe.layer import kernels
+from numa_moe.layer.kernels import ISA_ENV, _bf16_view, _is_bf16_dtype, _is_torch, _out_view, as_index_array
 
 __all__ = ["gqa_decode", "available_isas", "tested_isas", "default_isa", "merge_states", "KVCache", "HEAD_DIMS"]
 
@@ -32,13 +33,13 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def available_isas() -> tuple[str, ...]:
     """ISAs with attention kernels this CPU (and OS) runs, in the order of
-    ``numa_moe.kernels.available_isas``."""
+    ``numa_moe.layer.kernels.available_isas``."""
     return tuple(_native.attention_isas())
 
 
 def tested_isas() -> tuple[str, ...]:
     """The ISAs the test suite runs the attention kernels on, by the rule of
-    ``numa_moe.kernels.tested_isas``."""
+    ``numa_moe.layer.kernels.tested_isas``."""
     return kernels.tested_isas(available=available_isas())
 
 
@@ -120,10 +121,10 @@ class KVCache:
 
     def __init__(self, shape: Sequence[int], *, topology=None, page: str = "4k", tables: str = "measured",
                  phase: int = 0):
-        from numa_moe import memory
-        from numa_moe.moe import _default_topology, _measured_table, topology_node_cpus, worker_pool
-        from numa_moe.pages import page_bytes_of
-        from numa_moe.segments import SegmentTable
+        from numa_moe.placement import memory
+        from numa_moe.layer.moe_layer import _default_topology, _measured_table, topology_node_cpus, worker_pool
+        from numa_moe.placement.pages import page_bytes_of
+        from numa_moe.placement.segments import SegmentTable
 
         shape = tuple(int(s) for s in shape)
         if len(shape) != 4 or min(shape) < 1:
