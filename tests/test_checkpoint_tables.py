@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from numa_moe.checkpoints.safetensors import Checkpoint
+from numa_moe.checkpoints.dispatch import open_checkpoint
 from numa_moe.placement.segments import SegmentTable
 from numa_moe.layer.store import checkpoint_tables
 from numa_moe.checkpoints.synthetic import make_checkpoint
@@ -38,7 +38,7 @@ def test_tables_follow_interleave_rule_of_stacked_layout(tmp_path, rng, nodes, f
     H, I, E = 96, 40, 3  # rows of 192/96/48 bytes: pages cut rows in the middle
     directory = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 2, E, int(rng.integers(1 << 31)),
                                 hidden_size=H, intermediate_size=I, progress=False)
-    ck = Checkpoint.open(directory)
+    ck = open_checkpoint(directory)
     tables = checkpoint_tables(ck, nodes, page=4096, fmt=fmt, group=8)
     assert set(tables) == {0, 1}
     shapes = {"gate": (E * I, H), "up": (E * I, H), "down": (E * H, I)}
@@ -63,7 +63,7 @@ def test_tables_from_checkpoint_equal_tables_from_shapes_real_models(tmp_path):
     model's published shapes (numa_moe.checkpoints.synthetic.MODEL_SPECS), and the paper's periods
     hold at 2 nodes."""
     directory = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, progress=False)
-    tables = checkpoint_tables(Checkpoint.open(directory), 2, "4k", "bf16")[0]
+    tables = checkpoint_tables(open_checkpoint(directory), 2, "4k", "bf16")[0]
     assert tables["gate"] == SegmentTable.theoretical(2 * 768, 2048, "bf16", 4096, 2)
     assert tables["down"] == SegmentTable.theoretical(2 * 2048, 768, "bf16", 4096, 2)
     assert tables["gate"].period_rows == 2 and tables["down"].period_rows == 16

@@ -156,7 +156,7 @@ def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):
     # the store loads F32 experts, the MoE layer runs bf16 only: one line, not a traceback
     import json as json_module
 
-    from numa_moe.checkpoints.synthetic import TensorPlan, write_safetensors
+    from numa_moe.checkpoints.writer import TensorPlan, write_safetensors
 
     directory = tmp_path / "f32"
     directory.mkdir()

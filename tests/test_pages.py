@@ -34,7 +34,7 @@ def test_bytes_pass_through_positive_ints_only():
 
 def test_every_layer_uses_the_same_table():
     assert memory.PAGE_CHOICES is pages.PAGE_CHOICES
-    assert store.PAGE_SIZES is pages.PAGE_BYTES and store.page_bytes_of is pages.page_bytes_of
+    assert store.PAGE_BYTES is pages.PAGE_BYTES and store.page_bytes_of is pages.page_bytes_of
 
 
 def test_layer_tables_follow_the_page_name_whatever_its_case(rng):

@@ -79,7 +79,7 @@ def test_table_counts_equal_page_map_counts(fmt, page, nodes):
     """The bytes per node of any row range, counted from the table's segments, equal the
     bytes counted page by page from the interleave rule's page map (with a phase)."""
     from numa_moe.placement.pages import page_bytes_of
-    from numa_moe.placement.segments import weight_format
+    from numa_moe.formats import weight_format
 
     page_bytes = page_bytes_of(page)
     rng = np.random.default_rng(7)

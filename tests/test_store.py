@@ -9,7 +9,7 @@ import pytest
 import safetensors
 
 from numa_moe.placement import memory
-from numa_moe.checkpoints.safetensors import KINDS
+from numa_moe.formats import KINDS
 from numa_moe.placement.segments import SegmentTable
 from numa_moe.layer.store import ExpertStore, PlacementMismatchWarning, buffer_shape, layer_tables
 from numa_moe.checkpoints.synthetic import make_checkpoint
@@ -146,7 +146,7 @@ def test_unmeasurable_map_falls_back_with_warning(checkpoint_dir, monkeypatch):
 
 
 def test_only_bf16_fp16_fp32_load(tmp_path):
-    from numa_moe.checkpoints.synthetic import TensorPlan, write_safetensors
+    from numa_moe.checkpoints.writer import TensorPlan, write_safetensors
 
     d = tmp_path / "i8"
     d.mkdir()

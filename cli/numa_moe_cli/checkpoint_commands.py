@@ -24,7 +24,7 @@ def _pattern_options(fn):
 
 
 def _naming(pattern: str | None, kinds: str | None):
-    from numa_moe.checkpoints.safetensors import NamingPattern, parse_kind_map
+    from numa_moe.checkpoints.naming import NamingPattern, parse_kind_map
 
     if pattern is None:
         if kinds is not None:
@@ -36,10 +36,12 @@ def _naming(pattern: str | None, kinds: str | None):
 
 
 def _open(path: str, pattern: str | None, kinds: str | None):
-    from numa_moe.checkpoints.safetensors import Checkpoint, CheckpointError
+    from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
+    from numa_moe.files import CheckpointError
 
     try:
-        return Checkpoint.open(path, pattern=_naming(pattern, kinds))
+        return open_checkpoint(path, pattern=_naming(pattern, kinds))
     except CheckpointError as err:
         raise click.ClickException(str(err)) from None
 
@@ -75,6 +77,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
                             fmt, group, scale_dtype, quiet):
     """Generate a small safetensors checkpoint with a real model's expert shapes."""
     from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
     from numa_moe.checkpoints.synthetic import make_checkpoint
 
     try:
@@ -86,7 +89,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
         raise click.ClickException(str(err)) from None
     except OSError as err:
         raise click.ClickException(f"cannot write {output}: {err.strerror or err}") from None
-    ck = Checkpoint.open(out)
+    ck = open_checkpoint(out)
     size = sum(f.stat().st_size for f in ck.files)
     d = ck.dims
     fmt = ck.dtype if ck.quant is None else ck.quant.describe()
@@ -280,7 +283,7 @@ def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pat
     CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
     is in the local cache (nothing is downloaded).
     """
-    from numa_moe.checkpoints.safetensors import CheckpointError
+    from numa_moe.files import CheckpointError
     from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     ck = _open(checkpoint, pattern, kinds)

@@ -45,7 +45,8 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
     if json_path:
         check_output(json_path, "--json")  # before the job, not after it
         if checkpoint is not None:
-            from numa_moe.checkpoints.safetensors import CheckpointError, resolve_checkpoint_path
+            from numa_moe.checkpoints.safetensors import resolve_checkpoint_path
+            from numa_moe.files import CheckpointError
 
             try:
                 check_apart(json_path, "--json", [resolve_checkpoint_path(checkpoint)])

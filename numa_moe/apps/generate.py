@@ -83,7 +83,7 @@ MAX_POSITIONS = 32768
 def _model_config(like: str, layers: int, experts: int | None, vocab: int, seed: int, overrides: dict) -> dict:
     """transformers config fields of build_model's model, checked: experts at most the
     real model's count, layers and vocabulary at least 1."""
-    from numa_moe.checkpoints.synthetic import MODEL_SPECS, _config
+    from numa_moe.checkpoints.synthetic import MODEL_SPECS, model_config
 
     if like not in MODEL_SPECS:
         raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
@@ -97,7 +97,7 @@ def _model_config(like: str, layers: int, experts: int | None, vocab: int, seed:
     for name, value in (("layers", layers), ("vocab", vocab)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    config = _config(spec, layers, experts, spec.hidden_size, spec.moe_intermediate_size, seed, True)
+    config = model_config(spec, layers, experts, spec.hidden_size, spec.moe_intermediate_size, seed, True)
     config.pop("numa_moe_synthetic")
     config.pop("architectures")
     config.pop("torch_dtype")

@@ -34,9 +34,13 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoints.safetensors import (DTYPE_BYTES, FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
-                                 open_checkpoint_file)
-from numa_moe.placement.segments import SegmentTable, smallest_period, weight_format
+from numa_moe.checkpoints.naming import NamingPattern
+from numa_moe.checkpoints.safetensors import Checkpoint, TensorInfo
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.files import open_checkpoint_file
+from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS
+from numa_moe.formats import weight_format
+from numa_moe.placement.segments import SegmentTable, smallest_period
 
 __all__ = [
     "TensorPlacement",
@@ -425,7 +429,7 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
 
     _check_inspect_request(touch, tensor)
     if not isinstance(checkpoint, Checkpoint):
-        checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
+        checkpoint = open_checkpoint(checkpoint, pattern=pattern)
     workers = _worker_nodes(nodes)
     quant = checkpoint.quant
     # quantized: weight name -> its scale tensor's name; both are reported

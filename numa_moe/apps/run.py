@@ -20,7 +20,8 @@ from typing import Callable
 
 import numpy as np
 
-from numa_moe.layer.moe_layer import MATRIX_KINDS, MoELayer
+from numa_moe.formats import KINDS
+from numa_moe.layer.moe_layer import MoELayer
 
 DEFAULT_LIKE = "qwen3-30b-a3b"
 
@@ -236,10 +237,11 @@ def _job_topology(nodes, virtual_nodes):
 def _load_store(path, store_nodes, page, weight_format, progress, echo, tokens: int = 1):
     """The checkpoint's experts in interleaved memory, and the summary of its tables."""
     from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
     from numa_moe.layer.store import ExpertStore
 
     echo(f"checkpoint: {path}")
-    ckpt = Checkpoint.open(path)
+    ckpt = open_checkpoint(path)
     _check_step_memory(ckpt, tokens)
     if (weight_format or ckpt.weight_format) not in ("bf16", "int8", "int4"):
         # checked before loading: the store would copy F16/F32 experts, the layer refuse them
@@ -342,7 +344,7 @@ def verify_store_tables(store) -> dict:
     counts where the measured map matched the theoretical table."""
     n = matching = 0
     for layer in store.layers:
-        for kind in MATRIX_KINDS:
+        for kind in KINDS:
             table = store.table(layer, kind)
             check = getattr(table, "check", None)
             if check is not None:
@@ -382,7 +384,7 @@ def check_against_torch(store, layers, xs, routes, outs) -> float:
 
     worst = 0.0
     for layer_id, layer, x, (ids, w), y in zip(store.layers, layers, xs, routes, outs):
-        gate, up, down = (_float_weights(store, layer_id, k) for k in MATRIX_KINDS)
+        gate, up, down = (_float_weights(store, layer_id, k) for k in KINDS)
         E, I, H = store.n_experts, store.intermediate_size, store.hidden_size
         gate_up = torch.cat([gate.view(E, I, H), up.view(E, I, H)], dim=1)
         ref = torch_moe_loop(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), torch.from_numpy(ids),

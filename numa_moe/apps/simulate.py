@@ -36,9 +36,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoints.safetensors import CheckpointError, open_checkpoint_file, read_json_file
+from numa_moe.files import CheckpointError, open_checkpoint_file, read_json_file
 from numa_moe.placement.pages import page_name
-from numa_moe.placement.segments import SegmentTable, weight_format
+from numa_moe.formats import weight_format
+from numa_moe.placement.segments import SegmentTable
 
 __all__ = [
     "MACHINE_SCHEMA", "MachineFormatError", "Machine", "machine_from_dict", "load_machine",
@@ -250,8 +251,9 @@ def workload_like(like: str, fmt: str = "bf16", page: str = "4k", layers: int | 
 def workload_from_checkpoint(path, fmt: str = "bf16", page: str = "4k", layers: int | None = None) -> Workload:
     """Expert shapes and MoE layer count from a checkpoint's headers (no weights read)."""
     from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
 
-    ckpt = Checkpoint.open(path)
+    ckpt = open_checkpoint(path)
     d = ckpt.dims
     return Workload(Path(path).name, d.hidden_size, d.intermediate_size, d.n_experts, int(d.top_k or 2),
                     layers or len(ckpt.layer_ids), fmt, page_name(page))

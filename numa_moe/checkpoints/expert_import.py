@@ -14,18 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-from numa_moe import quant as q
+from numa_moe import formats, quant as q
+from numa_moe.files import CheckpointError, OpenFiles
+from numa_moe.formats import FLOAT_NUMPY, NUMPY_DTYPES, QUANT_DTYPES
 
 __all__ = ["ExpertImport", "LoadFormat", "ConversionError", "measure_conversion",
-           "FLOAT_NUMPY", "check_group_divides"]
-
-# store float formats -> numpy dtype of their buffers
-FLOAT_NUMPY = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16),
-               "fp32": np.dtype(np.float32)}
-
+           "check_group_divides"]
 
 @dataclass(frozen=True)
 class LoadFormat:
@@ -82,10 +78,9 @@ class ExpertImport:
         """The format a load request means: None picks ``default()``'s parts; refuses
         (ValueError, one line) a format the experts cannot become, a group that does not
         divide the columns and group/scale options for a float format."""
-        from numa_moe.placement.segments import weight_format as format_of
 
         default = self.default()
-        fmt = default.fmt if weight_format is None else format_of(weight_format).name
+        fmt = default.fmt if weight_format is None else formats.weight_format(weight_format).name
         allowed = (*self.float_formats, *q.QUANT_FORMATS)
         if fmt not in allowed:
             raise ValueError(f"{root}: {self.source} experts load as {', '.join(allowed)}, "
@@ -115,7 +110,6 @@ def convert_float(w: np.ndarray, values: np.ndarray, scales: np.ndarray | None,
                   fmt: LoadFormat, where: str) -> None:
     """float32 values of one matrix into the store's rows: rounded to a float format
     (round to nearest even), or quantized by ``numa_moe.quant.quantize``."""
-    from numa_moe.checkpoints.safetensors import CheckpointError
 
     if fmt.group is None:
         values[...] = w.astype(FLOAT_NUMPY[fmt.fmt])
@@ -155,7 +149,6 @@ def _loaded_values(values: np.ndarray, scales: np.ndarray | None, fmt: LoadForma
 def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[ConversionError]:
     """Convert ``matrices`` (ExpertMatrix of ``checkpoint``) as the store would and compare
     each with the file's own dequantization, in float64. One matrix in memory at a time."""
-    from numa_moe.checkpoints.safetensors import OpenFiles
 
     importer = checkpoint.importer
     out = []
@@ -163,7 +156,7 @@ def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[Conversion
         for m in matrices:
             fd = files.fd(m.tensor.path)
             value_cols = m.cols // 2 if fmt.fmt == "int4" else m.cols
-            value_dtype = {"int8": np.int8, "int4": np.uint8}.get(fmt.fmt) or FLOAT_NUMPY[fmt.fmt]
+            value_dtype = NUMPY_DTYPES[QUANT_DTYPES[fmt.fmt]] if fmt.fmt in QUANT_DTYPES else FLOAT_NUMPY[fmt.fmt]
             values = np.empty((m.rows, value_cols), dtype=value_dtype)
             scales = None
             if fmt.group is not None:

@@ -11,7 +11,7 @@ their names and tensors, the index is rewritten, and the other files of the dire
 
 Quantization is ``numa_moe.quant.quantize``, expert matrix by expert matrix (one matrix
 in float32 at a time, also for fused 3-D tensors). The output is built in a temporary
-sibling directory and swapped in whole (``synthetic.building_directory``, the helper
+sibling directory and swapped in whole (``writer.building_directory``, the helper
 ``make-checkpoint`` uses): an error or an interrupt leaves OUT as it was.
 """
 
@@ -27,13 +27,12 @@ from typing import Iterable
 import numpy as np
 
 from numa_moe import quant as q
-from numa_moe.checkpoints.safetensors import (FLOAT_FORMATS, QUANT_DTYPES, QUANT_METADATA, SCALE_DTYPE_CODES,
-                                 Checkpoint, CheckpointError, ExpertMatrix, NamingPattern,
-                                 OpenFiles, TensorInfo, byte_progress, open_checkpoint_file,
-                                 overlapping_source,
-                                 read_matrix_into, read_safetensors_header, scale_tensor_name)
-from numa_moe.checkpoints.synthetic import (NUMPY_DTYPES, TensorPlan, building_directory, check_replaceable,
-                                write_safetensors)
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.checkpoints.naming import NamingPattern
+from numa_moe.checkpoints.safetensors import (QUANT_METADATA, Checkpoint, ExpertMatrix, TensorInfo, overlapping_source, read_matrix_into, read_safetensors_header, scale_tensor_name)
+from numa_moe.checkpoints.writer import TensorPlan, building_directory, check_replaceable, write_safetensors
+from numa_moe.files import CheckpointError, OpenFiles, byte_progress, open_checkpoint_file
+from numa_moe.formats import FLOAT_FORMATS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPE_CODES
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
 
@@ -117,9 +116,9 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
     NaN/Inf weights, an ``output`` that contains or lies inside a file or directory of the
     source (links resolved), and an ``output`` that is not empty unless it holds exactly
     an earlier numa-moe output and ``overwrite`` is given
-    (``synthetic.check_replaceable``).
+    (``writer.check_replaceable``).
     """
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, pattern=pattern)
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, pattern=pattern)
     _check_request(ck, fmt, group, scale_dtype)
     out = Path(output)
     _check_output(ck, out, overwrite)

@@ -13,7 +13,7 @@ INT8 / INT4 (docs/quantization.md): the value buffer of a kind is int8 ``[rows, 
 or uint8 ``[rows, cols / 2]`` (two weights per byte), and each kind has a second
 interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or fp32), with
 its own table (``scale_table``). Tables count columns in weights (elements), also for
-int4, as ``segments.WeightFormat`` does. A quantized checkpoint is copied as it is; a
+int4, as ``formats.WeightFormat`` does. A quantized checkpoint is copied as it is; a
 float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time);
 GGUF and FP8 experts are converted by the checkpoint's ``importer``
 (``numa_moe.checkpoints.expert_import``), one expert matrix at a time.
@@ -35,17 +35,18 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoints.safetensors import _short
-from numa_moe.checkpoints.safetensors import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
-                                 OpenFiles, byte_progress, read_matrix_into, read_scales_into)
+from numa_moe.checkpoints.dispatch import open_checkpoint
 from numa_moe.checkpoints.expert_import import LoadFormat
-from numa_moe.placement.pages import PAGE_BYTES as PAGE_SIZES
-from numa_moe.placement.pages import page_bytes_of
-from numa_moe.quant import DEFAULT_GROUP, SCALE_DTYPES, check_arguments
-from numa_moe.placement.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
+from numa_moe.checkpoints.naming import NamingPattern
+from numa_moe.checkpoints.safetensors import Checkpoint, ModelDims, read_matrix_into, read_scales_into
+from numa_moe.files import OpenFiles, byte_progress, short
+from numa_moe.formats import DEFAULT_GROUP, FLOAT_FORMATS, KINDS, SCALE_DTYPES, weight_format
+from numa_moe.placement.pages import PAGE_BYTES, page_bytes_of
+from numa_moe.quant import check_arguments
+from numa_moe.placement.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape
 
 __all__ = [
-    "PAGE_SIZES",
+    "PAGE_BYTES",
     "page_bytes_of",
     "parse_nodes",
     "buffer_shape",
@@ -73,7 +74,7 @@ def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | No
                 nodes = [int(part) for part in text.split(",") if part.strip()]
         except ValueError:
             raise ValueError(f"nodes must be a count N or a list of node ids such as 0,2; "
-                             f"got {_short(nodes)}") from None
+                             f"got {short(nodes)}") from None
     if isinstance(nodes, (int, np.integer)) and not isinstance(nodes, bool):
         if nodes < 1:
             raise ValueError(f"number of nodes must be >= 1, got {nodes}")
@@ -248,7 +249,7 @@ class ExpertStore:
         from numa_moe.placement import memory
 
         if not isinstance(checkpoint, Checkpoint):
-            checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
+            checkpoint = open_checkpoint(checkpoint, pattern=pattern)
         page_bytes = page_bytes_of(page)
         node_list = parse_nodes(nodes)
         chosen = _choose_layers(checkpoint, layers)

@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of n
 
 from numa_moe.placement import memory  # noqa: E402
 from numa_moe import quant as q  # noqa: E402
-from numa_moe.checkpoints.safetensors import KINDS  # noqa: E402
+from numa_moe.formats import KINDS  # noqa: E402
 from numa_moe.apps.placement_report import inspect_checkpoint  # noqa: E402
 from numa_moe.placement.segments import SegmentTable  # noqa: E402
 from numa_moe.layer.store import ExpertStore  # noqa: E402

@@ -15,7 +15,8 @@ import pytest
 from numa_moe.placement import memory
 from numa_moe.apps import simulate as sim
 from numa_moe.placement.pages import page_bytes_of
-from numa_moe.placement.segments import SegmentTable, scale_shape, weight_format
+from numa_moe.formats import weight_format
+from numa_moe.placement.segments import SegmentTable, scale_shape
 from numa_moe.layer.store import ExpertStore, buffer_shape
 from numa_moe.checkpoints.synthetic import make_checkpoint
 

@@ -15,7 +15,7 @@ import pytest
 import safetensors
 
 from numa_moe.placement import memory
-from numa_moe.checkpoints.safetensors import KINDS
+from numa_moe.formats import KINDS
 from numa_moe.apps.placement_report import inspect_checkpoint, placement_report
 from numa_moe.layer.store import ExpertStore
 from numa_moe.checkpoints.synthetic import make_checkpoint
