@@ -166,7 +166,7 @@ def test_split_over_virtual_nodes(rng, n_nodes, isa):
 
 
 def test_segments_that_split_rows_are_refused(rng):
-    from numa_moe.layer.moe_layer import topology_node_cpus, worker_pool
+    from numa_moe.layer.pools import topology_node_cpus, worker_pool
     from numa_moe.placement.segments import SegmentTable
 
     topology = Topology.virtual(2)

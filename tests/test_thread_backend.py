@@ -156,7 +156,7 @@ else:
     torch.set_num_threads(2)
     (torch.ones(256, 256) @ torch.ones(256, 256)).sum()
 from numa_moe import _native
-from numa_moe.layer.moe_layer import worker_pool
+from numa_moe.layer.pools import worker_pool
 assert _native.thread_backend().startswith("own threads" if backend == "own" else "openmp"), _native.thread_backend()
 try:
     worker_pool([[cpus[0]], [cpus[-1]]])
@@ -172,7 +172,8 @@ def test_cpus_outside_the_allowed_set_are_refused_on_every_backend(monkeypatch, 
     import sys
 
     from moe_reference import moe_reference, random_bf16, rel_error, whole_matrix_table
-    from numa_moe.layer.moe_layer import MoELayer, worker_pool
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.layer.pools import worker_pool
 
     if backend == "own":
         monkeypatch.setenv("NUMA_MOE_THREADS", "own")
