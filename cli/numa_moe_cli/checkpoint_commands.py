@@ -109,7 +109,8 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 @click.option("--group", type=click.IntRange(min=1), default=None,
               help="Scale group size (elements along k) for int8/int4 [default: the checkpoint's "
                    "when quantized, else 128].")
-@click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+@click.option("--scale-dtype", "--scale-format", "scale_dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
+              default=None,
               help="Element format of the group scales (int8/int4 only) [default: the "
                    "checkpoint's when quantized, else fp32].")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
@@ -117,7 +118,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
               help="JSON file to write the tables to (missing folders are created, and said so).")
 @_pattern_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, output, pattern,
+def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, output, pattern,
                    kinds, quiet):
     """Every expert tensor of a checkpoint: the segment tables of its routed-expert buffers.
 
@@ -137,18 +138,18 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     if ck.importer is not None:
         # GGUF / FP8: the tables of the buffers the store converts them into
         try:
-            load = ck.importer.resolve(ck.root, ck.dims, fmt, group, scale_format)
+            load = ck.importer.resolve(ck.root, ck.dims, fmt, group, scale_dtype)
         except ValueError as err:
             raise click.UsageError(str(err)) from None
-        fmt, group, scale_format = load.fmt, load.group, load.scale_dtype
+        fmt, group, scale_dtype = load.fmt, load.group, load.scale_dtype
     elif fmt is None:
         fmt = quant.fmt if quant is not None else "bf16"
         if group is not None and fmt == "bf16":
             raise click.UsageError("--group applies to --format int8/int4 only")
     if quant is not None and fmt == quant.fmt:
         group = group or quant.group
-        scale_format = scale_format or quant.scale_dtype
-    scale_format = scale_format or "fp32"
+        scale_dtype = scale_dtype or quant.scale_dtype
+    scale_dtype = scale_dtype or "fp32"
     try:
         node_ids = parse_nodes(nodes)
     except ValueError as err:
@@ -159,7 +160,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         raise click.BadParameter(f"expected layer ids such as 0,3, got {layers!r}",
                                  param_hint="--layers") from None
     try:
-        tables = checkpoint_tables(ck, node_ids, page, fmt, group, scale_format, layer_ids,
+        tables = checkpoint_tables(ck, node_ids, page, fmt, group, scale_dtype, layer_ids,
                                    progress=not quiet)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
@@ -173,7 +174,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         "source_format": ck.source_format,
         "format": fmt,
         "group": (group or 128) if fmt != "bf16" else None,
-        "scale_format": scale_format if fmt != "bf16" else None,
+        "scale_format": scale_dtype if fmt != "bf16" else None,
         "nodes": list(node_ids),
         "page_bytes": page_bytes_of(page),
         "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,

@@ -331,7 +331,7 @@ def analyse_map(name: str, rows: int, cols: int, fmt: str, page_nodes: np.ndarra
 
 
 def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
-                      scale_fmt: str) -> tuple[np.ndarray, np.ndarray]:
+                      scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """Byte ranges ``[starts, ends)`` (within the scale matrix ``[rows, cols / group]``)
     of the scales ``node``'s segments of ``weight_table`` need: for a segment's row r and
     columns [k0, k1), scale columns [k0 // group, ceil(k1 / group)) of row r. A scale
@@ -342,7 +342,7 @@ def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
         return empty, empty
     if weight_table.cols % group:
         raise ValueError(f"group {group} does not divide the table's {weight_table.cols} columns")
-    element = weight_format(scale_fmt).bits_per_element // 8
+    element = weight_format(scale_dtype).bits_per_element // 8
     row_bytes = weight_table.cols // group * element
     nrows = seg[:, 2]
     which = np.repeat(np.arange(len(seg)), nrows)
@@ -358,7 +358,7 @@ def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
     return starts[keep], ends[keep]
 
 
-def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_fmt: str,
+def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_dtype: str,
                        scale_page_nodes: np.ndarray, page_bytes: int, offset_bytes: int = 0
                        ) -> dict[int, tuple[int, int]]:
     """Per node of ``weight_table``: (scale bytes its segments need that lie on present
@@ -366,12 +366,12 @@ def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_fmt: str,
     the scale buffer (``scale_page_nodes``, ``-errno`` for pages not present)."""
     out = {}
     for node in weight_table.nodes:
-        starts, ends = scale_byte_ranges(weight_table, node, group, scale_fmt)
+        starts, ends = scale_byte_ranges(weight_table, node, group, scale_dtype)
         out[node] = remote_bytes(starts, ends, node, scale_page_nodes, page_bytes, offset_bytes)
     return out
 
 
-def quant_node_summary(pairs, group: int, scale_fmt: str, nodes) -> dict[int, dict[str, int]]:
+def quant_node_summary(pairs, group: int, scale_dtype: str, nodes) -> dict[int, dict[str, int]]:
     """Per node totals over ``pairs`` of (weight table from its map, weight page map,
     scale table from its map, scale page map), each map a ``(page_nodes, page_bytes,
     offset_bytes)`` triple: weight and scale bytes on the node, the remote weight bytes
@@ -390,7 +390,7 @@ def quant_node_summary(pairs, group: int, scale_fmt: str, nodes) -> dict[int, di
         for node in weight_table.nodes:
             starts, ends = table_byte_ranges(weight_table, node)
             out[node]["remote_weight_bytes"] += remote_bytes(starts, ends, node, *weight_map)[0]
-        for node, (remote, needed) in remote_scale_bytes(weight_table, group, scale_fmt,
+        for node, (remote, needed) in remote_scale_bytes(weight_table, group, scale_dtype,
                                                          *scale_map).items():
             out[node]["remote_scale_bytes"] += remote
             out[node]["scale_bytes_needed"] += needed

@@ -89,9 +89,6 @@ class Machine:
     description: str = ""
     source: str = ""
 
-    def local_gbps(self, node: int) -> float:
-        return self.read_gbps[node][node]
-
     def peak(self, fmt: str, isa: str | None = None) -> float:
         isa = isa or self.isa
         try:
@@ -207,7 +204,7 @@ class Workload:
     fmt: str = "bf16"
     page: str = "4k"
     group: int = 128          # scale group (int8/int4)
-    scale_fmt: str = "fp32"
+    scale_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -230,7 +227,7 @@ class Workload:
         bits = weight_format(self.fmt).bits_per_element
         total = 3 * self.hidden * self.intermediate * bits // 8
         if self.fmt in ("int8", "int4"):
-            sbits = weight_format(self.scale_fmt).bits_per_element
+            sbits = weight_format(self.scale_dtype).bits_per_element
             total += (2 * self.intermediate * (self.hidden // self.group)
                       + self.hidden * (self.intermediate // self.group)) * sbits // 8
         return total
@@ -440,7 +437,7 @@ def layer_accounting(workload: Workload, n_nodes: int, tables: Mapping[str, Segm
     w = workload
     N, E, H, I = n_nodes, w.n_experts, w.hidden, w.intermediate
     if tables is None:
-        tables = layer_tables(w.dims, N, w.page, w.fmt, w.group, w.scale_fmt)
+        tables = layer_tables(w.dims, N, w.page, w.fmt, w.group, w.scale_dtype)
     kinds = [k for k in tables if k.split("_")[0] in ("gate", "up", "down")]
     reads = {p: np.zeros((E, N, N), dtype=np.int64) for p in ("a", "b", "c", "d")}
     reduce = {p: np.zeros(E, dtype=np.int64) for p in POLICIES}

@@ -125,7 +125,7 @@ def building_directory(out_dir: str | os.PathLike):
 # output and may be replaced; anything else may hold the user's files and never is.
 OUTPUT_MARKER = ".numa-moe-output.json"
 _MARKER_LIMIT = 1 << 20
-# Files make_checkpoint wrote before outputs were marked: a directory holding only these,
+# An unmarked directory holding only the names of make_checkpoint's files,
 # with a config.json that says it was generated, is an earlier output as well.
 _OWN_FILE = re.compile(r"config\.json|model\.safetensors|model\.safetensors\.index\.json"
                        r"|model-\d{5}-of-\d{5}\.safetensors")

@@ -514,7 +514,7 @@ def store_layer_experts(store, layer, topology):
     else:
         fmt = store.table(layer, "gate").fmt
         stacked = layer_tables(store.dims, node_ids, store.page_bytes, fmt, group=store.group,
-                               scale_fmt=store.scale_dtype or "fp32")
+                               scale_dtype=store.scale_dtype or "fp32")
         tables = [expert_tables_of(stacked, store.dims, e) for e in range(n_experts)]
     keep = tuple(store.weights(layer, kind) for kind in KINDS)
     if store.quantized:

@@ -109,12 +109,12 @@ def expert_tables_of(tables: Mapping[str, SegmentTable], dims: ModelDims,
 
 
 def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = "4k",
-                 fmt: str = "bf16", group: int | None = None, scale_fmt: str = "fp32",
+                 fmt: str = "bf16", group: int | None = None, scale_dtype: str = "fp32",
                  phase: int = 0) -> dict[str, SegmentTable]:
     """Theoretical tables of one layer's buffers (and of their scales for int8/int4).
 
     Keys: ``gate``, ``up``, ``down`` and, for quantised formats, ``gate_scales``,
-    ``up_scales``, ``down_scales`` (scales [rows, cols / group] of ``scale_fmt``, each
+    ``up_scales``, ``down_scales`` (scales [rows, cols / group] of ``scale_dtype``, each
     in its own page-aligned buffer).
     """
     page_bytes = page_bytes_of(page)
@@ -128,13 +128,13 @@ def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = 
         for kind in KINDS:
             rows, cols = buffer_shape(dims, kind)
             s_rows, s_cols = scale_shape(rows, cols, g)
-            tables[f"{kind}_scales"] = SegmentTable.theoretical(s_rows, s_cols, scale_fmt,
+            tables[f"{kind}_scales"] = SegmentTable.theoretical(s_rows, s_cols, scale_dtype,
                                                                 page_bytes, nodes, phase=phase)
     return tables
 
 
 def checkpoint_tables(checkpoint: Checkpoint, nodes: Sequence[int] | int, page: str | int = "4k",
-                      fmt: str = "bf16", group: int | None = None, scale_fmt: str = "fp32",
+                      fmt: str = "bf16", group: int | None = None, scale_dtype: str = "fp32",
                       layers: Iterable[int] | None = None, progress: bool = False
                       ) -> dict[int, dict[str, SegmentTable]]:
     """Tables of every MoE layer of a checkpoint, from its headers only.
@@ -146,7 +146,7 @@ def checkpoint_tables(checkpoint: Checkpoint, nodes: Sequence[int] | int, page: 
     from tqdm.auto import tqdm
 
     chosen = _choose_layers(checkpoint, layers)
-    shared = layer_tables(checkpoint.dims, nodes, page, fmt, group, scale_fmt)
+    shared = layer_tables(checkpoint.dims, nodes, page, fmt, group, scale_dtype)
     out = {}
     # One computation serves every layer, so a rate would be meaningless: count the layers.
     counter = tqdm(chosen, desc="tables", disable=not progress,

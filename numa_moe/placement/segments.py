@@ -750,15 +750,15 @@ class SegmentTable:
 # --------------------------------------------------------------------------- scales
 
 
-def scales_table(rows: int, cols: int, group: int, scale_fmt: str | WeightFormat,
+def scales_table(rows: int, cols: int, group: int, scale_dtype: str | WeightFormat,
                  page_bytes: int, nodes: Sequence[int] | int, phase: int = 0,
                  offset_bytes: int = 0) -> SegmentTable:
-    """Theoretical table of the group-scale tensor (``rows x cols/group`` of ``scale_fmt``)
+    """Theoretical table of the group-scale tensor (``rows x cols/group`` of ``scale_dtype``)
     of a ``rows x cols`` weight. The scales are a separate buffer: ``phase`` and
     ``offset_bytes`` are those of the scale buffer, not of the weight. For a measured scale
-    buffer use ``SegmentTable.from_page_map(*scale_shape(rows, cols, group), scale_fmt, ...)``.
+    buffer use ``SegmentTable.from_page_map(*scale_shape(rows, cols, group), scale_dtype, ...)``.
     """
-    fmt = weight_format(scale_fmt)
+    fmt = weight_format(scale_dtype)
     if fmt.name not in SCALE_DTYPES:
         raise ValueError(f"scale dtype {fmt.name!r} is not one of {', '.join(SCALE_DTYPES)}")
     scale_rows, scale_cols = scale_shape(rows, cols, group)
