@@ -34,12 +34,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from numa_moe.checkpoints.dispatch import open_checkpoint
 from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import Checkpoint, TensorInfo
-from numa_moe.checkpoints.dispatch import open_checkpoint
 from numa_moe.files import open_checkpoint_file
-from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS
-from numa_moe.formats import weight_format
+from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS, weight_format
 from numa_moe.placement.segments import SegmentTable, smallest_period
 
 __all__ = [

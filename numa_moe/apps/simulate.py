@@ -37,8 +37,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from numa_moe.files import CheckpointError, open_checkpoint_file, read_json_file
-from numa_moe.placement.pages import page_name
 from numa_moe.formats import weight_format
+from numa_moe.placement.pages import page_name
 from numa_moe.placement.segments import SegmentTable
 
 __all__ = [

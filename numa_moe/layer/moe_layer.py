@@ -43,8 +43,8 @@ from numa_moe.arrays import BF16, as_index_array, bf16_bits, check_cpu_tensors, 
 from numa_moe.formats import KINDS, QUANT_FORMATS, SCALE_DTYPES
 from numa_moe.layer import kernels, registry
 from numa_moe.layer.kernels import weight_operand
-from numa_moe.layer.store import expert_tables_of, layer_tables
 from numa_moe.layer.pools import default_topology, topology_node_cpus, worker_pool
+from numa_moe.layer.store import expert_tables_of, layer_tables
 from numa_moe.placement import memory
 from numa_moe.placement.pages import page_bytes_of
 from numa_moe.placement.tables import buffer_table, check_table_source

@@ -42,8 +42,8 @@ from numa_moe.checkpoints.safetensors import Checkpoint, ModelDims, read_matrix_
 from numa_moe.files import OpenFiles, byte_progress, short
 from numa_moe.formats import DEFAULT_GROUP, FLOAT_FORMATS, KINDS, SCALE_DTYPES, weight_format
 from numa_moe.placement.pages import PAGE_BYTES, page_bytes_of
-from numa_moe.quant import check_arguments
 from numa_moe.placement.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape
+from numa_moe.quant import check_arguments
 
 __all__ = [
     "PAGE_BYTES",

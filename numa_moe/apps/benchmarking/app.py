@@ -27,10 +27,10 @@ import time
 import numpy as np
 
 from numa_moe import _native
-from numa_moe.placement import memory
 from numa_moe.apps.benchmarking.layer import BENCH_MODELS, check_arguments, fill_bf16
-from numa_moe.layer.moe_layer import MoELayer
 from numa_moe.apps.run import random_routing
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement import memory
 
 TINY = (8, 8, 256, 128)  # experts, top_k, hidden, intermediate
 

@@ -29,8 +29,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from numa_moe import quant
-from numa_moe.layer import kernels
-from numa_moe.placement import memory
 from numa_moe.apps.benchmarking import native_loops
 from numa_moe.apps.benchmarking.yardsticks import (
     MEASUREMENT_NOTE,
@@ -40,6 +38,8 @@ from numa_moe.apps.benchmarking.yardsticks import (
     l3_bytes,
     ratio_cell,
 )
+from numa_moe.layer import kernels
+from numa_moe.placement import memory
 from numa_moe.placement.pages import page_name
 
 # Routed-expert shapes (hidden H, intermediate I) from the models' published configs.

@@ -27,8 +27,8 @@ import numpy as np
 from numa_moe import quant
 from numa_moe.apps.benchmarking import native_loops
 from numa_moe.apps.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
-from numa_moe.layer.moe_layer import MoELayer
 from numa_moe.apps.run import random_routing, torch_moe_loop, touched_bytes
+from numa_moe.layer.moe_layer import MoELayer
 
 BENCH_MODELS = {
     # name: (experts, top_k, hidden, intermediate)
