@@ -128,9 +128,46 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per tangle of the graph (per strongly connected component of more than
+    one module, or a module importing itself), each as [a, b, ..., a]."""
+    circles, seen = [], set()
+    while True:
+        rest = {n: {t for t in targets if t not in seen} for n, targets in graph.items() if n not in seen}
+        circle = find_circle(rest)
+        if circle is None:
+            return circles
+        circles.append(circle)
+        # everything that reaches the circle and is reached from it is the same tangle
+        tangle = set(circle)
+        grew = True
+        while grew:
+            grew = False
+            for node, targets in rest.items():
+                if node not in tangle and targets & tangle and _reaches(rest, tangle, node):
+                    tangle.add(node)
+                    grew = True
+        seen |= tangle
+
+
+def _reaches(graph: dict[str, set[str]], goal: set[str], start: str) -> bool:
+    """Whether start is reached from goal (a path from a goal module to start)."""
+    stack, visited = list(goal), set(goal)
+    while stack:
+        for target in graph.get(stack.pop(), ()):
+            if target == start:
+                return True
+            if target not in visited:
+                visited.add(target)
+                stack.append(target)
+    return False
+
+
 def test_finds_a_circle_and_names_it():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    two = {"a": {"b"}, "b": {"a", "c"}, "c": {"b"}, "x": {"y"}, "y": {"x"}, "z": {"a"}}
+    assert find_circles(two) == [["a", "b", "a"], ["x", "y", "x"]]
 
 
 def test_reads_function_level_and_relative_imports(tmp_path):
@@ -146,8 +183,8 @@ def test_reads_function_level_and_relative_imports(tmp_path):
 
 
 def test_no_import_circle():
-    circle = find_circle(import_graph())
-    assert circle is None, "import circle: " + " -> ".join(circle)
+    circles = find_circles(import_graph())
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
 def floor_of(module: str) -> int:
