@@ -157,7 +157,7 @@ def run_hidden(hide: str, code: str) -> subprocess.CompletedProcess:
 def test_hiding_an_isa_makes_the_tests_run_its_emulated_build():
     if "avx512_emulated" not in kernels.available_isas():
         pytest.skip("no avx512_emulated build here")
-    code = ("from numa_moe import attention, kernels\n"
+    code = ("from numa_moe.layer import attention, kernels\n"
             "print((kernels.available_isas(), kernels.tested_isas('int8'), attention.tested_isas(),"
             " kernels.fastest_isa()))")
     result = run_hidden("avx512", code)
@@ -173,6 +173,6 @@ def test_hiding_an_isa_makes_the_tests_run_its_emulated_build():
 
 
 def test_hiding_an_unknown_isa_is_an_error():
-    result = run_hidden("avx512,sse9", "from numa_moe import kernels\nprint(kernels.available_isas())")
+    result = run_hidden("avx512,sse9", "from numa_moe.layer import kernels\nprint(kernels.available_isas())")
     assert result.returncode != 0
     assert "NUMA_MOE_TEST_HIDE_ISA: 'sse9' is not one of avx2, avx512, amx" in result.stderr
