@@ -18,7 +18,7 @@ import numpy as np
 
 from numa_moe import formats, quant as q
 from numa_moe.files import CheckpointError, OpenFiles
-from numa_moe.formats import FLOAT_NUMPY, NUMPY_DTYPES, QUANT_DTYPES
+from numa_moe.formats import FLOAT_NUMPY, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES
 
 __all__ = ["ExpertImport", "LoadFormat", "ConversionError", "measure_conversion",
            "check_group_divides"]
@@ -81,11 +81,11 @@ class ExpertImport:
 
         default = self.default()
         fmt = default.fmt if weight_format is None else formats.weight_format(weight_format).name
-        allowed = (*self.float_formats, *q.QUANT_FORMATS)
+        allowed = (*self.float_formats, *QUANT_FORMATS)
         if fmt not in allowed:
             raise ValueError(f"{root}: {self.source} experts load as {', '.join(allowed)}, "
                              f"not {fmt}")
-        if fmt not in q.QUANT_FORMATS:
+        if fmt not in QUANT_FORMATS:
             if group is not None or scale_dtype is not None:
                 raise ValueError(f"group and scale_dtype apply to weight_format 'int8'/'int4', "
                                  f"not {fmt}")
@@ -93,11 +93,11 @@ class ExpertImport:
         same = fmt == default.fmt
         group = (default.group if same else q.GGML_BLOCK) if group is None else group
         scale_dtype = (default.scale_dtype if same else "fp16") if scale_dtype is None else scale_dtype
-        if group not in q.GROUPS:
-            raise ValueError(f"group {group!r} is not one of {', '.join(map(str, q.GROUPS))}")
-        if scale_dtype not in q.SCALE_DTYPES:
+        if group not in GROUPS:
+            raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
+        if scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale dtype {scale_dtype!r} is not one of "
-                             f"{', '.join(q.SCALE_DTYPES)}")
+                             f"{', '.join(SCALE_DTYPES)}")
         check_group_divides(root, group, dims.hidden_size, dims.intermediate_size)
         return LoadFormat(fmt, group, scale_dtype)
 
@@ -160,7 +160,7 @@ def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[Conversion
             values = np.empty((m.rows, value_cols), dtype=value_dtype)
             scales = None
             if fmt.group is not None:
-                scales = np.empty((m.rows, m.cols // fmt.group), dtype=q.SCALE_DTYPES[fmt.scale_dtype])
+                scales = np.empty((m.rows, m.cols // fmt.group), dtype=SCALE_DTYPES[fmt.scale_dtype])
             importer.read_into(m, fd, values, scales, fmt)
             reference = importer.dequantize(m, fd).astype(np.float64)
             loaded = _loaded_values(values, scales, fmt).astype(np.float64)

@@ -32,7 +32,8 @@ from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import (QUANT_METADATA, Checkpoint, ExpertMatrix, TensorInfo, overlapping_source, read_matrix_into, read_safetensors_header, scale_tensor_name)
 from numa_moe.checkpoints.writer import TensorPlan, building_directory, check_replaceable, write_safetensors
 from numa_moe.files import CheckpointError, OpenFiles, byte_progress, open_checkpoint_file
-from numa_moe.formats import FLOAT_FORMATS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPE_CODES
+from numa_moe.formats import (DEFAULT_GROUP, FLOAT_FORMATS, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPE_CODES,
+                              SCALE_DTYPES)
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
 
@@ -71,8 +72,8 @@ def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int,
 def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> None:
     if fmt not in QUANT_DTYPES:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(QUANT_DTYPES)}")
-    if group not in q.GROUPS:
-        raise ValueError(f"group {group} is not one of {', '.join(map(str, q.GROUPS))}")
+    if group not in GROUPS:
+        raise ValueError(f"group {group} is not one of {', '.join(map(str, GROUPS))}")
     if scale_dtype not in SCALE_DTYPE_CODES:
         raise ValueError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPE_CODES)}")
     if ck.importer is not None:
@@ -93,7 +94,7 @@ def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> No
                              "int4 packs two columns per byte and needs an even count")
         if cols % group:
             raise ValueError(f"{ck.root}: group {group} does not divide the {cols} columns of the "
-                             f"{kind} matrices; choose a group from {', '.join(map(str, q.GROUPS))} "
+                             f"{kind} matrices; choose a group from {', '.join(map(str, GROUPS))} "
                              f"that divides {cols}")
 
 
@@ -106,7 +107,7 @@ def _check_output(ck: Checkpoint, out: Path, overwrite: bool) -> None:
 
 
 def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str | os.PathLike,
-                        fmt: str = "int8", group: int = q.DEFAULT_GROUP, scale_dtype: str = "fp16",
+                        fmt: str = "int8", group: int = DEFAULT_GROUP, scale_dtype: str = "fp16",
                         overwrite: bool = False, progress: bool = True,
                         pattern: NamingPattern | None = None) -> QuantizeResult:
     """Write the quantized copy of ``checkpoint`` into the directory ``output``.
@@ -182,7 +183,7 @@ def _shard_plans(path: Path, infos: list[TensorInfo], ck: Checkpoint,
                                       "it would collide with the scales of "
                                       f"{info.name!r}")
             scale_plan = TensorPlan(scale_name, (*info.shape[:-1], cols // group),
-                                    q.SCALE_DTYPES[scale_dtype], 1)
+                                    SCALE_DTYPES[scale_dtype], 1)
             plans += [plan, scale_plan]
             sources[plan.name] = ("values", info)
             sources[scale_plan.name] = ("scales", info)

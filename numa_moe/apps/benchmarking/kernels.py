@@ -38,6 +38,7 @@ from numa_moe.apps.benchmarking.yardsticks import (
     l3_bytes,
     ratio_cell,
 )
+from numa_moe.formats import QUANT_FORMATS
 from numa_moe.layer import kernels
 from numa_moe.placement import memory
 from numa_moe.placement.pages import page_name
@@ -324,7 +325,7 @@ def _checked_arguments(shapes, page, min_seconds, isa, weight_format, group, rep
                          f"got {min_seconds!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    quant.check_arguments(weight_format=weight_format, formats=("bf16",) + quant.QUANT_FORMATS)
+    quant.check_arguments(weight_format=weight_format, formats=("bf16",) + QUANT_FORMATS)
     if weight_format != "bf16":
         quant.check_arguments(group=group)
     available = kernels.available_isas() if weight_format == "bf16" else kernels.available_isas(weight_format)

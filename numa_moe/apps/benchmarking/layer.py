@@ -28,6 +28,7 @@ from numa_moe import quant
 from numa_moe.apps.benchmarking import native_loops
 from numa_moe.apps.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
 from numa_moe.apps.run import random_routing, torch_moe_loop, touched_bytes
+from numa_moe.formats import QUANT_FORMATS
 from numa_moe.layer.moe_layer import MoELayer
 
 BENCH_MODELS = {
@@ -221,7 +222,7 @@ def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dic
 
 def _integer_formats(formats) -> list[str]:
     for fmt in formats:
-        quant.check_arguments(weight_format=fmt, formats=("bf16", *quant.QUANT_FORMATS))
+        quant.check_arguments(weight_format=fmt, formats=("bf16", *QUANT_FORMATS))
     return list(dict.fromkeys(f for f in formats if f != "bf16"))
 
 
