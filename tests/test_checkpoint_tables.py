@@ -137,3 +137,25 @@ def test_cli_inspect_plot_and_pages_misuse_are_messages(tmp_path):
     assert "p.png" in result.output
     result = CliRunner().invoke(cli, ["inspect", str(ckpt), "--pages"])
     assert result.exit_code == 2 and "--pages" in result.output and "--json" in result.output
+
+
+def test_cli_tables_scale_dtype_names_the_scales_dtype(tmp_path, rng):
+    """`tables --scale-dtype` (the name every other command uses; `--scale-format` is read
+    as well) sets the dtype of the scale tables: their columns lie on the nodes the
+    interleave rule puts each scale element's bytes on."""
+    out = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, progress=False)
+    group = int(rng.choice([32, 64, 128]))
+    scale_dtype = str(rng.choice(["fp16", "bf16", "fp32"]))
+    documents = []
+    for option in ("--scale-dtype", "--scale-format"):
+        path = tmp_path / f"{option}.json"
+        result = _run(["tables", str(out), "--nodes", "2", "--page", "4k", "--format", "int4", "--group",
+                       str(group), option, scale_dtype, "-o", str(path), "--quiet"])
+        assert result.exit_code == 0, result.output
+        documents.append(json.loads(path.read_text()))
+    assert documents[0] == documents[1]
+    assert documents[0]["scale_format"] == scale_dtype
+    scales = SegmentTable.from_dict(documents[0]["layers"]["0"]["down_scales"])
+    rows, cols = 2 * 2048, 768 // group
+    bits = {"fp16": 16, "bf16": 16, "fp32": 32}[scale_dtype]
+    np.testing.assert_array_equal(_owner_by_table(scales), _owner_by_rule(rows, cols, bits, 4096, (0, 1)))
