@@ -368,6 +368,13 @@ class MoELayer:
 
     # ---- introspection ---------------------------------------------------------------
 
+    @property
+    def core(self):
+        """The native layer (``numa_moe._native.MoELayerCore``) this one drives: its
+        ``forward`` without the Python checks and conversions, for timing the native part
+        of a call (``numa-moe bench app``)."""
+        return self._core
+
     def stacked_weights(self):
         """(gate_up [E, 2I, H], down [E, H, I]), the bf16 buffers the layer computes from
         when it was built by from_stacked or from_tensors in bf16, else None. Writing new

@@ -161,7 +161,7 @@ def overhead_row(rng, calls: int = 2000) -> dict:
         return _median_us([_timed(fn) for _ in range(calls)])
 
     row = {"layer_us": median_us(lambda: layer(x, ids, weights)),
-           "layer_native_us": median_us(lambda: layer._core.forward(x_bits, ids.numpy(), weights.numpy(), out)),
+           "layer_native_us": median_us(lambda: layer.core.forward(x_bits, ids.numpy(), weights.numpy(), out)),
            "expert_ffn_us": median_us(lambda: kernels.expert_ffn(xe, wg, wu, wd, out=ye)),
            "threads": len(os.sched_getaffinity(0)), "thread_backend": _native.thread_backend()}
     del layer, gate_up, down
