@@ -14,7 +14,8 @@ import argparse
 import ml_dtypes
 import numpy as np
 
-from numa_moe import _native, kernels, quant
+from numa_moe import _native, quant
+from numa_moe.layer import kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "mixtral-8x7b": (4096, 14336), "deepseek-v3": (7168, 2048)}

@@ -8,7 +8,7 @@ machine. Build the peer first (tools/build-ggml.sh), then:
 
 Per case (shape, M, format) the ggml harness (benchmarks/ggml_moe_step.cpp) runs as a
 child process that stays alive over the repetitions; each repetition draws one random
-routing (numa_moe.moe_run.random_routing), runs our layer on it, then hands the same
+routing (numa_moe.apps.run.random_routing), runs our layer on it, then hands the same
 routing to the harness, which computes its graph once: the two sides alternate, seconds
 apart, on the same routing, with the same threads (every CPU of the affinity mask; use
 taskset to choose) and 4 KB pages on both. Formats pair the same bytes per weight: bf16
@@ -104,8 +104,8 @@ class Harness:
 
 
 def our_layer(gate_up, down, fmt: str):
-    from numa_moe.moe import MoELayer
-    from numa_moe.topology import Topology, current_topology
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.placement.topology import Topology, current_topology
 
     base = current_topology()  # one node, as `numa-moe bench layer` times it (ggml has no NUMA placement)
     one_node = Topology.virtual(1, base) if base.is_virtual or len(base.node_ids) > 1 else base
@@ -116,9 +116,9 @@ def our_layer(gate_up, down, fmt: str):
 def bench_case(shape: str, tokens, fmt: str, repeats: int, threads: int, rng, echo) -> list[dict]:
     import ml_dtypes
 
-    from numa_moe.benchmarking.layer import fill_bf16
-    from numa_moe.benchmarking.yardsticks import settle
-    from numa_moe.moe_run import random_routing
+    from numa_moe.apps.benchmarking.layer import fill_bf16
+    from numa_moe.apps.benchmarking.yardsticks import settle
+    from numa_moe.apps.run import random_routing
 
     model_experts, top_k, hidden, inter, experts = SHAPES[shape]
     gate_up = np.empty((experts, 2 * inter, hidden), dtype=ml_dtypes.bfloat16)
@@ -164,7 +164,7 @@ def check(threads: int, rng, echo) -> dict:
     import ml_dtypes
     import tempfile
 
-    from numa_moe.moe_run import random_routing
+    from numa_moe.apps.run import random_routing
 
     experts, top_k, hidden, inter, m = 8, 2, 256, 128, 4
     gate_up = (rng.standard_normal((experts, 2 * inter, hidden)) * hidden ** -0.5).astype(ml_dtypes.bfloat16)

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from numa_moe import _bench
-from numa_moe.store import ExpertStore
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.layer.store import ExpertStore
+from numa_moe.checkpoints.synthetic import make_checkpoint
+from numa_moe.formats import KINDS
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}  # hidden, intermediate
-KINDS = ("gate", "up", "down")
 
 
 def random_k_blocks(rng, qtype, shape):

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Expert-FFN kernels vs torch F.linear vs the streaming-read ceiling (see
-numa_moe/benchmarking/kernels.py; same code as `numa-moe bench kernels`)."""
+numa_moe/apps/benchmarking/kernels.py; same code as `numa-moe bench kernels`)."""
 
 import argparse
 import sys
 
-from numa_moe.benchmarking import kernels as bench
+from numa_moe.apps.benchmarking import kernels as bench
 
 
 def main() -> None:

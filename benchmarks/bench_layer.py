@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """One MoE layer step: ours (1 node and N virtual nodes) vs the transformers-style torch
-loop vs the streaming read of the touched experts (see numa_moe/benchmarking/layer.py;
+loop vs the streaming read of the touched experts (see numa_moe/apps/benchmarking/layer.py;
 same code as `numa-moe bench layer`)."""
 
 import argparse
 import json
 import sys
 
-from numa_moe.benchmarking import layer as bench
-from numa_moe.kernels import ISAS
+from numa_moe.apps.benchmarking import layer as bench
+from numa_moe.layer.kernels import ISAS
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One expert FFN (numa_moe.kernels.expert_ffn) with bf16, int8 and int4 weights: the
+"""One expert FFN (numa_moe.layer.kernels.expert_ffn) with bf16, int8 and int4 weights: the
 median time per call, and the bytes it reads (weights + scales) per second next to the
 streaming-read ceiling of the same bytes (numa_moe._bench.stream_read). The calls rotate
 over enough weight copies to exceed the last-level cache, so every call reads DRAM.
@@ -18,7 +18,8 @@ import time
 import ml_dtypes
 import numpy as np
 
-from numa_moe import _bench, _native, kernels, quant
+from numa_moe import _bench, _native, quant
+from numa_moe.layer import kernels
 
 try:
     # As in an application: once torch is loaded the calls run on its OpenMP team. Without

@@ -7,7 +7,7 @@ size: decode tokens/s (median of repeats of one generate() of --tokens new token
 sequence after 8-word prompts, prefill included; --rounds runs of each, in turn, pooled),
 the ratio to stock vLLM, the share of the time spent in the experts' apply() and that
 time per decode step. The expert step is also set against the
-streaming-read ceiling measured in this run (numa_moe.benchmarking.yardsticks): at batch
+streaming-read ceiling measured in this run (numa_moe.apps.benchmarking.yardsticks): at batch
 B a layer reads E * (1 - (1 - k/E)^B) experts on average under uniform routing (exactly
 k at B = 1), 3 * H * I weights each. vLLM runs in eager mode with its engine in one
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so vLLM and numa-moe both use every CPU.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from numa_moe.benchmarking import native_loops, yardsticks
+from numa_moe.apps.benchmarking import native_loops, yardsticks
 from numa_moe.integrations import vllm_check as vc
 
 RUNS = {  # name -> (plugin, extra environment)

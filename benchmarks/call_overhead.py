@@ -18,7 +18,8 @@ import time
 import ml_dtypes
 import numpy as np
 
-from numa_moe import _native, kernels
+from numa_moe import _native
+from numa_moe.layer import kernels
 
 
 def per_call_us(args, calls: int) -> float:

@@ -8,7 +8,7 @@ Decode (M = 1, 2, 4, 8): each format's fraction of the read ceiling of its own b
 (weights + scales, `numa-moe bench kernels`' /read column) and the step ratios int8/bf16
 and int4/int8. Prefill (M = 64, 256): each format's fraction of its ISA's peak loop
 (fp32 FMA for avx2 bf16, vdpbf16ps for avx512 bf16, vpmaddubsw / vpdpbusd for int8 and
-int4). Every figure comes from `numa_moe.benchmarking.kernels.run`, the code of `numa-moe
+int4). Every figure comes from `numa_moe.apps.benchmarking.kernels.run`, the code of `numa-moe
 bench kernels` (medians against the fastest interleaved read, 2 MiB pages, no torch).
 A measurement, not a test: nothing here asserts a speed.
 """
@@ -20,8 +20,8 @@ import json
 import os
 import platform
 
-from numa_moe import kernels
-from numa_moe.benchmarking import kernels as bench
+from numa_moe.layer import kernels
+from numa_moe.apps.benchmarking import kernels as bench
 
 FORMATS = ("bf16", "int8", "int4")
 DECODE_M = (1, 2, 4, 8)

@@ -16,12 +16,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-from numa_moe import memory
-from numa_moe.benchmarking import native_loops
-from numa_moe.benchmarking.layer import BENCH_MODELS, fill_bf16
-from numa_moe.benchmarking.yardsticks import settle
-from numa_moe.moe import MoELayer
-from numa_moe.moe_run import random_routing, touched_bytes
+from numa_moe.placement import memory
+from numa_moe.apps.benchmarking import native_loops
+from numa_moe.apps.benchmarking.layer import BENCH_MODELS, fill_bf16
+from numa_moe.apps.benchmarking.yardsticks import settle
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.apps.run import random_routing, touched_bytes
 
 try:
     import torch  # noqa: F401  (as in an application: the layer then runs on torch's OpenMP team)

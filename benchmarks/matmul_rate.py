@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One thread's rate of `numa_moe.kernels.matmul_segments` (gather included) on a weight
+"""One thread's rate of `numa_moe.layer.kernels.matmul_segments` (gather included) on a weight
 of ROWS x K (bf16, or int8 / int4 with --format) against M tokens, for comparing two builds of a kernel (run it once per
 build, alternating, several times: the machines these figures come from are shared, and
 only same-round ratios mean anything). With --copies N > 1 the calls rotate over N weight
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from numa_moe import kernels
+from numa_moe.layer import kernels
 
 
 def main() -> None:

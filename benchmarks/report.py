@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from numa_moe.benchmarking.yardsticks import MEASUREMENT_NOTE, is_measurement_problem, ratio_cell
+from numa_moe.apps.benchmarking.yardsticks import MEASUREMENT_NOTE, is_measurement_problem, ratio_cell
 
 
 def _ratio(value) -> str:

@@ -20,12 +20,12 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from numa_moe import memory
-from numa_moe.benchmarking.layer import BENCH_MODELS, fill_bf16
-from numa_moe.benchmarking.yardsticks import evict_caches
-from numa_moe.moe import MoELayer
-from numa_moe.moe_run import random_routing
-from numa_moe.topology import current_topology
+from numa_moe.placement import memory
+from numa_moe.apps.benchmarking.layer import BENCH_MODELS, fill_bf16
+from numa_moe.apps.benchmarking.yardsticks import evict_caches
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.apps.run import random_routing
+from numa_moe.placement.topology import current_topology
 
 
 def main() -> None:

@@ -20,17 +20,15 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-__all__ = ["QUANT_FORMATS", "GROUPS", "DEFAULT_GROUP", "SCALE_DTYPES", "QuantizedMatrix", "check_arguments", "quantize",
-           "dequantize", "pack_int4", "unpack_int4", "error_bound", "from_q8_0", "from_q4_0"]
+from numa_moe.formats import DEFAULT_GROUP, GROUPS, QUANT_FORMATS, SCALE_DTYPES
 
-QUANT_FORMATS = ("int8", "int4")
-GROUPS = (32, 64, 128)
-DEFAULT_GROUP = 128
+__all__ = ["QuantizedMatrix", "check_arguments", "quantize", "dequantize", "pack_int4", "unpack_int4",
+           "error_bound", "from_q8_0", "from_q4_0"]
+
 # The largest |q| quantize() produces: symmetric, so INT4 leaves -8 unused (Q4_0 import
 # may still bring it).
 Q_MAX = {"int8": 127, "int4": 7}
 Q_MIN = {"int8": -127, "int4": -8}
-SCALE_DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32)}
 GGML_BLOCK = 32  # weights per Q8_0 / Q4_0 block
 
 

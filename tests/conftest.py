@@ -6,7 +6,7 @@ import pytest
 
 def isa_report(isas) -> str:
     """`isas` (kernels.tested_isas) as the kernel families they test, natively or emulated."""
-    from numa_moe import kernels
+    from numa_moe.layer import kernels
 
     words = []
     for isa in isas:
@@ -23,7 +23,7 @@ def pytest_sessionstart(session):
     """Which ISAs the kernel tests run here, natively or emulated: an AVX-512 change tested on
     an AVX2 machine says so in the log. Written at the start of every run, -q included
     (pytest's report header is hidden there)."""
-    from numa_moe import kernels
+    from numa_moe.layer import kernels
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:

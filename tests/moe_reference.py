@@ -1,5 +1,5 @@
 """Independent references for the MoE layer tests (float64 numpy), and explicit segment
-tables built without numa_moe.segments (so the layer is checked against its own source
+tables built without numa_moe.placement.segments (so the layer is checked against its own source
 of truth for placement)."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def random_partition_table(rows, cols, nodes, rng, period=None):
 
 def interleave_rule_table(rows, cols, nodes, page_bytes, phase=0, offset_bytes=0):
     """The interleave rule (page p on nodes[(phase + p) % N]) applied element by element,
-    emitted as one segment per (row, run): independent of numa_moe.segments."""
+    emitted as one segment per (row, run): independent of numa_moe.placement.segments."""
     segs = {n: [] for n in nodes}
     row_bytes = cols * 2
     for r in range(rows):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from attention_reference import error_bound, reference_decode
-from numa_moe import attention
-from numa_moe.topology import Topology
+from numa_moe.layer import attention
+from numa_moe.placement.topology import Topology
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ISAS = attention.tested_isas()
@@ -166,8 +166,8 @@ def test_split_over_virtual_nodes(rng, n_nodes, isa):
 
 
 def test_segments_that_split_rows_are_refused(rng):
-    from numa_moe.moe import topology_node_cpus, worker_pool
-    from numa_moe.segments import SegmentTable
+    from numa_moe.layer.pools import topology_node_cpus, worker_pool
+    from numa_moe.placement.segments import SegmentTable
 
     topology = Topology.virtual(2)
     pool = worker_pool(topology_node_cpus(topology)[1])

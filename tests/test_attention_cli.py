@@ -23,7 +23,7 @@ def test_bench_attention_prints_a_row(tmp_path):
 
 
 def test_bench_attention_refuses_an_unavailable_isa():
-    from numa_moe import attention
+    from numa_moe.layer import attention
 
     if "amx" in attention.available_isas():
         pytest.skip("this CPU runs every ISA (amx included): none to refuse")

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
 
-from numa_moe.generate import build_model, format_report, run_generate  # noqa: E402
+from numa_moe.apps.generate import build_model, format_report, run_generate  # noqa: E402
 from numa_moe.integrations import hf_attention  # noqa: E402
 
 TINY = dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=128, num_attention_heads=8,

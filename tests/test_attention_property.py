@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention_reference import error_bound, reference_decode
-from numa_moe import attention
+from numa_moe.layer import attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

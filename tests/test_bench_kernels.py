@@ -1,11 +1,12 @@
-"""The kernel benchmark's weight copies and one small run of it (numa_moe/benchmarking/kernels.py)."""
+"""The kernel benchmark's weight copies and one small run of it (numa_moe/apps/benchmarking/kernels.py)."""
 
 import numpy as np
 import pytest
 
-from numa_moe import kernels, memory
-from numa_moe.benchmarking import kernels as kernel_bench
-from numa_moe.benchmarking import native_loops
+from numa_moe.layer import kernels
+from numa_moe.placement import memory
+from numa_moe.apps.benchmarking import kernels as kernel_bench
+from numa_moe.apps.benchmarking import native_loops
 
 
 @pytest.mark.parametrize("page", ["4k", "2m"])
@@ -146,7 +147,7 @@ def test_a_run_on_an_isa_without_a_peak_loop_divides_by_no_other_peak():
 
 
 def test_a_peak_that_moves_between_start_and_end_warns_that_the_machine_is_busy(monkeypatch):
-    from numa_moe.benchmarking.yardsticks import Yardstick
+    from numa_moe.apps.benchmarking.yardsticks import Yardstick
 
     peaks = iter([Yardstick.from_samples([470.0]), Yardstick.from_samples([350.0])])
     monkeypatch.setattr(kernel_bench, "measure_peak_gflop_s", lambda isa, threads, **_: next(peaks))

@@ -12,16 +12,13 @@ import numpy as np
 import pytest
 import safetensors
 
-from numa_moe.checkpoint import (
-    KINDS,
-    Checkpoint,
-    CheckpointError,
-    NamingPattern,
-    parse_kind_map,
-    read_matrix_into,
-    read_safetensors_header,
-)
-from numa_moe.synthetic import MODEL_SPECS, TensorPlan, make_checkpoint, write_safetensors
+from numa_moe.checkpoints.naming import NamingPattern, parse_kind_map
+from numa_moe.checkpoints.safetensors import read_matrix_into, read_safetensors_header
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.files import CheckpointError
+from numa_moe.formats import KINDS
+from numa_moe.checkpoints.synthetic import MODEL_SPECS, make_checkpoint
+from numa_moe.checkpoints.writer import TensorPlan, write_safetensors
 
 H, I, E, LAYERS = 64, 48, 4, 2
 
@@ -60,7 +57,7 @@ for _like in ("qwen3-30b-a3b", "qwen3-235b", "qwen2-57b-a14b", "deepseek-v3"):
 @pytest.mark.parametrize("like", sorted(MODEL_SPECS))
 def test_naming_schemes_found_and_bytes_match_library(tmp_path, rng, like):
     directory = _make(tmp_path, like, rng)
-    ck = Checkpoint.open(directory)
+    ck = open_checkpoint(directory)
     assert ck.layer_ids == tuple(range(LAYERS))
     d = ck.dims
     assert (d.hidden_size, d.intermediate_size, d.n_experts) == (H, I, E)
@@ -89,7 +86,7 @@ def test_naming_schemes_found_and_bytes_match_library(tmp_path, rng, like):
 @pytest.mark.parametrize("like", ["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_fused_tensors_split_into_experts(tmp_path, rng, like):
     directory = _make(tmp_path, like, rng, fused=True)
-    ck = Checkpoint.open(directory)
+    ck = open_checkpoint(directory)
     assert ck.naming == ("fused",)
     assert (ck.dims.n_experts, ck.dims.intermediate_size, ck.dims.hidden_size) == (E, I, H)
     reference = _reference_tensors(directory)
@@ -114,7 +111,7 @@ def test_sharded_equals_single_file(tmp_path, rng):
                               intermediate_size=I, progress=False, max_shard_bytes=40_000)
     assert (sharded / "model.safetensors.index.json").exists()
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
-    a, b = Checkpoint.open(single), Checkpoint.open(sharded)
+    a, b = open_checkpoint(single), open_checkpoint(sharded)
     assert len(b.files) > 2 and len(a.files) == 1
     assert set(index["weight_map"]) == set(a.tensors) == set(b.tensors)
     ref_a, ref_b = _reference_tensors(single), _reference_tensors(sharded)
@@ -122,7 +119,7 @@ def test_sharded_equals_single_file(tmp_path, rng):
     # matrices of one layer come from several files
     assert len({m.tensor.path for kind in KINDS for m in b.layers[0].matrices[kind]}) > 1
     # the index file itself can be given as the checkpoint path
-    assert Checkpoint.open(sharded / "model.safetensors.index.json").dims == b.dims
+    assert open_checkpoint(sharded / "model.safetensors.index.json").dims == b.dims
 
 
 def test_header_parser_agrees_with_library(tmp_path, rng):
@@ -141,7 +138,7 @@ def test_header_parser_agrees_with_library(tmp_path, rng):
 def test_no_config_infers_from_shapes(tmp_path, rng):
     directory = _make(tmp_path, "qwen3-30b-a3b", rng)
     (directory / "config.json").unlink()
-    ck = Checkpoint.open(directory)
+    ck = open_checkpoint(directory)
     assert (ck.dims.hidden_size, ck.dims.intermediate_size, ck.dims.n_experts) == (H, I, E)
     assert ck.dims.top_k is None
     assert ck.dims.sources["hidden_size"] == "tensor shapes"
@@ -150,7 +147,7 @@ def test_no_config_infers_from_shapes(tmp_path, rng):
 
 def test_single_file_path(tmp_path, rng):
     directory = _make(tmp_path, "mixtral-8x7b", rng)
-    ck = Checkpoint.open(directory / "model.safetensors")
+    ck = open_checkpoint(directory / "model.safetensors")
     assert ck.dims.n_experts == E and ck.config is not None
 
 
@@ -163,13 +160,13 @@ def test_truncated_file(tmp_path, rng):
     data = path.read_bytes()
     path.write_bytes(data[:-100])
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*tensor '.*'.*truncated"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
     path.write_bytes(data[:5])
     with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
     path.write_bytes(data[:200])  # cut inside the header
     with pytest.raises(CheckpointError, match=r"header length field"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_corrupted_header(tmp_path, rng):
@@ -179,7 +176,7 @@ def test_corrupted_header(tmp_path, rng):
     data[8:12] = b"\xff\xfe{["
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupted safetensors header"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_bad_offsets_named(tmp_path):
@@ -226,19 +223,19 @@ def _qwen_names(layers=1, experts=E, skip=(), shapes=None):
 def test_missing_expert_tensor(tmp_path):
     directory = _write_experts(tmp_path, _qwen_names(skip={(0, 2, "up")}))
     with pytest.raises(CheckpointError, match=r"layer 0: incomplete.*up missing for expert\(s\) 2"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_config_expert_count_checked(tmp_path):
     directory = _write_experts(tmp_path, _qwen_names(), {"num_experts": E + 2, "hidden_size": H})
     with pytest.raises(CheckpointError, match=rf"missing for expert\(s\) {E}-{E + 1}.*num_experts={E + 2}"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_config_hidden_size_checked(tmp_path):
     directory = _write_experts(tmp_path, _qwen_names(), {"hidden_size": H + 1})
     with pytest.raises(CheckpointError, match=rf"config.json hidden_size={H + 1}.*hidden size {H}"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_mismatched_shape_named(tmp_path):
@@ -246,7 +243,7 @@ def test_mismatched_shape_named(tmp_path):
     with pytest.raises(CheckpointError,
                        match=rf"model\.safetensors: tensor 'model\.layers\.0\.mlp\.experts\.3\.down_proj\.weight'"
                              rf".*shape \[{H}, {I + 2}\], expected \[{H}, {I}\]"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_missing_shard_and_missing_tensor_in_shard(tmp_path, rng):
@@ -256,13 +253,13 @@ def test_missing_shard_and_missing_tensor_in_shard(tmp_path, rng):
     index["weight_map"]["model.layers.0.mlp.experts.9.up_proj.weight"] = "model-00001-of-00099.safetensors"
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"shard 'model-00001-of-00099.safetensors'.*does not exist"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
     index["weight_map"]["model.layers.0.mlp.experts.9.up_proj.weight"] = "model-00001-of-" + \
         next(iter(index["weight_map"].values())).split("-of-")[1]
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"model-00001-of-\d+\.safetensors: missing tensor "
                                               r"'model\.layers\.0\.mlp\.experts\.9\.up_proj\.weight'"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_unknown_layout_lists_names_and_pattern_override(tmp_path):
@@ -273,7 +270,7 @@ def test_unknown_layout_lists_names_and_pattern_override(tmp_path):
                   (f"transformer.h.0.moe.expert_{e}.fc_out.weight", (H, I))]
     directory = _write_experts(tmp_path, names + [("transformer.wte.weight", (10, H))])
     with pytest.raises(CheckpointError) as info:
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
     message = str(info.value)
     assert "no routed-expert tensors recognised" in message
     assert "transformer.h.N.moe.expert_N.fc_in.weight" in message and "x4" in message
@@ -281,7 +278,7 @@ def test_unknown_layout_lists_names_and_pattern_override(tmp_path):
     pattern = NamingPattern("custom", r"transformer\.h\.(?P<layer>\d+)\.moe\.expert_(?P<expert>\d+)"
                                       r"\.(?P<kind>fc_in|fc_gate|fc_out)\.weight",
                             parse_kind_map("fc_gate=gate, fc_in=up, fc_out=down"))
-    ck = Checkpoint.open(directory, pattern=pattern)
+    ck = open_checkpoint(directory, pattern=pattern)
     assert ck.naming == ("custom",) and ck.dims.n_experts == E
     assert ck.layers[0].matrix("gate", 1).tensor.name == "transformer.h.0.moe.expert_1.fc_gate.weight"
 
@@ -290,7 +287,7 @@ def test_custom_fused_pattern(tmp_path):
     directory = _write_experts(tmp_path, [("blocks.3.ffn.w_in", (E, 2 * I, H)), ("blocks.3.ffn.w_out", (E, H, I))])
     pattern = NamingPattern("mine", r"blocks\.(?P<layer>\d+)\.ffn\.(?P<kind>w_in|w_out)",
                             {"w_in": "gate_up", "w_out": "down"})
-    ck = Checkpoint.open(directory, pattern=pattern)
+    ck = open_checkpoint(directory, pattern=pattern)
     assert ck.layer_ids == (3,) and ck.layers[3].matrix("up", 2).file_offset == \
         ck.tensors["blocks.3.ffn.w_in"].file_offset + (2 * 2 * I * H + I * H) * 2
 
@@ -305,7 +302,7 @@ def test_bad_patterns_rejected():
 
 
 def test_read_matrix_into_checks_destination(tmp_path, rng):
-    ck = Checkpoint.open(_make(tmp_path, "qwen3-30b-a3b", rng))
+    ck = open_checkpoint(_make(tmp_path, "qwen3-30b-a3b", rng))
     m = ck.layers[0].matrix("down", 0)
     with pytest.raises(ValueError, match="C-contiguous"):
         read_matrix_into(m, np.zeros((m.cols, m.rows), dtype=np.uint16).T)
@@ -315,7 +312,7 @@ def test_read_matrix_into_checks_destination(tmp_path, rng):
 
 def test_file_shrunk_after_header_read(tmp_path, rng):
     directory = _make(tmp_path, "qwen3-30b-a3b", rng)
-    ck = Checkpoint.open(directory)
+    ck = open_checkpoint(directory)
     m = ck.layers[LAYERS - 1].matrix("down", E - 1)
     with open(m.tensor.path, "r+b") as f:
         f.truncate(m.file_offset + 10)
@@ -352,7 +349,7 @@ def test_layers_with_different_dtypes_rejected(tmp_path):
             plans.append(TensorPlan(name, shape, dtype, shape[-1]))
     write_safetensors(directory / "model.safetensors", plans, lambda p: [b"\x01" * p.nbytes])
     with pytest.raises(CheckpointError, match=r"layer 1.*F16.*layer 0.*BF16"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 @pytest.mark.parametrize("field,value", [("dtype", ["BF16"]), ("dtype", None), ("shape", "48"),
@@ -383,7 +380,7 @@ def test_malformed_header_fields_named(tmp_path, field, value):
 def test_bad_config_values_named(tmp_path, key, value):
     directory = _write_experts(tmp_path, _qwen_names(), {key: value})
     with pytest.raises(CheckpointError, match=rf"config\.json.*{key}"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
 
 
 def test_overlapping_tensors_refused(tmp_path):
@@ -411,4 +408,4 @@ def test_index_may_not_name_files_outside_the_checkpoint(tmp_path, rng):
     index["weight_map"]["model.layers.0.mlp.experts.9.up_proj.weight"] = "../elsewhere.safetensors"
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="not a file name inside"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)

@@ -5,7 +5,7 @@ import builtins
 import numpy as np
 import pytest
 
-from numa_moe.placement_report import (
+from numa_moe.apps.placement_report import (
     analyse_map,
     inspect_checkpoint,
     map_period,
@@ -13,8 +13,8 @@ from numa_moe.placement_report import (
     plot_placement,
     remote_bytes,
 )
-from numa_moe.store import ExpertStore
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.layer.store import ExpertStore
+from numa_moe.checkpoints.synthetic import make_checkpoint
 
 PAGE = 4096
 

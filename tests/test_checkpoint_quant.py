@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import Checkpoint, CheckpointError, scale_tensor_name
-from numa_moe.store import ExpertStore
-from numa_moe.synthetic import TensorPlan, write_safetensors
+from numa_moe.checkpoints.safetensors import scale_tensor_name
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.files import CheckpointError
+from numa_moe.layer.store import ExpertStore
+from numa_moe.checkpoints.writer import TensorPlan, write_safetensors
 
 H, I, E = 128, 64, 2
 NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -45,7 +47,7 @@ def _write(path, tensors, metadata):
 
 def _error(path, match):
     with pytest.raises(CheckpointError, match=match) as info:
-        Checkpoint.open(path)
+        open_checkpoint(path)
     assert "\n" not in str(info.value)
     return str(info.value)
 
@@ -54,7 +56,7 @@ def _error(path, match):
 def test_quantized_checkpoint_is_recognised_and_reported(tmp_path, rng, fmt, scale_dtype):
     tensors, _ = _experts(rng, fmt, 64, scale_dtype, layers=2)
     _write(tmp_path / "model.safetensors", tensors, _meta(fmt, 64, scale_dtype))
-    ck = Checkpoint.open(tmp_path)
+    ck = open_checkpoint(tmp_path)
     assert ck.quant.fmt == fmt and ck.quant.group == 64 and ck.quant.scale_dtype == scale_dtype
     assert ck.weight_format == fmt and ck.dtype == ("I8" if fmt == "int8" else "U8")
     summary = ck.summary()
@@ -70,9 +72,9 @@ def test_quantized_checkpoint_is_recognised_and_reported(tmp_path, rng, fmt, sca
 
 
 def test_float_checkpoint_reports_no_quantization(tmp_path, rng):
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
-    ck = Checkpoint.open(make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, hidden_size=H,
+    ck = open_checkpoint(make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, hidden_size=H,
                                          intermediate_size=I, progress=False))
     assert ck.quant is None and ck.weight_format == "bf16" and ck.summary()["quant"] is None
     assert ck.layers[0].matrices["gate"][0].scales is None
@@ -109,7 +111,7 @@ def test_nan_inf_zero_scales_refused_on_load(tmp_path, rng, bad, word):
     tensors[name] = tensors[name].copy()
     tensors[name][5, 1] = bad
     _write(tmp_path / "model.safetensors", tensors, _meta())
-    ck = Checkpoint.open(tmp_path)  # headers only: values are checked when read
+    ck = open_checkpoint(tmp_path)  # headers only: values are checked when read
     with pytest.raises(CheckpointError, match=rf"{name}'?: 1 NaN, infinite or zero scale\(s\) for layer 0 "
                                               rf"expert 1 down \(first: row 5, group 1 is {word}\)") as info:
         ExpertStore.load(ck, progress=False)
@@ -173,7 +175,7 @@ def test_raw_int8_without_metadata_is_not_quantized(tmp_path, rng):
     tensors, _ = _experts(rng)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("_scale")}
     _write(tmp_path / "model.safetensors", tensors, {"format": "pt"})
-    ck = Checkpoint.open(tmp_path)
+    ck = open_checkpoint(tmp_path)
     assert ck.quant is None and ck.dtype == "I8"
     with pytest.raises(ValueError, match="routed experts are I8; the store loads"):
         ExpertStore.load(ck, progress=False)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from numa_moe.checkpoint import Checkpoint
-from numa_moe.segments import SegmentTable
-from numa_moe.store import checkpoint_tables
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.layer.store import checkpoint_tables
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 BITS = {"bf16": 16, "int8": 8, "int4": 4, "fp32": 32}
@@ -38,7 +38,7 @@ def test_tables_follow_interleave_rule_of_stacked_layout(tmp_path, rng, nodes, f
     H, I, E = 96, 40, 3  # rows of 192/96/48 bytes: pages cut rows in the middle
     directory = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 2, E, int(rng.integers(1 << 31)),
                                 hidden_size=H, intermediate_size=I, progress=False)
-    ck = Checkpoint.open(directory)
+    ck = open_checkpoint(directory)
     tables = checkpoint_tables(ck, nodes, page=4096, fmt=fmt, group=8)
     assert set(tables) == {0, 1}
     shapes = {"gate": (E * I, H), "up": (E * I, H), "down": (E * H, I)}
@@ -60,10 +60,10 @@ def test_tables_follow_interleave_rule_of_stacked_layout(tmp_path, rng, nodes, f
 
 def test_tables_from_checkpoint_equal_tables_from_shapes_real_models(tmp_path):
     """A real-shape Qwen3-30B-A3B checkpoint: tables from its headers equal tables from the
-    model's published shapes (numa_moe.synthetic.MODEL_SPECS), and the paper's periods
+    model's published shapes (numa_moe.checkpoints.synthetic.MODEL_SPECS), and the paper's periods
     hold at 2 nodes."""
     directory = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, progress=False)
-    tables = checkpoint_tables(Checkpoint.open(directory), 2, "4k", "bf16")[0]
+    tables = checkpoint_tables(open_checkpoint(directory), 2, "4k", "bf16")[0]
     assert tables["gate"] == SegmentTable.theoretical(2 * 768, 2048, "bf16", 4096, 2)
     assert tables["down"] == SegmentTable.theoretical(2 * 2048, 768, "bf16", 4096, 2)
     assert tables["gate"].period_rows == 2 and tables["down"].period_rows == 16
@@ -137,3 +137,25 @@ def test_cli_inspect_plot_and_pages_misuse_are_messages(tmp_path):
     assert "p.png" in result.output
     result = CliRunner().invoke(cli, ["inspect", str(ckpt), "--pages"])
     assert result.exit_code == 2 and "--pages" in result.output and "--json" in result.output
+
+
+def test_cli_tables_scale_dtype_names_the_scales_dtype(tmp_path, rng):
+    """`tables --scale-dtype` (the name every other command uses; `--scale-format` is read
+    as well) sets the dtype of the scale tables: their columns lie on the nodes the
+    interleave rule puts each scale element's bytes on."""
+    out = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 2, 0, progress=False)
+    group = int(rng.choice([32, 64, 128]))
+    scale_dtype = str(rng.choice(["fp16", "bf16", "fp32"]))
+    documents = []
+    for option in ("--scale-dtype", "--scale-format"):
+        path = tmp_path / f"{option}.json"
+        result = _run(["tables", str(out), "--nodes", "2", "--page", "4k", "--format", "int4", "--group",
+                       str(group), option, scale_dtype, "-o", str(path), "--quiet"])
+        assert result.exit_code == 0, result.output
+        documents.append(json.loads(path.read_text()))
+    assert documents[0] == documents[1]
+    assert documents[0]["scale_format"] == scale_dtype
+    scales = SegmentTable.from_dict(documents[0]["layers"]["0"]["down_scales"])
+    rows, cols = 2 * 2048, 768 // group
+    bits = {"fp16": 16, "bf16": 16, "fp32": 32}[scale_dtype]
+    np.testing.assert_array_equal(_owner_by_table(scales), _owner_by_rule(rows, cols, bits, 4096, (0, 1)))

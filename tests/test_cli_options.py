@@ -7,7 +7,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from numa_moe import kernels
+from numa_moe.layer import kernels
 from numa_moe_cli import options
 from numa_moe_cli.main import cli
 
@@ -71,7 +71,7 @@ def test_table_and_tables_say_their_difference_in_the_command_list():
 
 
 def test_bench_layer_json_says_where_it_wrote(tmp_path, monkeypatch):
-    from numa_moe.benchmarking import layer as layer_bench
+    from numa_moe.apps.benchmarking import layer as layer_bench
 
     monkeypatch.setattr(layer_bench, "bench_layer", lambda *args, **kwargs: [{"model": "tiny"}])
     out = tmp_path / "rows.json"
@@ -83,7 +83,7 @@ def test_bench_layer_json_says_where_it_wrote(tmp_path, monkeypatch):
 
 def test_run_json_says_where_it_wrote(tmp_path):
     pytest.importorskip("torch")
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     checkpoint = make_checkpoint(tmp_path / "ckpt", like="qwen3-30b-a3b", layers=1, experts=4, hidden_size=256,
                                  intermediate_size=128, progress=False)
@@ -94,7 +94,7 @@ def test_run_json_says_where_it_wrote(tmp_path):
 
 
 def test_tables_progress_counts_layers_without_a_rate(tmp_path):
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     checkpoint = make_checkpoint(tmp_path / "ckpt", like="qwen3-30b-a3b", layers=3, experts=2, hidden_size=256,
                                  intermediate_size=128, progress=False)

@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from numa_moe.segments import SegmentTable
+from numa_moe.placement.segments import SegmentTable
 from numa_moe_cli.main import cli
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from attention_reference import error_bound, reference_decode
-from numa_moe import attention, kernels, quant
+from numa_moe import quant
+from numa_moe.layer import attention, kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 PAIRS = [("avx2_emulated", "avx2"), ("avx512_emulated", "avx512")]
@@ -156,7 +157,7 @@ def run_hidden(hide: str, code: str) -> subprocess.CompletedProcess:
 def test_hiding_an_isa_makes_the_tests_run_its_emulated_build():
     if "avx512_emulated" not in kernels.available_isas():
         pytest.skip("no avx512_emulated build here")
-    code = ("from numa_moe import attention, kernels\n"
+    code = ("from numa_moe.layer import attention, kernels\n"
             "print((kernels.available_isas(), kernels.tested_isas('int8'), attention.tested_isas(),"
             " kernels.fastest_isa()))")
     result = run_hidden("avx512", code)
@@ -172,6 +173,6 @@ def test_hiding_an_isa_makes_the_tests_run_its_emulated_build():
 
 
 def test_hiding_an_unknown_isa_is_an_error():
-    result = run_hidden("avx512,sse9", "from numa_moe import kernels\nprint(kernels.available_isas())")
+    result = run_hidden("avx512,sse9", "from numa_moe.layer import kernels\nprint(kernels.available_isas())")
     assert result.returncode != 0
     assert "NUMA_MOE_TEST_HIDE_ISA: 'sse9' is not one of avx2, avx512, amx" in result.stderr

@@ -15,8 +15,10 @@ torch = pytest.importorskip("torch", reason="FP8 test checkpoints are written wi
 from safetensors.torch import save_file  # noqa: E402
 
 from numa_moe import quant as q  # noqa: E402
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError  # noqa: E402
-from numa_moe.store import ExpertStore, expert_rows  # noqa: E402
+from numa_moe.checkpoints.dispatch import open_checkpoint  # noqa: E402
+from numa_moe.files import CheckpointError  # noqa: E402
+from numa_moe.formats import KINDS  # noqa: E402
+from numa_moe.layer.store import ExpertStore, expert_rows  # noqa: E402
 
 E, H, I = 3, 256, 192  # I is not a multiple of 128: the last block of a row is partial
 NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -55,7 +57,7 @@ def torch_dequantized(tensors, name, block=(128, 128)):
 
 def test_bf16_import_equals_torch_dequantization(tmp_path, rng):
     path, tensors = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
-    ck = Checkpoint.open(path)
+    ck = open_checkpoint(path)
     assert ck.source_format == "FP8 e4m3 (block 128 x 128)" and ck.weight_format == "bf16"
     store = ExpertStore.load(ck, progress=False)
     assert store.weight_format == "bf16" and not store.quantized
@@ -84,7 +86,7 @@ def test_int8_import_within_the_quantization_bound(tmp_path, rng, group):
 
 
 def test_inspect_reports_the_conversion(tmp_path, rng):
-    from numa_moe.placement_report import inspect_checkpoint
+    from numa_moe.apps.placement_report import inspect_checkpoint
 
     path, _ = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
     report = inspect_checkpoint(path, nodes=2, weight_format="int8", group=64)
@@ -104,7 +106,7 @@ def test_missing_scale_tensor(tmp_path):
     name = "model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"
     path, _ = write_fp8(tmp_path / "ck", 1, drop=name)
     with pytest.raises(CheckpointError, match=f"scale tensor '{name}' is missing") as info:
-        Checkpoint.open(path)
+        open_checkpoint(path)
     assert "\n" not in str(info.value)
 
 
@@ -113,11 +115,11 @@ def test_misshaped_scale_tensor(tmp_path):
     path, _ = write_fp8(tmp_path / "ck", 2, reshape=name)
     with pytest.raises(CheckpointError, match=r"has shape \[1, 2\], expected \[2, 2\]: one scale per "
                                               r"128 x 128 block") as info:
-        Checkpoint.open(path)
+        open_checkpoint(path)
     assert name in str(info.value) and "\n" not in str(info.value)
 
 
 def test_block_size_from_the_config_must_match_the_scales(tmp_path):
     path, _ = write_fp8(tmp_path / "ck", 3, config_block=(64, 64))
     with pytest.raises(CheckpointError, match="one scale per 64 x 64 block"):
-        Checkpoint.open(path)
+        open_checkpoint(path)

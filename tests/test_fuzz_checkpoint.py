@@ -23,8 +23,10 @@ FUZZ = textwrap.dedent(r'''
 
     from hypothesis import HealthCheck, given, settings, strategies as st
 
-    from numa_moe.checkpoint import DTYPE_BYTES, Checkpoint, CheckpointError
-    from numa_moe.store import checkpoint_tables
+    from numa_moe.files import CheckpointError
+    from numa_moe.formats import DTYPE_BYTES
+    from numa_moe.checkpoints.dispatch import open_checkpoint
+    from numa_moe.layer.store import checkpoint_tables
 
     HUGE = [2**31, 2**32 + 1, 2**40, 2**62 + 1, 2**63, 2**64, 10**12, 999999999999, -1]
     ints = st.one_of(st.integers(0, 8), st.integers(0, 70), st.sampled_from(HUGE),
@@ -153,7 +155,7 @@ FUZZ = textwrap.dedent(r'''
                 with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
                     json.dump(document, f)
             try:
-                ck = Checkpoint.open(directory)
+                ck = open_checkpoint(directory)
             except CheckpointError:
                 return
             try:

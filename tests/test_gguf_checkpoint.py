@@ -21,8 +21,10 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from moe_reference import moe_reference, random_bf16, rel_error  # noqa: E402
 from numa_moe import quant as q  # noqa: E402
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError  # noqa: E402
-from numa_moe.store import ExpertStore  # noqa: E402
+from numa_moe.checkpoints.dispatch import open_checkpoint  # noqa: E402
+from numa_moe.files import CheckpointError  # noqa: E402
+from numa_moe.formats import KINDS  # noqa: E402
+from numa_moe.layer.store import ExpertStore  # noqa: E402
 
 E, H, I = 4, 256, 512
 ARCH = "qwen3moe"
@@ -139,7 +141,7 @@ def test_lossless_types_load_bit_for_bit(tmp_path, rng, qtype, loaded):
 def test_k_quants_are_requantized_within_the_documented_bound(tmp_path, rng, fmt, rel_bound):
     types = {"gate": T.Q4_K, "up": T.Q5_K, "down": T.Q6_K}
     path = write_gguf(tmp_path / "k.gguf", rng, types, layers=(0,))
-    ck = Checkpoint.open(path)
+    ck = open_checkpoint(path)
     assert ck.source_format == "GGUF Q4_K+Q5_K+Q6_K"
     assert ck.importer.default().fmt == "int8"  # Q6_K has more than 4.5 bits a weight
     store = ExpertStore.load(ck, progress=False, weight_format=fmt)
@@ -160,7 +162,7 @@ def test_k_quants_are_requantized_within_the_documented_bound(tmp_path, rng, fmt
 
 def test_requantizing_a_lossless_type_is_reported_as_such(tmp_path, rng):
     path = write_gguf(tmp_path / "q8.gguf", rng, uniform(T.Q8_0), layers=(0,))
-    ck = Checkpoint.open(path)
+    ck = open_checkpoint(path)
     fmt = ck.importer.resolve(path, ck.dims, "int4", None, None)
     assert not ck.importer.exact(fmt)
     assert ck.importer.describe(fmt) == "GGUF Q8_0 -> int4, group 32, fp16 scales (requantized)"
@@ -170,7 +172,7 @@ def test_requantizing_a_lossless_type_is_reported_as_such(tmp_path, rng):
 
 def test_dims_from_metadata_and_what_is_reported_apart(tmp_path, rng):
     path = write_gguf(tmp_path / "m.gguf", rng, uniform(T.Q8_0), layers=(1, 2), dense_block=0, shared=True)
-    ck = Checkpoint.open(path)
+    ck = open_checkpoint(path)
     assert (ck.dims.hidden_size, ck.dims.intermediate_size, ck.dims.n_experts, ck.dims.top_k) == (H, I, E, 2)
     assert ck.dims.sources["n_experts"] == f"GGUF {ARCH}.expert_count"
     assert ck.layer_ids == (1, 2)
@@ -187,8 +189,8 @@ def test_dims_from_metadata_and_what_is_reported_apart(tmp_path, rng):
 @pytest.mark.parametrize("types", [uniform(T.Q8_0), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
                          ids=["Q8_0", "Q4_K_M"])
 def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
-    from numa_moe.moe import MoELayer
-    from numa_moe.topology import Topology
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.placement.topology import Topology
 
     path = write_gguf(tmp_path / "m.gguf", rng, types, layers=(0,))
     store = ExpertStore.load(path, progress=False)
@@ -262,7 +264,7 @@ def test_quantize_refuses_a_gguf_file_and_points_to_loading_it(tmp_path, rng):
 
 def _one_line_error(path, match):
     with pytest.raises(CheckpointError, match=match) as info:
-        Checkpoint.open(path)
+        open_checkpoint(path)
     message = str(info.value)
     assert "\n" not in message and str(path) in message
     return message
@@ -337,7 +339,7 @@ def _string(text):
 
 
 def test_metadata_beyond_plausible_sizes_is_refused_before_it_costs_memory(tmp_path):
-    from numa_moe.gguf_checkpoint import MAX_METADATA_ELEMENTS, MAX_TENSORS
+    from numa_moe.checkpoints.gguf import MAX_METADATA_ELEMENTS, MAX_TENSORS
 
     n = MAX_METADATA_ELEMENTS + 1  # uint8 elements: 4 MB of file, ~1 GB of reader views
     array = (9).to_bytes(4, "little") + (0).to_bytes(4, "little") + n.to_bytes(8, "little") + bytes(n)
@@ -372,9 +374,9 @@ def test_not_a_gguf_file_and_a_pattern(tmp_path, good_file):
     path.write_bytes(b"GGUX" + bytes(100))
     _one_line_error(path, "not a readable GGUF file")
     with pytest.raises(CheckpointError, match="naming pattern applies to safetensors"):
-        from numa_moe.checkpoint import NamingPattern
+        from numa_moe.checkpoints.naming import NamingPattern
 
-        Checkpoint.open(good_file, pattern=NamingPattern("p", r"(?P<layer>\d+)(?P<kind>x)", {"x": "gate"}))
+        open_checkpoint(good_file, pattern=NamingPattern("p", r"(?P<layer>\d+)(?P<kind>x)", {"x": "gate"}))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -392,7 +394,7 @@ def test_fuzzed_headers_give_checkpoint_errors_only(tmp_path_factory, data):
     bad = tmp_path_factory.mktemp("fuzz") / "f.gguf"
     bad.write_bytes(bytes(raw[:cut]))
     try:
-        Checkpoint.open(bad)
+        open_checkpoint(bad)
     except CheckpointError as err:
         assert "\n" not in str(err)
 

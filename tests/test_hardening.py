@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from numa_moe.checkpoint import Checkpoint, CheckpointError, read_safetensors_header
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.safetensors import read_safetensors_header
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.files import CheckpointError
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 # Address space a checker subprocess may use: imports need ~150 MB; the inputs below
@@ -55,8 +57,8 @@ def _cli(*args: str, cwd=None, timeout: float = TIMEOUT) -> subprocess.Completed
 def _load(path) -> subprocess.CompletedProcess:
     """ExpertStore.load in a limited subprocess; prints the error type and message."""
     return _limited("""
-        from numa_moe.checkpoint import CheckpointError
-        from numa_moe.store import ExpertStore
+        from numa_moe.files import CheckpointError
+        from numa_moe.layer.store import ExpertStore
         try:
             ExpertStore.load(sys.argv[1], nodes=1, progress=False)
         except CheckpointError as err:
@@ -108,11 +110,11 @@ def test_make_checkpoint_keeps_files_it_did_not_write(tmp_path):
     mine.unlink()
     result = CliRunner().invoke(cli, ["make-checkpoint", "--layers", "1", "--experts", "1", "-o", str(d),
                                       "--quiet"])
-    assert result.exit_code == 0 and Checkpoint.open(d).dims.n_experts == 1, result.output
+    assert result.exit_code == 0 and open_checkpoint(d).dims.n_experts == 1, result.output
     # A previous output is replaced without --overwrite; so is an empty directory.
     result = CliRunner().invoke(cli, ["make-checkpoint", "--layers", "1", "--experts", "2", "-o", str(d),
                                       "--quiet"])
-    assert result.exit_code == 0 and Checkpoint.open(d).dims.n_experts == 2, result.output
+    assert result.exit_code == 0 and open_checkpoint(d).dims.n_experts == 2, result.output
     # A config.json that make-checkpoint did not write makes the directory not its own.
     other = tmp_path / "other"
     other.mkdir()
@@ -127,7 +129,7 @@ def _tree(directory: Path) -> dict[str, bytes]:
 
 
 def test_interrupted_make_checkpoint_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
-    from numa_moe import synthetic
+    from numa_moe.checkpoints import synthetic
 
     d = _small(tmp_path / "d")
     before = _tree(d)
@@ -150,7 +152,7 @@ def test_interrupted_make_checkpoint_leaves_the_old_checkpoint_whole(tmp_path, m
 
 _SIGNAL_SELF = """
     import os, signal
-    from numa_moe import synthetic
+    from numa_moe.checkpoints import synthetic
     original = synthetic._random_bytes
     calls = []
     def _bytes(plan, rng):
@@ -294,7 +296,7 @@ def test_fifos_are_refused_not_opened(tmp_path):
     index_dir.mkdir()
     os.mkfifo(index_dir / "model.safetensors.index.json")
     with pytest.raises(CheckpointError, match="index.json: is a FIFO"):
-        Checkpoint.open(index_dir)
+        open_checkpoint(index_dir)
 
 
 # ------------------------------------------------------------------ integer overflow
@@ -318,7 +320,7 @@ def test_deeply_nested_json_is_a_checkpoint_error(tmp_path):
     d = _small(tmp_path / "d")
     (d / "config.json").write_bytes(deep)
     with pytest.raises(CheckpointError, match="config.json: config.json is nested too deeply"):
-        Checkpoint.open(d)
+        open_checkpoint(d)
     _one_line_error(_cli("inspect", tmp_path / "m.safetensors"), "nested too deeply")
 
 
@@ -330,7 +332,7 @@ def test_index_weight_map_values_must_be_file_names(tmp_path, value):
     weight_map[names[-1]] = value
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=r"weight_map\[.*\] is .*a shard file name"):
-        Checkpoint.open(d)
+        open_checkpoint(d)
     _one_line_error(_cli("inspect", d), "weight_map")
 
 
@@ -395,20 +397,20 @@ def test_run_into_a_closed_pipe_ends_quietly(tmp_path):
 
 def test_symlinks_out_of_the_directory_are_followed_in_both_modes(tmp_path):
     d = _small(tmp_path / "d")
-    expected = Checkpoint.open(d).summary()
+    expected = open_checkpoint(d).summary()
     outside = tmp_path / "outside.safetensors"
     (d / "model.safetensors").rename(outside)
     (d / "model.safetensors").symlink_to(outside)
-    assert Checkpoint.open(d).dims.n_experts == expected["n_experts"]
+    assert open_checkpoint(d).dims.n_experts == expected["n_experts"]
     names = list(read_safetensors_header(outside)[0])
     (d / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {name: "model.safetensors" for name in names}}))
-    assert Checkpoint.open(d).dims.n_experts == expected["n_experts"]
+    assert open_checkpoint(d).dims.n_experts == expected["n_experts"]
     # What the link names must be a regular file, wherever it is.
     outside.unlink()
     with pytest.raises(CheckpointError, match=r"model\.safetensors: is a symlink to .*outside"
                                               r".*does not exist \(a dangling link\)"):
-        Checkpoint.open(d)
+        open_checkpoint(d)
 
 
 def test_dev_zero_says_what_it_is(tmp_path):
@@ -416,9 +418,9 @@ def test_dev_zero_says_what_it_is(tmp_path):
     d.mkdir()
     (d / "model.safetensors").symlink_to("/dev/zero")
     with pytest.raises(CheckpointError, match=r"symlink to '/dev/zero', which is a character device"):
-        Checkpoint.open(d)
+        open_checkpoint(d)
     with pytest.raises(CheckpointError, match="/dev/zero: is a character device, not a regular file"):
-        Checkpoint.open("/dev/zero")
+        open_checkpoint("/dev/zero")
     _one_line_error(_cli("inspect", "/dev/zero"), "character device")
 
 
@@ -435,7 +437,7 @@ def test_layer_numbers_too_long_for_an_int_are_messages(tmp_path):
         ("model.layers." + "7" * 5000 + ".mlp.gate.weight", (1, 4)),
         ("model.layers." + "7" * 5000 + ".mlp.experts.0.gate_proj.weight", (2, 4))])
     with pytest.raises(CheckpointError, match="not a non-negative integer below 10"):
-        Checkpoint.open(d)
+        open_checkpoint(d)
 
 
 def test_index_found_in_a_directory_may_link_out_of_it(tmp_path):
@@ -444,7 +446,7 @@ def test_index_found_in_a_directory_may_link_out_of_it(tmp_path):
     outside = tmp_path / "index.json"
     outside.write_text(json.dumps({"weight_map": {name: "model.safetensors" for name in names}}))
     (d / "model.safetensors.index.json").symlink_to(outside)
-    assert Checkpoint.open(d).files == (d / "model.safetensors",)
+    assert open_checkpoint(d).files == (d / "model.safetensors",)
 
 
 def test_make_checkpoint_through_a_symlink_keeps_the_link(tmp_path):
@@ -453,5 +455,5 @@ def test_make_checkpoint_through_a_symlink_keeps_the_link(tmp_path):
     link.symlink_to(real)
     make_checkpoint(link, "qwen3-30b-a3b", 1, 2, 0, hidden_size=64, intermediate_size=32,
                     progress=False)
-    assert link.is_symlink() and Checkpoint.open(link).dims.n_experts == 2
+    assert link.is_symlink() and open_checkpoint(link).dims.n_experts == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]

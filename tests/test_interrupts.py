@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.synthetic import make_checkpoint
 
 # SIGINT raises KeyboardInterrupt in the child as in a terminal, even when the suite was
 # started with SIGINT ignored (a background job), which the child would inherit.
@@ -93,7 +93,7 @@ def test_ctrl_c_stops_bench_kernels_inside_its_native_loop():
 
 
 _MARK_LAYER_REPEATS = """
-from numa_moe.benchmarking import layer as _layer
+from numa_moe.apps.benchmarking import layer as _layer
 _settle = _layer.settle
 def _marked():
     if not getattr(_marked, "done", False):
@@ -130,8 +130,8 @@ if sys.argv[1] == "openmp":
 else:
     os.environ["NUMA_MOE_THREADS"] = "own"
 from numa_moe import _native
-from numa_moe.moe import MoELayer
-from numa_moe.segments import SegmentTable
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement.segments import SegmentTable
 
 cpus = sorted(os.sched_getaffinity(0))
 rng = np.random.default_rng(int(sys.argv[2]))

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from numa_moe import _bench, _native, kernels
+from numa_moe import _bench, _native
+from numa_moe.layer import kernels
 from test_kernels import FFN_TOL_F32, ffn_reference, random_expert, rel_fro
 
 ISA = kernels.default_isa()

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from numa_moe import kernels
+from numa_moe.layer import kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Native ISAs, the AMX model, and the emulated builds of those this CPU lacks (kernels.tested_isas).
@@ -69,7 +69,7 @@ def test_isa_list_and_default():
 def test_the_amx_model_runs_wherever_avx2_does():
     # Its AVX-512 epilogues are emulated on AVX2 (avx512_emulated.hpp), so the AMX source
     # is tested on every AVX2 CPU, for every weight format and for decode attention.
-    from numa_moe import attention
+    from numa_moe.layer import attention
     if "avx2" not in ISAS:
         pytest.skip("this CPU (or OS) lacks AVX2 + FMA")
     for fmt in ("bf16", "int8", "int4"):

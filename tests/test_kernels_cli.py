@@ -22,7 +22,7 @@ def test_bench_kernels_rejects_unknown_page_size():
 
 
 def test_bench_kernels_names_missing_huge_pages(monkeypatch):
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     monkeypatch.setattr(memory, "_thp_mode", lambda: "never")
     result = CliRunner().invoke(cli, ["bench", "kernels", "--shapes", "qwen3-30b-a3b", "--m", "1", "--no-torch",
@@ -32,8 +32,8 @@ def test_bench_kernels_names_missing_huge_pages(monkeypatch):
 
 
 def test_bench_kernels_refuses_an_isa_this_cpu_lacks_before_allocating(monkeypatch):
-    from numa_moe import kernels
-    from numa_moe.benchmarking import kernels as kernel_bench
+    from numa_moe.layer import kernels
+    from numa_moe.apps.benchmarking import kernels as kernel_bench
 
     monkeypatch.setattr(kernels, "available_isas", lambda: ("ref", "avx2"))
     monkeypatch.setattr(kernel_bench, "random_weights", lambda *a: pytest.fail("allocated before the check"))

@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from numa_moe import _bench, _native, kernels
+from numa_moe import _bench, _native
+from numa_moe.layer import kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from moe_reference import random_bf16
-from numa_moe import kernels
-from numa_moe.moe import MoELayer
+from numa_moe.layer import kernels
+from numa_moe.layer.moe_layer import MoELayer
 from test_kernels_quant import (BF16, FFN_BOUND, FORMAT_ISAS, FORMATS, ffn_reference, integer_layer, quantize_tokens,
                                 random_qm, reference_matmul)
 
@@ -178,8 +178,8 @@ def test_layer_turns_a_non_finite_token_into_nan_on_every_isa(rng, fmt, n_nodes,
 @pytest.mark.parametrize("n_nodes", [1, 2])
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 def test_bf16_layer_keeps_non_finite_tokens_to_their_rows(rng, n_nodes, m):
-    from numa_moe.segments import SegmentTable
-    from numa_moe.topology import Topology
+    from numa_moe.placement.segments import SegmentTable
+    from numa_moe.placement.topology import Topology
 
     hidden, inter, n_experts = 128, 192, 3
     experts = [(random_bf16(rng, (inter, hidden), hidden ** -0.5), random_bf16(rng, (inter, hidden), hidden ** -0.5),

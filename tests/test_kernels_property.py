@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numa_moe import kernels
+from numa_moe.layer import kernels
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MATMUL_TOL = 1e-5

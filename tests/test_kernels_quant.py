@@ -8,8 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from numa_moe import _native, kernels, quant
-from numa_moe.moe import MoELayer
+from numa_moe import _native, quant
+from numa_moe.layer import kernels
+from numa_moe.layer.moe_layer import MoELayer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FORMATS = ("int8", "int4")
@@ -355,8 +356,8 @@ def default_integer_isa(fmt, m):
 def integer_layer(rng, fmt, n_nodes, group=64, **kwargs):
     """A 3-expert layer of random int8 / int4 experts (hidden 128, intermediate 192) on a
     virtual topology, and its experts."""
-    from numa_moe.segments import SegmentTable
-    from numa_moe.topology import Topology
+    from numa_moe.placement.segments import SegmentTable
+    from numa_moe.placement.topology import Topology
 
     hidden, inter = 128, 192
     experts = [tuple(random_qm(rng, r, c, fmt, group)[1] for r, c in ((inter, hidden), (inter, hidden),
@@ -438,8 +439,8 @@ def test_an_expert_with_two_group_sizes_is_refused(rng):
     with pytest.raises(ValueError, match="one group for all three, got 32, 32 and 64"):
         kernels.expert_ffn(x, gate, up, down, out=out)
     assert np.all(np.isnan(out))
-    from numa_moe.segments import SegmentTable
-    from numa_moe.topology import Topology
+    from numa_moe.placement.segments import SegmentTable
+    from numa_moe.placement.topology import Topology
 
     topo = Topology.virtual(1)
     tables = {kind: SegmentTable.theoretical(*m.shape, "int8", 4096, topo.node_ids)
@@ -476,9 +477,9 @@ def test_integer_weights_get_clear_errors(rng):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n_nodes", [1, 2])
 def test_layer_from_a_quantized_store(tmp_path, rng, fmt, n_nodes):
-    from numa_moe.store import ExpertStore
-    from numa_moe.synthetic import make_checkpoint
-    from numa_moe.topology import Topology
+    from numa_moe.layer.store import ExpertStore
+    from numa_moe.checkpoints.synthetic import make_checkpoint
+    from numa_moe.placement.topology import Topology
 
     path = make_checkpoint(tmp_path / "ckpt", like="qwen3-30b-a3b", layers=1, experts=3, hidden_size=128,
                            intermediate_size=96, progress=False, weight_format=fmt, group=32)

@@ -13,9 +13,10 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from numa_moe import memory, quant
-from numa_moe.benchmarking import native_loops
-from numa_moe.synthetic import make_checkpoint
+from numa_moe import quant
+from numa_moe.placement import memory
+from numa_moe.apps.benchmarking import native_loops
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 HUGE = str(10**12)
@@ -23,8 +24,8 @@ SIMULATE = ["simulate", "--like", "qwen3-30b-a3b", "--machine", "xeon-6430"]
 
 # Modules the commands import lazily, imported here so that the time measured is the
 # command's own, not the first import of torch or transformers.
-_MODULES = ("numa_moe.generate", "numa_moe.simulate", "numa_moe.moe_run", "numa_moe.benchmarking.kernels",
-            "numa_moe.benchmarking.attention", "numa_moe.benchmarking.layer", "numa_moe.benchmarking.app")
+_MODULES = ("numa_moe.apps.generate", "numa_moe.apps.simulate", "numa_moe.apps.run", "numa_moe.apps.benchmarking.kernels",
+            "numa_moe.apps.benchmarking.attention", "numa_moe.apps.benchmarking.layer", "numa_moe.apps.benchmarking.app")
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_run_seed_names_the_argument(warm, small_checkpoint):
 
 
 def test_kernel_benchmark_api_raises_value_errors():
-    from numa_moe.benchmarking import kernels as kernel_bench
+    from numa_moe.apps.benchmarking import kernels as kernel_bench
 
     for kwargs, needle in ((dict(threads=-1), "threads must be in 1.."), (dict(min_seconds=math.inf), "min_seconds"),
                            (dict(m_values=(10**9,)), "GiB of memory"), (dict(repeats=0), "repeats")):
@@ -151,8 +152,8 @@ def _stacked(rng, experts=2, inter=64, hidden=128):
     (dict(weight_format="int8", scale_dtype=None), "scale_dtype None is not one of fp16, bf16, fp32"),
 ])
 def test_from_tensors_names_the_bad_quantization_argument(rng, kwargs, message):
-    from numa_moe.moe import MoELayer
-    from numa_moe.topology import Topology
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.placement.topology import Topology
 
     gate_up, down = _stacked(rng)
     with pytest.raises(ValueError, match=message):
@@ -160,7 +161,7 @@ def test_from_tensors_names_the_bad_quantization_argument(rng, kwargs, message):
 
 
 def test_store_names_the_bad_scale_dtype(small_checkpoint):
-    from numa_moe.store import ExpertStore
+    from numa_moe.layer.store import ExpertStore
 
     with pytest.raises(ValueError, match="scale_dtype 'fp8' is not one of fp16, bf16, fp32"):
         ExpertStore.load(small_checkpoint, nodes=1, progress=False, weight_format="int8", scale_dtype="fp8")
@@ -168,8 +169,8 @@ def test_store_names_the_bad_scale_dtype(small_checkpoint):
 
 def test_quantize_and_the_layer_refuse_alike(rng):
     """One check behind both: the same message for the same bad group."""
-    from numa_moe.moe import MoELayer
-    from numa_moe.topology import Topology
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.placement.topology import Topology
 
     gate_up, down = _stacked(rng)
     messages = []

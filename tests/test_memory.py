@@ -1,4 +1,4 @@
-"""numa_moe.memory on the machine at hand (one node is enough): allocation, dtypes, torch
+"""numa_moe.placement.memory on the machine at hand (one node is enough): allocation, dtypes, torch
 views, page maps of numpy/torch/mmap buffers, lifetime, error paths, and the pure
 interleave-rule helpers. The exact multi-node placement is checked in tests/multinode."""
 
@@ -11,9 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from numa_moe import _native, memory
-from numa_moe.memory import PlacementError
-from numa_moe.topology import Topology
+from numa_moe import _native
+from numa_moe.placement import memory
+from numa_moe.placement.memory import PlacementError
+from numa_moe.placement.topology import Topology
 
 BASE = 4096
 HUGE = 2 << 20

@@ -9,7 +9,7 @@ import pytest
 
 from moe_reference import (BF16, ExplicitTable, interleave_rule_table, moe_reference, random_bf16,
                            random_partition_table, rel_error, whole_matrix_table)
-from numa_moe.moe import MoELayer
+from numa_moe.layer.moe_layer import MoELayer
 
 CPUS = sorted(os.sched_getaffinity(0))
 H, I, E = 128, 96, 6
@@ -318,7 +318,7 @@ def test_isa_rule_and_forcing(rng):
 
 
 def test_isa_environment_variable_goes_through_the_kernels_rule(rng, monkeypatch):
-    """The layer reads NUMA_MOE_ISA through numa_moe.kernels, so a bad value is refused
+    """The layer reads NUMA_MOE_ISA through numa_moe.layer.kernels, so a bad value is refused
     with the kernels' message naming the variable, and a good one forces every expert."""
     weights = make_weights(rng, n_experts=2)
     monkeypatch.setenv("NUMA_MOE_ISA", "sse9")

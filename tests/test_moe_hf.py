@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
 
 from numa_moe.integrations.hf import find_expert_modules, patch_moe, unpatch_moe  # noqa: E402
-from numa_moe.topology import Topology  # noqa: E402
+from numa_moe.placement.topology import Topology  # noqa: E402
 
 
 # Whole-model logits are compared on models whose only MoE block is the first one: a

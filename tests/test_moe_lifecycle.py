@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from moe_reference import random_bf16
-from numa_moe import moe
-from numa_moe.moe import MoELayer
-from numa_moe.topology import Topology
+from numa_moe.layer import pools
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement.topology import Topology
 
 H, I, E, TOP_K = 64, 32, 4, 2
 CHILD_TIMEOUT_S = 20.0
@@ -122,7 +122,7 @@ def test_forked_child_runs_a_layer_another_thread_was_inside(rng):
 
 def test_forked_child_makes_a_layer_while_another_thread_was_making_a_pool(rng):
     x, ids, weights = routing(rng, 2)
-    code = _while_held(moe._pools_lock, lambda: _fork_and_run(lambda: make_layer(rng, 3)(x, ids, weights)))
+    code = _while_held(pools._pools_lock, lambda: _fork_and_run(lambda: make_layer(rng, 3)(x, ids, weights)))
     assert code is not None, "the child hung on the pool lock it inherited locked"
     assert code == 0
 

@@ -13,7 +13,7 @@ from numa_moe_cli.main import cli  # noqa: E402
 
 @pytest.fixture
 def small_checkpoint(tmp_path):
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     return make_checkpoint(tmp_path / "ckpt", like="qwen3-30b-a3b", layers=2, experts=6, hidden_size=256,
                            intermediate_size=128, progress=False)
@@ -43,7 +43,7 @@ def test_run_reports_steps_bandwidth_and_balance(small_checkpoint, tmp_path, ext
 
 
 def _report(effective_gbps, ceiling_gbps, busy=False, node_busy_ms=(1.0,)):
-    from numa_moe.moe_run import ReadCeiling, RunReport
+    from numa_moe.apps.run import ReadCeiling, RunReport
 
     ceiling = ReadCeiling(ceiling_gbps, "native streaming read, 2 pinned threads", samples=10,
                           spread=0.3 if busy else 0.05, busy=busy)
@@ -52,7 +52,7 @@ def _report(effective_gbps, ceiling_gbps, busy=False, node_busy_ms=(1.0,)):
 
 
 def test_run_report_flags_a_layer_above_its_ceiling():
-    from numa_moe.moe_run import format_run_report
+    from numa_moe.apps.run import format_run_report
 
     text = format_run_report(_report(effective_gbps=10.8, ceiling_gbps=10.0))
     assert "measurement problem, not a result" in text and "108% of it" not in text
@@ -60,14 +60,14 @@ def test_run_report_flags_a_layer_above_its_ceiling():
 
 
 def test_run_report_warns_when_the_ceiling_moved():
-    from numa_moe.moe_run import format_run_report
+    from numa_moe.apps.run import format_run_report
 
     assert "machine is busy" in format_run_report(_report(9.0, 10.0, busy=True))
     assert "machine is busy" not in format_run_report(_report(9.0, 10.0, busy=False))
 
 
 def test_node_busy_is_the_median_over_steps():
-    from numa_moe.moe_run import median_node_busy_ms
+    from numa_moe.apps.run import median_node_busy_ms
 
     # a slow first step (warm-up) lifted a mean above the median step time
     steps_ms = [40.0, 16.0, 16.2, 16.1]
@@ -77,7 +77,7 @@ def test_node_busy_is_the_median_over_steps():
 
 
 def test_bench_layer_row_flags_ours_above_the_read():
-    from numa_moe.benchmarking.layer import format_bench_row
+    from numa_moe.apps.benchmarking.layer import format_bench_row
 
     row = {"model": "qwen3-30b-a3b", "tokens": 1, "touched_mb": 75.5, "1 node ms": 2.5, "2 virtual nodes ms": 2.6,
            "torch loop ms": 7.0, "ceiling_ms": 2.9, "ceiling_gbps": 26.0, "rel_error_vs_fp32": 2e-3}
@@ -100,7 +100,7 @@ def test_run_rejects_conflicting_options(small_checkpoint):
 
 
 def test_bench_layer_small_shapes(monkeypatch):
-    from numa_moe.benchmarking import layer as layer_bench
+    from numa_moe.apps.benchmarking import layer as layer_bench
 
     monkeypatch.setitem(layer_bench.BENCH_MODELS, "tiny", (6, 2, 256, 128))
     rows = layer_bench.bench_layer(models=("tiny",), tokens=(1, 4), repeats=2, echo=lambda s: None)
@@ -123,7 +123,7 @@ def test_bench_layer_small_shapes(monkeypatch):
 def test_bench_layer_cli_with_integer_formats(monkeypatch, tmp_path):
     """--format int8 --format int4: one line per format under each bf16 line, the same
     run; integer experts read fewer bytes (values + scales) than bf16, int4 fewest."""
-    from numa_moe.benchmarking import layer as layer_bench
+    from numa_moe.apps.benchmarking import layer as layer_bench
 
     monkeypatch.setitem(layer_bench.BENCH_MODELS, "qwen3-30b-a3b", (6, 2, 256, 128))
     out = tmp_path / "rows.json"
@@ -156,7 +156,7 @@ def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):
     # the store loads F32 experts, the MoE layer runs bf16 only: one line, not a traceback
     import json as json_module
 
-    from numa_moe.synthetic import TensorPlan, write_safetensors
+    from numa_moe.checkpoints.writer import TensorPlan, write_safetensors
 
     directory = tmp_path / "f32"
     directory.mkdir()
@@ -172,7 +172,7 @@ def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):
 
 def test_bench_layer_app_mode_on_small_shapes(monkeypatch):
     torch = pytest.importorskip("torch")
-    from numa_moe.benchmarking import app, layer as layer_bench
+    from numa_moe.apps.benchmarking import app, layer as layer_bench
 
     monkeypatch.setitem(layer_bench.BENCH_MODELS, "tiny", (6, 2, 256, 128))
     monkeypatch.setattr(app, "hf_block_row", lambda repeats, rng: None)  # a 1.2 GB block is not for a unit test
@@ -197,7 +197,7 @@ def _native_backend():
 def test_run_in_two_formats_ends_side_by_side(tmp_path):
     from click.testing import CliRunner
 
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
     from numa_moe_cli.main import cli
 
     path = make_checkpoint(tmp_path / "ckpt", like="qwen3-30b-a3b", layers=1, experts=4, hidden_size=128,

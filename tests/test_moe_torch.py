@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from moe_reference import random_partition_table, rel_error  # noqa: E402
-from numa_moe.moe import MoELayer  # noqa: E402
+from numa_moe.layer.moe_layer import MoELayer  # noqa: E402
 
 CPUS = sorted(os.sched_getaffinity(0))
 H, I, E = 128, 64, 5
@@ -162,10 +162,10 @@ def test_torch_path_takes_the_same_out_dtype_as_the_numpy_path(rng):
     ids, w = routing(rng, 5, 2)
     x_np = x.view(torch.int16).numpy().view(np.uint16)
     for out_dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        y = layer._forward_torch(x, ids, w, out_dtype=out_dtype)
+        y = layer.forward_torch(x, ids, w, out_dtype=out_dtype)
         assert y.dtype == torch_dtype
         y_np = layer.forward_numpy(x_np, ids.numpy(), w.numpy(), out_dtype=out_dtype)
         np.testing.assert_array_equal(y.view(torch.int16 if out_dtype == "bfloat16" else torch.int32).numpy(),
                                       y_np.view(np.int16 if out_dtype == "bfloat16" else np.int32))
     with pytest.raises(ValueError, match="out_dtype must be 'bfloat16' or 'float32', got 'fp16'"):
-        layer._forward_torch(x, ids, w, out_dtype="fp16")
+        layer.forward_torch(x, ids, w, out_dtype="fp16")

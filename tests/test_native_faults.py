@@ -15,7 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from numa_moe import _native, kernels
+from numa_moe import _native
+from numa_moe.layer import kernels
 from test_kernels import FFN_TOL_F32, ffn_reference, random_expert, rel_fro
 
 testing = getattr(_native, "testing", None)
@@ -52,7 +53,7 @@ def test_failed_thread_creation_raises_instead_of_aborting():
     result = _run_python("""
         import resource
         from numa_moe import _native
-        from numa_moe.memory import interleaved_empty
+        from numa_moe.placement.memory import interleaved_empty
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
         a = interleaved_empty(64 << 20, "uint8", touch_threads=5000)
         assert a.size == 64 << 20 and a[::4096].sum() == 0

@@ -1,12 +1,13 @@
-"""Page-size names: one rule (numa_moe.pages) used by memory, store, layer and CLI."""
+"""Page-size names: one rule (numa_moe.placement.pages) used by memory, store, layer and CLI."""
 
 import numpy as np
 import pytest
 
 from moe_reference import random_bf16
-from numa_moe import memory, pages, store
-from numa_moe.moe import MoELayer
-from numa_moe.topology import Topology
+from numa_moe.placement import memory, pages
+from numa_moe.layer import store
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement.topology import Topology
 
 
 @pytest.mark.parametrize("text,name,page_bytes", [("4k", "4k", 4096), (" 4K", "4k", 4096),
@@ -33,7 +34,7 @@ def test_bytes_pass_through_positive_ints_only():
 
 def test_every_layer_uses_the_same_table():
     assert memory.PAGE_CHOICES is pages.PAGE_CHOICES
-    assert store.PAGE_SIZES is pages.PAGE_BYTES and store.page_bytes_of is pages.page_bytes_of
+    assert store.PAGE_BYTES is pages.PAGE_BYTES and store.page_bytes_of is pages.page_bytes_of
 
 
 def test_layer_tables_follow_the_page_name_whatever_its_case(rng):

@@ -1,4 +1,4 @@
-"""numa-moe quantize / numa_moe.quantize: the checkpoint layout of docs/quantization.md,
+"""numa-moe quantize / numa_moe.checkpoints.quantize: the checkpoint layout of docs/quantization.md,
 round trip within numa_moe.quant.error_bound, atomic output, one-line refusals."""
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import safetensors
 from click.testing import CliRunner
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError, read_safetensors_header
-from numa_moe.quantize import quantize_checkpoint
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.safetensors import read_safetensors_header
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.files import CheckpointError
+from numa_moe.formats import KINDS
+from numa_moe.checkpoints.quantize import quantize_checkpoint
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 H, I, E = 256, 128, 3
@@ -49,14 +52,14 @@ def test_round_trip_within_the_bound_and_layout(source, tmp_path, fmt, group, sc
     result = quantize_checkpoint(source, out, fmt, group, scale_dtype, progress=False)
     before, _ = _tensors(source)
     after, meta = _tensors(out)
-    ck = Checkpoint.open(out)
+    ck = open_checkpoint(out)
     assert (ck.quant.fmt, ck.quant.group, ck.quant.scale_dtype) == (fmt, group, scale_dtype)
     assert ck.summary()["quant"] == {"format": fmt, "group": group, "scale_dtype": scale_dtype}
     for m in meta.values():
         assert (m["numa_moe.quant"], m["numa_moe.group"], m["numa_moe.scale_dtype"]) == \
             (fmt, str(group), scale_dtype)
         assert m["format"] == "pt"  # the source's metadata is kept
-    experts = {m.tensor.name for m in Checkpoint.open(source).expert_matrices()}
+    experts = {m.tensor.name for m in open_checkpoint(source).expert_matrices()}
     assert result.tensors_quantized == len(experts) == 2 * E * 3
     for name, w in before.items():
         if name not in experts:  # router, shared expert: byte for byte
@@ -100,7 +103,7 @@ def test_fused_experts_quantized_expert_by_expert(tmp_path, rng):
     name = "model.layers.0.mlp.experts.gate_up_proj"
     assert after[name].shape == (E, 2 * I, H // 2)
     assert after[name + ".weight_scale"].shape == (E, 2 * I, H // 64)
-    ck = Checkpoint.open(out)
+    ck = open_checkpoint(out)
     for e in range(E):
         for kind, rows in (("gate", slice(0, I)), ("up", slice(I, 2 * I))):
             expected = q.quantize(before[name][e, rows], "int4", 64, "fp16")
@@ -129,7 +132,7 @@ def test_cli_prints_bytes_and_refuses_a_non_empty_output(source, tmp_path):
     result = CliRunner().invoke(cli, ["quantize", str(source), "--format", "int4", "--group", "32",
                                       "-o", str(out), "--quiet", "--overwrite"])
     assert result.exit_code == 0, result.output
-    assert Checkpoint.open(out).quant.fmt == "int4"
+    assert open_checkpoint(out).quant.fmt == "int4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "src"]  # no temporary left
 
 
@@ -163,7 +166,7 @@ def test_refuses_nan_inf_weights_and_leaves_output_as_it_was(source, tmp_path, b
     out = tmp_path / "q"
     quantize_checkpoint(source, out, "int8", progress=False)
     earlier = {p.name: p.read_bytes() for p in out.iterdir()}
-    ck = Checkpoint.open(source)
+    ck = open_checkpoint(source)
     victim = ck.layers[1].matrices["down"][E - 1]  # late in the write: earlier shards done
     with open(victim.tensor.path, "r+b") as f:
         f.seek(victim.file_offset + 2 * 7)
@@ -201,10 +204,10 @@ def test_make_checkpoint_format(tmp_path, rng):
     assert _tensors(tmp_path / "q")[0].keys() == _tensors(tmp_path / "ref")[0].keys()
     for name, value in _tensors(tmp_path / "q")[0].items():
         assert np.array_equal(value.view(np.uint8), _tensors(tmp_path / "ref")[0][name].view(np.uint8))
-    assert Checkpoint.open(tmp_path / "q").dims.n_experts == 2
+    assert open_checkpoint(tmp_path / "q").dims.n_experts == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "q", "ref"]
     for kind in KINDS:
-        assert Checkpoint.open(tmp_path / "q").layers[0].matrices[kind][0].quant == "int4"
+        assert open_checkpoint(tmp_path / "q").layers[0].matrices[kind][0].quant == "int4"
 
 
 def test_other_files_copied_and_what_is_left_out_said(source, tmp_path):
@@ -230,13 +233,13 @@ def test_single_file_checkpoint_may_write_beside_it(tmp_path, rng):
     result = quantize_checkpoint(src / "model.safetensors", src / "q", "int8", progress=False)
     assert sorted(p.name for p in (src / "q").iterdir()) == [".numa-moe-output.json", "config.json",
                                                              "model.safetensors"]
-    assert Checkpoint.open(src / "q").quant.fmt == "int8" and result.not_copied == ()
+    assert open_checkpoint(src / "q").quant.fmt == "int8" and result.not_copied == ()
     with pytest.raises(ValueError, match="directory of the source checkpoint"):
         quantize_checkpoint(src / "model.safetensors", src, "int8", progress=False, overwrite=True)
 
 
 def test_tables_of_a_quantized_checkpoint_default_to_its_format(source, tmp_path):
-    from numa_moe.segments import SegmentTable
+    from numa_moe.placement.segments import SegmentTable
 
     quantize_checkpoint(source, tmp_path / "q", "int4", 64, "bf16", progress=False)
     result = CliRunner().invoke(cli, ["tables", str(tmp_path / "q"), "--nodes", "2", "-o",

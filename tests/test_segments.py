@@ -12,17 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numa_moe import segments as sg
-from numa_moe.segments import (
-    SCHEMA,
-    WEIGHT_FORMATS,
-    Segment,
-    SegmentTable,
-    SegmentTableFormatError,
-    period_rows,
-    scale_shape,
-    scales_table,
-)
+from numa_moe.placement import segments as sg
+from numa_moe.formats import WEIGHT_FORMATS
+from numa_moe.placement.segments import (SCHEMA, Segment, SegmentTable, SegmentTableFormatError, period_rows, scale_shape, scales_table)
 
 KIB = 1024
 MIB = 1024 * 1024

@@ -1,4 +1,4 @@
-"""numa_moe.simulate and `numa-moe simulate`: machine files, byte accounting from the
+"""numa_moe.apps.simulate and `numa-moe simulate`: machine files, byte accounting from the
 segment tables (checked against page maps of the interleave rule), routing, the time
 model's internal consistency, the CLI, and routing traces recorded from HF models."""
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from numa_moe import simulate as sim
-from numa_moe.segments import SegmentTable
-from numa_moe.store import layer_tables
+from numa_moe.apps import simulate as sim
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.layer.store import layer_tables
 from numa_moe_cli.main import cli
 
 
@@ -78,8 +78,8 @@ def test_unknown_machine_and_bad_json(tmp_path):
 def test_table_counts_equal_page_map_counts(fmt, page, nodes):
     """The bytes per node of any row range, counted from the table's segments, equal the
     bytes counted page by page from the interleave rule's page map (with a phase)."""
-    from numa_moe.pages import page_bytes_of
-    from numa_moe.segments import weight_format
+    from numa_moe.placement.pages import page_bytes_of
+    from numa_moe.formats import weight_format
 
     page_bytes = page_bytes_of(page)
     rng = np.random.default_rng(7)
@@ -229,7 +229,7 @@ def test_cli_usage_errors(tmp_path):
 
 
 def test_cli_checkpoint_and_formats(tmp_path):
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     ck = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 2, 8, 0, hidden_size=256, intermediate_size=128,
                          progress=False)
@@ -248,7 +248,7 @@ def test_routing_trace_from_a_patched_hf_model(tmp_path, rng):
     from test_moe_hf import prepare, qwen3_moe
 
     from numa_moe.integrations.hf import patch_moe, record_routing, unpatch_moe
-    from numa_moe.topology import Topology
+    from numa_moe.placement.topology import Topology
 
     model = prepare(qwen3_moe(int(rng.integers(1 << 30)), layers=2, mlp_only=()))
     patch_moe(model, topology=Topology.virtual(2))
@@ -293,7 +293,7 @@ def test_paper_comparison_matches_the_remote_penalty_argument():
 def test_validate_run_plumbing(tmp_path):
     """The on-machine comparison runs end to end (accuracy is in docs/simulate.md: this
     shared VM's bandwidth moves too much within a run for a 20% test)."""
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     ck = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 8, 0, hidden_size=512, intermediate_size=256,
                          progress=False)

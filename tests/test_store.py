@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import safetensors
 
-from numa_moe import memory
-from numa_moe.checkpoint import KINDS
-from numa_moe.segments import SegmentTable
-from numa_moe.store import ExpertStore, PlacementMismatchWarning, buffer_shape, layer_tables
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.placement import memory
+from numa_moe.formats import KINDS
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.layer.store import ExpertStore, PlacementMismatchWarning, buffer_shape, layer_tables
+from numa_moe.checkpoints.synthetic import make_checkpoint
 
 H, I, E, LAYERS = 64, 96, 5, 3
 
@@ -146,7 +146,7 @@ def test_unmeasurable_map_falls_back_with_warning(checkpoint_dir, monkeypatch):
 
 
 def test_only_bf16_fp16_fp32_load(tmp_path):
-    from numa_moe.synthetic import TensorPlan, write_safetensors
+    from numa_moe.checkpoints.writer import TensorPlan, write_safetensors
 
     d = tmp_path / "i8"
     d.mkdir()
@@ -161,9 +161,9 @@ def test_only_bf16_fp16_fp32_load(tmp_path):
 def test_layer_from_store_cuts_each_expert_where_the_store_puts_it(checkpoint_dir, n_virtual_nodes):
     """MoELayer.from_store takes its expert views and tables from the store's layout
     (expert_rows / expert_tables_of) on real and virtual topologies."""
-    from numa_moe.moe import MoELayer
-    from numa_moe.store import expert_rows, expert_tables_of
-    from numa_moe.topology import Topology, current_topology
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.layer.store import expert_rows, expert_tables_of
+    from numa_moe.placement.topology import Topology, current_topology
 
     store = ExpertStore.load(checkpoint_dir, layers=[1], progress=False)
     topology = current_topology() if n_virtual_nodes is None else Topology.virtual(n_virtual_nodes)

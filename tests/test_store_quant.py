@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 import safetensors
 
-from numa_moe import memory
+from numa_moe.placement import memory
 from numa_moe import quant as q
-from numa_moe.checkpoint import KINDS, CheckpointError
-from numa_moe.placement_report import (inspect_checkpoint, placement_report, quant_node_summary,
+from numa_moe.files import CheckpointError
+from numa_moe.formats import KINDS
+from numa_moe.apps.placement_report import (inspect_checkpoint, placement_report, quant_node_summary,
                                        remote_scale_bytes)
-from numa_moe.quantize import quantize_checkpoint
-from numa_moe.segments import SegmentTable
-from numa_moe.store import ExpertStore, buffer_shape, expert_rows, layer_tables
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.quantize import quantize_checkpoint
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.layer.store import ExpertStore, buffer_shape, expert_rows, layer_tables
+from numa_moe.checkpoints.synthetic import make_checkpoint
 
 H, I, E, LAYERS = 256, 384, 3, 2
 NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -129,9 +130,10 @@ def test_group_must_divide_the_columns(tmp_path, rng):
 
 
 def test_nan_weight_refused_while_quantizing(checkpoint_dir):
-    from numa_moe.checkpoint import Checkpoint
+    from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
 
-    m = Checkpoint.open(checkpoint_dir).layers[0].matrices["up"][1]
+    m = open_checkpoint(checkpoint_dir).layers[0].matrices["up"][1]
     with open(m.tensor.path, "r+b") as f:
         f.seek(m.file_offset + 2 * 3)
         f.write(np.array([np.nan], dtype=ml_dtypes.bfloat16).tobytes())

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from numa_moe import _native, kernels
+from numa_moe import _native
+from numa_moe.layer import kernels
 from test_kernels import FFN_TOL_F32, ffn_reference, random_expert, rel_fro
 
 torch = pytest.importorskip("torch")
@@ -113,7 +114,8 @@ def test_the_loader_is_asked_for_libgomp_only_after_it_loaded_something():
 
     script = """
 import numpy as np
-from numa_moe import _native, kernels
+from numa_moe import _native
+from numa_moe.layer import kernels
 from test_kernels import random_expert
 x, wg, wu, wd = random_expert(np.random.default_rng(0), 128, 192, n_tokens=3)
 kernels.expert_ffn(x, wg, wu, wd, threads=2)
@@ -154,7 +156,7 @@ else:
     torch.set_num_threads(2)
     (torch.ones(256, 256) @ torch.ones(256, 256)).sum()
 from numa_moe import _native
-from numa_moe.moe import worker_pool
+from numa_moe.layer.pools import worker_pool
 assert _native.thread_backend().startswith("own threads" if backend == "own" else "openmp"), _native.thread_backend()
 try:
     worker_pool([[cpus[0]], [cpus[-1]]])
@@ -170,7 +172,8 @@ def test_cpus_outside_the_allowed_set_are_refused_on_every_backend(monkeypatch, 
     import sys
 
     from moe_reference import moe_reference, random_bf16, rel_error, whole_matrix_table
-    from numa_moe.moe import MoELayer, worker_pool
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.layer.pools import worker_pool
 
     if backend == "own":
         monkeypatch.setenv("NUMA_MOE_THREADS", "own")

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from moe_reference import moe_reference, random_bf16, random_partition_table, rel_error, whole_matrix_table
-from numa_moe import _native, kernels
-from numa_moe.moe import MoELayer
+from numa_moe import _native
+from numa_moe.layer import kernels
+from numa_moe.layer.moe_layer import MoELayer
 from test_kernels import BF16, FFN_TOL_BF16, FFN_TOL_F32, MATMUL_TOL, ffn_reference, random_expert, rel_fro
 
 CPUS = sorted(os.sched_getaffinity(0))

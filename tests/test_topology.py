@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from numa_moe import topology as T
-from numa_moe.topology import Topology, current_topology, parse_cpulist, split_cpus
+from numa_moe.placement import topology as T
+from numa_moe.placement.topology import Topology, current_topology, parse_cpulist, split_cpus
 
 
 def test_parse_cpulist():

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import safetensors
 
-from numa_moe.checkpoint import KINDS, Checkpoint, CheckpointError
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.files import CheckpointError
+from numa_moe.formats import KINDS
+from numa_moe.checkpoints.synthetic import make_checkpoint
 
 LIMIT_AS = 2 << 30
 TIMEOUT = 60
@@ -100,7 +102,7 @@ def test_checkpoint_in_a_hub_cache_loads_by_snapshot_path_and_by_repo_id(source,
                                                                          monkeypatch):
     import huggingface_hub.constants
 
-    from numa_moe.store import ExpertStore
+    from numa_moe.layer.store import ExpertStore
 
     cache = tmp_path / "hub"
     snapshot = hub_cache(cache, "Org/Tiny-MoE", source)
@@ -108,7 +110,7 @@ def test_checkpoint_in_a_hub_cache_loads_by_snapshot_path_and_by_repo_id(source,
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     original = _original(source)
     for given in (snapshot, "Org/Tiny-MoE"):
-        ck = Checkpoint.open(given)
+        ck = open_checkpoint(given)
         assert (ck.dims.hidden_size, ck.dims.intermediate_size, ck.dims.n_experts) == (H, I, E)
         assert ck.root == snapshot and len(ck.files) == 2
         store = ExpertStore.load(given, nodes=1, progress=False)
@@ -136,7 +138,7 @@ def test_cli_finds_a_repo_id_through_hf_hub_cache(source, tmp_path):
     quantized = cli("quantize", "Org/Tiny-MoE", "--format", "int8", "--group", "32", "-o",
                     tmp_path / "q", "--quiet", env=env)
     assert quantized.returncode == 0, quantized.stderr
-    assert Checkpoint.open(tmp_path / "q").quant.fmt == "int8"
+    assert open_checkpoint(tmp_path / "q").quant.fmt == "int8"
     # An id with no snapshot: where it looked and how to download; no network attempt
     # (the hub's endpoint is a closed port, so any request would fail differently).
     missing = cli("tables", "Org/Absent", "-o", tmp_path / "t.json", "--quiet",
@@ -154,9 +156,9 @@ def test_an_existing_path_wins_over_a_repo_id(source, tmp_path, monkeypatch):
     (tmp_path / "Org").mkdir()
     (tmp_path / "Org" / "Tiny-MoE").symlink_to(other)
     monkeypatch.chdir(tmp_path)
-    assert Checkpoint.open("Org/Tiny-MoE").dims.n_experts == 2  # the local directory
+    assert open_checkpoint("Org/Tiny-MoE").dims.n_experts == 2  # the local directory
     (tmp_path / "Org" / "Tiny-MoE").unlink()
-    assert Checkpoint.open("Org/Tiny-MoE").dims.n_experts == E  # the cached snapshot
+    assert open_checkpoint("Org/Tiny-MoE").dims.n_experts == E  # the cached snapshot
 
 
 def test_links_that_are_not_regular_files_are_refused_naming_them(source, tmp_path):
@@ -166,17 +168,18 @@ def test_links_that_are_not_regular_files_are_refused_naming_them(source, tmp_pa
     blob.unlink()
     with pytest.raises(CheckpointError, match=rf"{shard.name}: is a symlink to '.*{blob.name}', "
                                               r"which does not exist \(a dangling link\)"):
-        Checkpoint.open(snapshot)
+        open_checkpoint(snapshot)
     blob.mkdir()
     with pytest.raises(CheckpointError, match=rf"{shard.name}: is a symlink to .*which is a "
                                               "directory, not a regular file"):
-        Checkpoint.open(snapshot)
+        open_checkpoint(snapshot)
     blob.rmdir()
     os.mkfifo(blob)
     result = run_limited("""
-        from numa_moe.checkpoint import Checkpoint, CheckpointError
+        from numa_moe.files import CheckpointError
+        from numa_moe.checkpoints.dispatch import open_checkpoint
         try:
-            Checkpoint.open(sys.argv[1])
+            open_checkpoint(sys.argv[1])
         except CheckpointError as err:
             print(err)
     """, snapshot, timeout=30)
@@ -185,7 +188,7 @@ def test_links_that_are_not_regular_files_are_refused_naming_them(source, tmp_pa
 
 
 def test_quantize_copies_linked_files_of_a_snapshot(source, tmp_path):
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     (source / "tokenizer.json").write_text('{"v": 1}')
     snapshot = hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
@@ -194,7 +197,7 @@ def test_quantize_copies_linked_files_of_a_snapshot(source, tmp_path):
     out = tmp_path / "q"
     assert not any(p.is_symlink() for p in out.iterdir())
     assert (out / "tokenizer.json").read_text() == '{"v": 1}'
-    assert Checkpoint.open(out).quant.fmt == "int8"
+    assert open_checkpoint(out).quant.fmt == "int8"
 
 
 # ------------------------------------------------------------------ outputs and sources
@@ -220,7 +223,7 @@ def test_quantize_into_the_parent_of_its_source_deletes_nothing(source, tmp_path
         assert _tree(tmp_path) == before
     # the same through a link to the parent
     (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     with pytest.raises(ValueError, match=f"lie inside {source}"):
         quantize_checkpoint(source, tmp_path.parent / f"{tmp_path.name}-link", "int8", 32,
@@ -230,7 +233,7 @@ def test_quantize_into_the_parent_of_its_source_deletes_nothing(source, tmp_path
 
 
 def test_quantize_output_may_not_contain_a_snapshots_blobs(source, tmp_path):
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     snapshot = hub_cache(tmp_path / "hub", "Org/Tiny-MoE", source)
     repo = snapshot.parent.parent
@@ -244,7 +247,7 @@ def test_quantize_output_may_not_contain_a_snapshots_blobs(source, tmp_path):
 
 
 def test_overwrite_replaces_only_an_earlier_output(source, tmp_path):
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     out = tmp_path / "q"
     out.mkdir()
@@ -258,7 +261,7 @@ def test_overwrite_replaces_only_an_earlier_output(source, tmp_path):
     with pytest.raises(ValueError, match="pass --overwrite to replace it"):
         quantize_checkpoint(source, out, "int4", 32, progress=False)
     quantize_checkpoint(source, out, "int4", 32, overwrite=True, progress=False)
-    assert Checkpoint.open(out).quant.fmt == "int4"
+    assert open_checkpoint(out).quant.fmt == "int4"
     # a file the user added to an earlier output makes it theirs
     (out / "README.md").write_text("my notes")
     with pytest.raises(ValueError, match="README.md"):
@@ -323,10 +326,11 @@ def _gguf_string(text: bytes) -> bytes:
 # took 80-120 s on such files, so only a hang or a per-element parse exceeds it.
 TIMED_OPEN = """
     import time
-    from numa_moe.checkpoint import Checkpoint, CheckpointError
+    from numa_moe.files import CheckpointError
+    from numa_moe.checkpoints.dispatch import open_checkpoint
     start = time.perf_counter()
     try:
-        Checkpoint.open(sys.argv[1])
+        open_checkpoint(sys.argv[1])
     except CheckpointError as err:
         print(f"{time.perf_counter() - start:.3f}", err)
 """
@@ -394,7 +398,7 @@ def test_gguf_reader_failures_say_what_failed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf.GGUFReader, "_build_tensor_info", fail)
     with pytest.raises(CheckpointError, match=r"not a readable GGUF file: .*KeyError") as info:
-        Checkpoint.open(path)
+        open_checkpoint(path)
     assert not str(info.value).endswith("''")
 
 
@@ -418,14 +422,14 @@ def test_fp8_block_larger_than_the_weight_is_refused_before_allocating(tmp_path)
     huge = _fp8_checkpoint(tmp_path / "huge", [1 << 40, 1 << 40], (1, 1))
     with pytest.raises(CheckpointError, match=r"FP8 block 1099511627776 x 1099511627776 .*larger "
                                               r"than the weight's \[32, 64\]"):
-        Checkpoint.open(huge)
+        open_checkpoint(huge)
     for command in (["inspect", huge, "--touch", "none", "--nodes", "1"],
                     ["run", huge, "--steps", "2", "--virtual-nodes", "1"]):
         one_line_error(cli(*command), "FP8 block", "at most the dimension")
     # a block that tiles the weight, with scales of the wrong shape, is refused as well
     wrong = _fp8_checkpoint(tmp_path / "wrong", [16, 16], (1, 1))
     with pytest.raises(CheckpointError, match=r"expected \[2, 4\]: one scale per 16 x 16 block"):
-        Checkpoint.open(wrong)
+        open_checkpoint(wrong)
 
 
 def test_tensor_names_that_are_not_unicode_are_refused(tmp_path):
@@ -437,7 +441,7 @@ def test_tensor_names_that_are_not_unicode_are_refused(tmp_path):
     directory.mkdir()
     write_safetensors_raw(directory / "model.safetensors", {}, header_text="{" + good + ", " + bad + "}")
     with pytest.raises(CheckpointError, match=r"tensor #1 .*not valid Unicode"):
-        Checkpoint.open(directory)
+        open_checkpoint(directory)
     one_line_error(cli("inspect", directory, "--touch", "none", "--nodes", "1"),
                    "tensor #1", "not valid Unicode")
 
@@ -496,7 +500,7 @@ def test_npy_trace_whose_header_claims_more_than_the_file(tmp_path):
 def test_segment_table_file_that_is_odd(tmp_path, kind):
     path = _odd_file(tmp_path, kind)
     result = run_limited("""
-        from numa_moe.segments import SegmentTable, SegmentTableFormatError
+        from numa_moe.placement.segments import SegmentTable, SegmentTableFormatError
         try:
             SegmentTable.load(sys.argv[1])
         except SegmentTableFormatError as err:

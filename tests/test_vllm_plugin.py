@@ -7,7 +7,7 @@ import os
 import pytest
 
 from numa_moe.integrations import vllm as plugin
-from numa_moe.topology import LOCAL_DISTANCE, REMOTE_DISTANCE, NodeInfo, Topology
+from numa_moe.placement.topology import LOCAL_DISTANCE, REMOTE_DISTANCE, NodeInfo, Topology
 
 
 def test_plugin_switch():

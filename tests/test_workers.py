@@ -121,7 +121,7 @@ def test_interpreter_exit_with_running_pool_is_clean(tmp_path):
     script = tmp_path / "exit.py"
     script.write_text(
         "from numa_moe import _native\n"
-        "from numa_moe.moe import worker_pool\n"
+        "from numa_moe.layer.pools import worker_pool\n"
         "p = worker_pool([[0], [0]])\n"
         "_native.testing.barrier_check(p, 3)\n"
         "print('ok')\n")

@@ -1,9 +1,9 @@
-"""Read ceilings and compute peaks measured in the run (numa_moe/benchmarking/yardsticks.py):
+"""Read ceilings and compute peaks measured in the run (numa_moe/apps/benchmarking/yardsticks.py):
 best of the samples, a busy warning when they move, and fractions above 1 flagged."""
 
 import pytest
 
-from numa_moe.benchmarking.yardsticks import (
+from numa_moe.apps.benchmarking.yardsticks import (
     MEASUREMENT_MARK,
     Yardstick,
     busy_warning,

@@ -46,8 +46,8 @@ def _int_list(text: str) -> list[int]:
 def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, weight_format, group,
                     json_path):
     """Expert FFN: our kernel vs torch vs a streaming read of the same weights."""
-    from numa_moe.benchmarking import kernels as kernel_bench
-    from numa_moe.memory import PlacementError
+    from numa_moe.apps.benchmarking import kernels as kernel_bench
+    from numa_moe.placement.memory import PlacementError
 
     if json_path:
         check_output(json_path, "--json")  # before the benchmark, not after it

@@ -1,5 +1,5 @@
 """``numa-moe bench attention``: GQA decode attention against PyTorch's SDPA and the read
-ceiling of the KV bytes (see numa_moe.benchmarking.attention)."""
+ceiling of the KV bytes (see numa_moe.apps.benchmarking.attention)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import click
 
 from numa_moe_cli.options import check_output, isa_option, write_output, wrote
 
-SHAPES = ("qwen3-30b-a3b", "llama-8/1")  # numa_moe.benchmarking.attention.ATTENTION_SHAPES
+SHAPES = ("qwen3-30b-a3b", "llama-8/1")  # numa_moe.apps.benchmarking.attention.ATTENTION_SHAPES
 
 
 @click.command("attention")
@@ -27,8 +27,8 @@ SHAPES = ("qwen3-30b-a3b", "llama-8/1")  # numa_moe.benchmarking.attention.ATTEN
 def attention_command(shapes, contexts, batches, repeats, isa, json_path):
     """ms per decode-attention call: ours, torch SDPA (enable_gqa) and the read ceiling of
     the K and V bytes, all in one run."""
-    from numa_moe import attention
-    from numa_moe.benchmarking.attention import bench_attention
+    from numa_moe.layer import attention
+    from numa_moe.apps.benchmarking.attention import bench_attention
 
     if isa is not None and isa not in attention.available_isas():
         raise click.UsageError(f"--isa {isa} is not available here (available: "

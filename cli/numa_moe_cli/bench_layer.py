@@ -1,5 +1,5 @@
 """``numa-moe bench layer``: the MoE layer against the transformers-style torch loop and
-the read ceiling (see numa_moe.benchmarking.layer)."""
+the read ceiling (see numa_moe.apps.benchmarking.layer)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ def layer_command(models, tokens, repeats, virtual_nodes, isa, app, weight_forma
         raise click.UsageError("--app runs bf16 experts only: give --format without --app")
     try:
         if app:
-            from numa_moe.benchmarking.app import bench_app
+            from numa_moe.apps.benchmarking.app import bench_app
 
             rows = bench_app(models, tokens or (1, 4, 16), repeats=repeats, isa=isa, echo=click.echo)
         else:
-            from numa_moe.benchmarking.layer import bench_layer
+            from numa_moe.apps.benchmarking.layer import bench_layer
 
             rows = bench_layer(models, tokens or (1, 16), repeats=repeats, virtual_nodes=virtual_nodes, isa=isa,
                                echo=click.echo, formats=weight_formats or ("bf16",), group=int(group))

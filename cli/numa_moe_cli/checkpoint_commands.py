@@ -24,7 +24,7 @@ def _pattern_options(fn):
 
 
 def _naming(pattern: str | None, kinds: str | None):
-    from numa_moe.checkpoint import NamingPattern, parse_kind_map
+    from numa_moe.checkpoints.naming import NamingPattern, parse_kind_map
 
     if pattern is None:
         if kinds is not None:
@@ -36,10 +36,12 @@ def _naming(pattern: str | None, kinds: str | None):
 
 
 def _open(path: str, pattern: str | None, kinds: str | None):
-    from numa_moe.checkpoint import Checkpoint, CheckpointError
+    from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
+    from numa_moe.files import CheckpointError
 
     try:
-        return Checkpoint.open(path, pattern=_naming(pattern, kinds))
+        return open_checkpoint(path, pattern=_naming(pattern, kinds))
     except CheckpointError as err:
         raise click.ClickException(str(err)) from None
 
@@ -74,8 +76,9 @@ def _open(path: str, pattern: str | None, kinds: str | None):
 def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
                             fmt, group, scale_dtype, quiet):
     """Generate a small safetensors checkpoint with a real model's expert shapes."""
-    from numa_moe.checkpoint import Checkpoint
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     try:
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
@@ -86,7 +89,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
         raise click.ClickException(str(err)) from None
     except OSError as err:
         raise click.ClickException(f"cannot write {output}: {err.strerror or err}") from None
-    ck = Checkpoint.open(out)
+    ck = open_checkpoint(out)
     size = sum(f.stat().st_size for f in ck.files)
     d = ck.dims
     fmt = ck.dtype if ck.quant is None else ck.quant.describe()
@@ -106,7 +109,8 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 @click.option("--group", type=click.IntRange(min=1), default=None,
               help="Scale group size (elements along k) for int8/int4 [default: the checkpoint's "
                    "when quantized, else 128].")
-@click.option("--scale-format", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+@click.option("--scale-dtype", "--scale-format", "scale_dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
+              default=None,
               help="Element format of the group scales (int8/int4 only) [default: the "
                    "checkpoint's when quantized, else fp32].")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
@@ -114,7 +118,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
               help="JSON file to write the tables to (missing folders are created, and said so).")
 @_pattern_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, output, pattern,
+def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, output, pattern,
                    kinds, quiet):
     """Every expert tensor of a checkpoint: the segment tables of its routed-expert buffers.
 
@@ -123,7 +127,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
     is in the local cache (nothing is downloaded).
     """
-    from numa_moe.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
+    from numa_moe.layer.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
 
     if group is not None and fmt == "bf16":
         raise click.UsageError("--group applies to --format int8/int4 only")
@@ -134,18 +138,18 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
     if ck.importer is not None:
         # GGUF / FP8: the tables of the buffers the store converts them into
         try:
-            load = ck.importer.resolve(ck.root, ck.dims, fmt, group, scale_format)
+            load = ck.importer.resolve(ck.root, ck.dims, fmt, group, scale_dtype)
         except ValueError as err:
             raise click.UsageError(str(err)) from None
-        fmt, group, scale_format = load.fmt, load.group, load.scale_dtype
+        fmt, group, scale_dtype = load.fmt, load.group, load.scale_dtype
     elif fmt is None:
         fmt = quant.fmt if quant is not None else "bf16"
         if group is not None and fmt == "bf16":
             raise click.UsageError("--group applies to --format int8/int4 only")
     if quant is not None and fmt == quant.fmt:
         group = group or quant.group
-        scale_format = scale_format or quant.scale_dtype
-    scale_format = scale_format or "fp32"
+        scale_dtype = scale_dtype or quant.scale_dtype
+    scale_dtype = scale_dtype or "fp32"
     try:
         node_ids = parse_nodes(nodes)
     except ValueError as err:
@@ -156,7 +160,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         raise click.BadParameter(f"expected layer ids such as 0,3, got {layers!r}",
                                  param_hint="--layers") from None
     try:
-        tables = checkpoint_tables(ck, node_ids, page, fmt, group, scale_format, layer_ids,
+        tables = checkpoint_tables(ck, node_ids, page, fmt, group, scale_dtype, layer_ids,
                                    progress=not quiet)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
@@ -170,7 +174,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_format, layers, ou
         "source_format": ck.source_format,
         "format": fmt,
         "group": (group or 128) if fmt != "bf16" else None,
-        "scale_format": scale_format if fmt != "bf16" else None,
+        "scale_format": scale_dtype if fmt != "bf16" else None,
         "nodes": list(node_ids),
         "page_bytes": page_bytes_of(page),
         "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
@@ -225,7 +229,7 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
     CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
     is in the local cache (nothing is downloaded).
     """
-    from numa_moe.placement_report import inspect_checkpoint, plot_placement
+    from numa_moe.apps.placement_report import inspect_checkpoint, plot_placement
 
     if pages and not as_json:
         raise click.UsageError("--pages needs --json (the text report has no per-page lists)")
@@ -280,8 +284,8 @@ def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pat
     CHECKPOINT: a file or directory, or a Hugging Face repo id (ORG/NAME) whose snapshot
     is in the local cache (nothing is downloaded).
     """
-    from numa_moe.checkpoint import CheckpointError
-    from numa_moe.quantize import quantize_checkpoint
+    from numa_moe.files import CheckpointError
+    from numa_moe.checkpoints.quantize import quantize_checkpoint
 
     ck = _open(checkpoint, pattern, kinds)
     try:

@@ -1,5 +1,5 @@
 """``numa-moe generate``: a greedy CPU decode loop with both kernels against the same
-transformers model unpatched (see numa_moe.generate.run_generate)."""
+transformers model unpatched (see numa_moe.apps.generate.run_generate)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def generate_command(like, layers, tokens, experts, vocab, prompt_tokens, baseli
     """Greedy decoding on transformers' model of a MoE shape (random weights), unpatched and
     with numa-moe's experts and decode attention: tokens/s of both, whether the tokens
     agree, and the share of the step in experts, attention and the rest."""
-    from numa_moe.generate import format_report, run_generate
+    from numa_moe.apps.generate import format_report, run_generate
 
     if json_path:
         check_output(json_path, "--json")

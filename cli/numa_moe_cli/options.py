@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from numa_moe.pages import PAGE_CHOICES
+from numa_moe.placement.pages import PAGE_CHOICES
 
-# numa_moe.kernels.ISAS, spelled out here so that building the CLI imports no native code
+# numa_moe.layer.kernels.ISAS, spelled out here so that building the CLI imports no native code
 # (tests/test_cli_options.py checks the two agree).
 ISAS = ("ref", "avx2", "avx512", "amx_model", "amx", "avx2_emulated", "avx512_emulated")
 
@@ -102,7 +102,7 @@ def check_output(path: str, option: str, create_parents: bool = False) -> Path:
 def check_apart(path: str, option: str, sources) -> None:
     """Refuse (one-line click error) an output that is, contains or lies inside one of
     ``sources``, the files and directories the command reads (links resolved)."""
-    from numa_moe.checkpoint import overlapping_source
+    from numa_moe.checkpoints.safetensors import overlapping_source
 
     source = overlapping_source(path, sources)
     if source is not None:

@@ -1,4 +1,4 @@
-"""``numa-moe run``: the main job (see numa_moe.moe_run.run_job)."""
+"""``numa-moe run``: the main job (see numa_moe.apps.run.run_job)."""
 
 from __future__ import annotations
 
@@ -38,20 +38,21 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
     weight bandwidth against the read ceiling measured in the same run, and the per-node
     work balance; step 1 is checked against the torch reference (exit status 1 if wrong).
     """
-    from numa_moe.moe_run import run_job
+    from numa_moe.apps.run import run_job
 
     if nodes is not None and virtual_nodes is not None:
         raise click.UsageError("give --nodes or --virtual-nodes, not both")
     if json_path:
         check_output(json_path, "--json")  # before the job, not after it
         if checkpoint is not None:
-            from numa_moe.checkpoint import CheckpointError, resolve_checkpoint_path
+            from numa_moe.checkpoints.safetensors import resolve_checkpoint_path
+            from numa_moe.files import CheckpointError
 
             try:
                 check_apart(json_path, "--json", [resolve_checkpoint_path(checkpoint)])
             except CheckpointError as err:
                 raise click.ClickException(str(err)) from None
-    from numa_moe.moe_run import format_side_by_side
+    from numa_moe.apps.run import format_side_by_side
 
     reports = []
     try:

@@ -1,5 +1,5 @@
 """``numa-moe simulate``: the projected cost of a MoE layer step on a multi-socket machine
-(see numa_moe.simulate and docs/simulate.md)."""
+(see numa_moe.apps.simulate and docs/simulate.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _tokens(ctx, param, value):
 
 
 def _policies(ctx, param, value):
-    from numa_moe.simulate import POLICIES
+    from numa_moe.apps.simulate import POLICIES
 
     out = [v.strip().lower() for v in value.split(",") if v.strip()]
     bad = [p for p in out if p not in POLICIES]
@@ -79,7 +79,7 @@ def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine
     the interleaved policies counted from the segment tables this project builds),
     memory footprint, reduction traffic, the slowest node's time, step time and tokens/s.
     """
-    from numa_moe import simulate as sim
+    from numa_moe.apps import simulate as sim
 
     if validate:
         return _validate(checkpoint, tokens, steps, json_path)
@@ -126,13 +126,13 @@ def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine
 def _validate(checkpoint, tokens, steps, json_path):
     from dataclasses import asdict
 
-    from numa_moe import simulate as sim
+    from numa_moe.apps import simulate as sim
     if json_path:
         check_output(json_path, "--json")
     path = checkpoint
     if path is None:
-        from numa_moe.moe_run import default_checkpoint_dir
-        from numa_moe.synthetic import make_checkpoint
+        from numa_moe.apps.run import default_checkpoint_dir
+        from numa_moe.checkpoints.synthetic import make_checkpoint
 
         path = default_checkpoint_dir("qwen3-30b-a3b", 1).with_name("qwen3-30b-a3b-1-e16")
         if not (path / "config.json").exists():

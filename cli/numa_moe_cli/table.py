@@ -8,16 +8,10 @@ import click
 
 from numa_moe_cli.options import page_option
 
-from numa_moe.pages import page_bytes_of
+from numa_moe.placement.pages import page_bytes_of
 
-from numa_moe.segments import (
-    SCALE_FORMATS,
-    WEIGHT_FORMATS,
-    SegmentTable,
-    period_rows,
-    scale_shape,
-    scales_table,
-)
+from numa_moe.formats import SCALE_DTYPES, WEIGHT_FORMATS
+from numa_moe.placement.segments import SegmentTable, period_rows, scale_shape, scales_table
 
 
 def _human_bytes(n: int) -> str:
@@ -81,7 +75,7 @@ def _print_table(title: str, table: SegmentTable, page_label: str, phase: int,
 @click.option("--group", type=click.IntRange(min=1), default=None,
               help="Scale group size along K: also show the table of the rows x cols/group "
                    "scale tensor (a separate buffer).")
-@click.option("--scale-dtype", type=click.Choice(list(SCALE_FORMATS)), default="fp32",
+@click.option("--scale-dtype", type=click.Choice(list(SCALE_DTYPES)), default="fp32",
               show_default=True, help="Element format of the group scales.")
 @click.option("--nodes", "n_nodes", type=click.IntRange(min=1), required=True,
               help="Number of NUMA nodes the buffer is interleaved over (nodes 0..N-1).")

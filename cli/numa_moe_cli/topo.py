@@ -61,7 +61,7 @@ def render(topo) -> str:
               help="Show a virtual topology with N logical nodes (also: NUMA_MOE_VIRTUAL_NODES=N).")
 def topo(as_json: bool, virtual_nodes: int | None) -> None:
     """Nodes, CPUs, memory, distances, page sizes, THP and NUMA balancing, CPU features."""
-    from numa_moe.topology import Topology, current_topology
+    from numa_moe.placement.topology import Topology, current_topology
 
     try:
         t = Topology.virtual(virtual_nodes) if virtual_nodes else current_topology()

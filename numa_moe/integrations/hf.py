@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from numa_moe.moe import MoELayer
+from numa_moe.layer.moe_layer import MoELayer
 
 SUPPORTED_EXPERTS = ("MixtralExperts", "Qwen3MoeExperts")
 

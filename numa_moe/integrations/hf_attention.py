@@ -1,4 +1,4 @@
-"""HF transformers attention implementation: decode steps through numa_moe.attention.
+"""HF transformers attention implementation: decode steps through numa_moe.layer.attention.
 
     from numa_moe.integrations.hf_attention import use_numa_attention
     use_numa_attention(model)          # or register() and from_pretrained(..., attn_implementation="numa_moe")
@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from numa_moe import attention
+from numa_moe.layer import attention
 
 ATTN_IMPLEMENTATION = "numa_moe"
 
 # Seconds spent in decode steps of this implementation, when a caller sets it to a dict
-# (numa_moe.generate measures the share of the step).
+# (numa_moe.apps.generate measures the share of the step).
 timings: dict | None = None
 
 

@@ -82,7 +82,7 @@ def weight_format_from_env(environ=os.environ) -> tuple[str, int]:
 
 def _parse_cpu_items(text: str, what: str) -> tuple[int, ...]:
     """A CPU list separated by commas or blanks ("0-3,8" or "0 1 2")."""
-    from numa_moe.topology import parse_cpulist
+    from numa_moe.placement.topology import parse_cpulist
 
     try:
         return parse_cpulist(",".join(text.split()))
@@ -120,7 +120,7 @@ def worker_topology(environ=os.environ, base=None):
     """The numa_moe topology an expert layer of this worker uses: the current topology
     restricted to the CPUs vLLM bound the worker to (openmp_bound_cpus), or to the
     process's affinity when it bound none."""
-    from numa_moe.topology import current_topology
+    from numa_moe.placement.topology import current_topology
 
     base = base if base is not None else current_topology()
     cpus = openmp_bound_cpus(environ) or tuple(sorted(os.sched_getaffinity(0)))
@@ -165,7 +165,7 @@ def _define_classes():
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    from numa_moe.moe import MoELayer
+    from numa_moe.layer.moe_layer import MoELayer
 
     class NumaMoEExperts(CPUUnquantizedExperts):
         """vLLM modular-kernel experts computed by a numa_moe.MoELayer: apply() gets the
@@ -285,7 +285,7 @@ def register() -> None:
     weight_format_from_env()  # a bad setting fails here, in the front end, with its name
     from vllm.model_executor.custom_op import op_registry_oot
 
-    from numa_moe import ops  # noqa: F401  registers torch.ops.numa_moe.moe_forward
+    from numa_moe.layer import op as ops  # noqa: F401  registers torch.ops.numa_moe.moe_forward
 
     _, method_cls = _define_classes()
     if "UnquantizedFusedMoEMethod" in op_registry_oot:

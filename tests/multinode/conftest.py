@@ -17,7 +17,7 @@ def _real_allowed_nodes() -> list[int]:
     online = Path("/sys/devices/system/node/online")
     if not online.exists():
         return []
-    from numa_moe.topology import Topology
+    from numa_moe.placement.topology import Topology
 
     return list(Topology.detect().allowed_nodes)
 

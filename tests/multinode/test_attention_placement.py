@@ -9,9 +9,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from numa_moe import attention, memory
-from numa_moe.segments import SegmentTable
-from numa_moe.topology import Topology
+from numa_moe.layer import attention
+from numa_moe.placement import memory
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.placement.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention_reference import error_bound, reference_decode  # noqa: E402

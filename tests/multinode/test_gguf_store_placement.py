@@ -14,12 +14,12 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of numa-moe")
 
-from numa_moe import memory  # noqa: E402
+from numa_moe.placement import memory  # noqa: E402
 from numa_moe import quant as q  # noqa: E402
-from numa_moe.checkpoint import KINDS  # noqa: E402
-from numa_moe.placement_report import inspect_checkpoint  # noqa: E402
-from numa_moe.segments import SegmentTable  # noqa: E402
-from numa_moe.store import ExpertStore  # noqa: E402
+from numa_moe.formats import KINDS  # noqa: E402
+from numa_moe.apps.placement_report import inspect_checkpoint  # noqa: E402
+from numa_moe.placement.segments import SegmentTable  # noqa: E402
+from numa_moe.layer.store import ExpertStore  # noqa: E402
 from placement_reference import segment_bytes_on_wrong_node  # noqa: E402
 
 T = gguf.GGMLQuantizationType

@@ -6,10 +6,11 @@ that node's CPUs, and the layer's result matches a float64 reference."""
 import ml_dtypes
 import numpy as np
 
-from numa_moe import memory
-from numa_moe.moe import MATRIX_KINDS, MoELayer
-from numa_moe.segments import SegmentTable
-from numa_moe.topology import Topology
+from numa_moe.placement import memory
+from numa_moe.formats import KINDS
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.placement.topology import Topology
 
 E, H, I = 3, 1536, 256  # 3072-byte gate/up rows: pages split rows, strided segments
 
@@ -56,7 +57,7 @@ def test_layer_on_real_nodes(rng, real_nodes):
     # every segment handed to node n's workers lies on pages the kernel reports on node n
     page_nodes = {"gu": memory.page_nodes(gate_up), "d": memory.page_nodes(down)}
     for e in range(E):
-        for kind in MATRIX_KINDS:
+        for kind in KINDS:
             buf, row_bytes, first_row = (("gu", 2 * H, e * 2 * I + (I if kind == "up" else 0)) if kind != "down"
                                          else ("d", 2 * I, e * H))
             table = layer.tables[e][kind]

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numa_moe import memory
-from numa_moe.topology import Topology
+from numa_moe.placement import memory
+from numa_moe.placement.topology import Topology
 
 BASE = 4096
 HUGE = 2 << 20

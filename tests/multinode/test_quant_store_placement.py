@@ -11,14 +11,16 @@
 import numpy as np
 import pytest
 
-from numa_moe import memory
+from numa_moe.placement import memory
 from numa_moe import quant as q
-from numa_moe.checkpoint import KINDS, Checkpoint
-from numa_moe.placement_report import placement_report, quant_node_summary
-from numa_moe.quantize import quantize_checkpoint
-from numa_moe.segments import SegmentTable
-from numa_moe.store import ExpertStore
-from numa_moe.synthetic import NUMPY_DTYPES, make_checkpoint
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.formats import KINDS
+from numa_moe.apps.placement_report import placement_report, quant_node_summary
+from numa_moe.checkpoints.quantize import quantize_checkpoint
+from numa_moe.placement.segments import SegmentTable
+from numa_moe.layer.store import ExpertStore
+from numa_moe.checkpoints.synthetic import make_checkpoint
+from numa_moe.formats import NUMPY_DTYPES
 from placement_reference import segment_bytes_on_wrong_node
 
 H, I, E = 320, 192, 6  # int8 rows of 320 / 192 bytes, int4 of 160 / 96: pages cut rows
@@ -78,12 +80,12 @@ def test_quantized_weights_local_and_remote_scales_reported(checkpoint_dir, tmp_
             theory_pairs.append((table, _theoretical_map(values, nodes), scale_table,
                                  _theoretical_map(scales, nodes)))
     # the values are those of the reference quantizer (two experts of the last layer)
-    ck = Checkpoint.open(checkpoint_dir)
+    ck = open_checkpoint(checkpoint_dir)
     for e in (0, E - 1):
         for kind, view, sview in zip(KINDS, store.expert(1, e), store.expert_scales(1, e)):
             m = ck.layers[1].matrices[kind][e]
             w = np.empty((m.rows, m.cols), dtype=NUMPY_DTYPES[m.dtype])
-            from numa_moe.checkpoint import read_matrix_into
+            from numa_moe.checkpoints.safetensors import read_matrix_into
 
             read_matrix_into(m, w)
             expected = q.quantize(w, fmt, GROUP, scale_dtype)

@@ -1,6 +1,6 @@
 """The projection model's byte counts on a real kernel with >= 2 NUMA nodes (numa-vm).
 
-What ``numa_moe.simulate`` derives from the segment tables (per expert and node: bytes
+What ``numa_moe.apps.simulate`` derives from the segment tables (per expert and node: bytes
 read locally and remotely under the naive row split (b), bytes each node holds and
 reads under the tables (c)) equals what the kernel's page map (move_pages) of the real
 buffers says, for 4 KB and 2 MB pages, bf16 and int8 (with its fp32 scales), on every
@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numa_moe import memory, simulate as sim
-from numa_moe.pages import page_bytes_of
-from numa_moe.segments import SegmentTable, scale_shape, weight_format
-from numa_moe.store import ExpertStore, buffer_shape
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.placement import memory
+from numa_moe.apps import simulate as sim
+from numa_moe.placement.pages import page_bytes_of
+from numa_moe.formats import weight_format
+from numa_moe.placement.segments import SegmentTable, scale_shape
+from numa_moe.layer.store import ExpertStore, buffer_shape
+from numa_moe.checkpoints.synthetic import make_checkpoint
 
 BASE = 4096
 E = 8  # real Qwen3-30B-A3B expert shapes (H=2048, I=768), 8 of its 128 experts

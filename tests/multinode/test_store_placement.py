@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import safetensors
 
-from numa_moe import memory
-from numa_moe.checkpoint import KINDS
-from numa_moe.placement_report import inspect_checkpoint, placement_report
-from numa_moe.store import ExpertStore
-from numa_moe.synthetic import make_checkpoint
+from numa_moe.placement import memory
+from numa_moe.formats import KINDS
+from numa_moe.apps.placement_report import inspect_checkpoint, placement_report
+from numa_moe.layer.store import ExpertStore
+from numa_moe.checkpoints.synthetic import make_checkpoint
 from placement_reference import segment_bytes_on_wrong_node
 
 BASE = 4096
@@ -87,7 +87,7 @@ def test_page_cache_checkpoint_is_not_interleaved(checkpoint_dir, real_nodes):
         assert t.remote_fraction_table == 0.0
         assert t.remote_fraction_naive >= 0.25 or not t.single_node
     # the table built from one such map is an exact partition of the matrix
-    from numa_moe.placement_report import analyse_map
+    from numa_moe.apps.placement_report import analyse_map
 
     t = report.tensors[0]
     _, table = analyse_map(t.name, t.rows, t.cols, t.fmt, t.page_nodes, BASE, 0, real_nodes)

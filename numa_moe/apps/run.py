@@ -1,10 +1,10 @@
 """The main job (``numa-moe run``) as library functions: the CLI only parses options and
 prints what these return. The layer benchmark (``numa-moe bench layer``) lives in
-numa_moe.benchmarking.layer and shares the yardsticks defined here.
+numa_moe.apps.benchmarking.layer and shares the yardsticks defined here.
 
 Both measure, in the same run, a *read ceiling*: the rate of a streaming read of the
 same weight bytes, sampled interleaved with the work and taken as the best sample
-(numa_moe.benchmarking.yardsticks). The native streaming read is used when the CPU has
+(numa_moe.apps.benchmarking.yardsticks). The native streaming read is used when the CPU has
 it; otherwise a numpy stand-in (a vectorised reduction over the bytes, which
 underestimates the machine's bandwidth) is used and labelled as such.
 """
@@ -20,7 +20,8 @@ from typing import Callable
 
 import numpy as np
 
-from numa_moe.moe import MATRIX_KINDS, MoELayer
+from numa_moe.formats import KINDS
+from numa_moe.layer.moe_layer import MoELayer
 
 DEFAULT_LIKE = "qwen3-30b-a3b"
 
@@ -58,7 +59,7 @@ class ReadCeiling:
     samples: int = 1
     spread: float = 0.0  # how far the slowest window's best fell below gbps (Yardstick.spread)
     busy: bool = False   # spread above yardsticks.BUSY_SPREAD: the machine was busy
-    median_gbps: float = 0.0  # the median sample (what numa_moe.simulate's validation predicts from)
+    median_gbps: float = 0.0  # the median sample (what numa_moe.apps.simulate's validation predicts from)
     rates_gbps: list = field(default_factory=list)  # every sample, in step order (one after each step)
 
 
@@ -83,7 +84,7 @@ class ReadSampler:
 
     def sample(self, buffers) -> float:
         """Reads `buffers` once; records and returns the rate in GB/s."""
-        from numa_moe.benchmarking import native_loops
+        from numa_moe.apps.benchmarking import native_loops
 
         if not all(isinstance(b, np.ndarray) and b.flags.c_contiguous for b in buffers):
             # a contiguous copy would be timed instead of the weights themselves
@@ -106,7 +107,7 @@ class ReadSampler:
         return rate
 
     def ceiling(self) -> ReadCeiling:
-        from numa_moe.benchmarking.yardsticks import Yardstick
+        from numa_moe.apps.benchmarking.yardsticks import Yardstick
 
         yardstick = Yardstick.from_samples(self.rates_gbps)
         return ReadCeiling(yardstick.best, self.source, yardstick.samples, yardstick.spread, yardstick.busy,
@@ -129,7 +130,7 @@ def touched_bytes(layer: MoELayer, ids: np.ndarray) -> int:
 # ---- the main job ----------------------------------------------------------------------
 
 def default_checkpoint_dir(like: str = DEFAULT_LIKE, layers: int | None = None) -> Path:
-    from numa_moe.synthetic import MODEL_SPECS
+    from numa_moe.checkpoints.synthetic import MODEL_SPECS
 
     n_layers = layers or MODEL_SPECS[like].default_layers
     cache = Path(os.environ.get("NUMA_MOE_CACHE", Path.home() / ".cache" / "numa-moe"))
@@ -138,7 +139,7 @@ def default_checkpoint_dir(like: str = DEFAULT_LIKE, layers: int | None = None) 
 
 def ensure_default_checkpoint(like: str = DEFAULT_LIKE, layers: int | None = None, echo=print) -> Path:
     """The generated embedded checkpoint, generated into the cache on first use."""
-    from numa_moe.synthetic import make_checkpoint
+    from numa_moe.checkpoints.synthetic import make_checkpoint
 
     path = default_checkpoint_dir(like, layers)
     if not (path / "config.json").exists():
@@ -183,7 +184,7 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
     random routing over every loaded MoE layer, check step 1 against the torch loop.
     weight_format "int8" / "int4" quantizes a BF16 checkpoint's experts while loading
     (None: the checkpoint's own format)."""
-    from numa_moe.segments import MAX_NODES
+    from numa_moe.placement.segments import MAX_NODES
 
     if tokens < 1 or steps < 1:
         raise ValueError(f"tokens and steps must be >= 1, got {tokens} and {steps}")
@@ -218,7 +219,7 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
 
 def _job_topology(nodes, virtual_nodes):
     """(topology, the real nodes the store interleaves over or None for all)."""
-    from numa_moe import topology as topo_mod
+    from numa_moe.placement import topology as topo_mod
 
     if virtual_nodes is not None:
         return topo_mod.Topology.virtual(int(virtual_nodes)), None  # memory goes wherever the real nodes are
@@ -235,11 +236,12 @@ def _job_topology(nodes, virtual_nodes):
 
 def _load_store(path, store_nodes, page, weight_format, progress, echo, tokens: int = 1):
     """The checkpoint's experts in interleaved memory, and the summary of its tables."""
-    from numa_moe.checkpoint import Checkpoint
-    from numa_moe.store import ExpertStore
+    from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
+    from numa_moe.layer.store import ExpertStore
 
     echo(f"checkpoint: {path}")
-    ckpt = Checkpoint.open(path)
+    ckpt = open_checkpoint(path)
     _check_step_memory(ckpt, tokens)
     if (weight_format or ckpt.weight_format) not in ("bf16", "int8", "int4"):
         # checked before loading: the store would copy F16/F32 experts, the layer refuse them
@@ -257,7 +259,7 @@ def _load_store(path, store_nodes, page, weight_format, progress, echo, tokens: 
 def _check_step_memory(ckpt, tokens: int) -> None:
     """Refuses a token count whose step does not fit in memory (memory.check_fits), before
     the experts are loaded."""
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     d = ckpt.dims
     n_layers, H, I, E, k = len(ckpt.layers), d.hidden_size, d.intermediate_size, d.n_experts, int(d.top_k or 2)
@@ -289,7 +291,7 @@ class _StepRun:
         """Runs one step over every layer; returns the weight bytes it read."""
         import ml_dtypes
 
-        from numa_moe.benchmarking.yardsticks import settle
+        from numa_moe.apps.benchmarking.yardsticks import settle
 
         store = self.store
         xs = [self.rng.standard_normal((self.tokens, store.hidden_size)).astype(ml_dtypes.bfloat16)
@@ -342,7 +344,7 @@ def verify_store_tables(store) -> dict:
     counts where the measured map matched the theoretical table."""
     n = matching = 0
     for layer in store.layers:
-        for kind in MATRIX_KINDS:
+        for kind in KINDS:
             table = store.table(layer, kind)
             check = getattr(table, "check", None)
             if check is not None:
@@ -366,7 +368,8 @@ def _float_weights(store, layer: int, kind: str):
     or the dequantized values of an int8 / int4 store (float32)."""
     import torch
 
-    from numa_moe import memory, quant
+    from numa_moe import quant
+    from numa_moe.placement import memory
 
     if not store.quantized:
         return memory.as_torch(store.weights(layer, kind))
@@ -381,7 +384,7 @@ def check_against_torch(store, layers, xs, routes, outs) -> float:
 
     worst = 0.0
     for layer_id, layer, x, (ids, w), y in zip(store.layers, layers, xs, routes, outs):
-        gate, up, down = (_float_weights(store, layer_id, k) for k in MATRIX_KINDS)
+        gate, up, down = (_float_weights(store, layer_id, k) for k in KINDS)
         E, I, H = store.n_experts, store.intermediate_size, store.hidden_size
         gate_up = torch.cat([gate.view(E, I, H), up.view(E, I, H)], dim=1)
         ref = torch_moe_loop(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), torch.from_numpy(ids),
@@ -406,7 +409,7 @@ def format_side_by_side(reports: list[RunReport]) -> str:
 
 
 def format_run_report(r: RunReport) -> str:
-    from numa_moe.benchmarking.yardsticks import percent_of
+    from numa_moe.apps.benchmarking.yardsticks import percent_of
 
     med = statistics.median(r.steps_ms)
     ceiling_ms = r.weight_bytes_per_step / (r.ceiling.gbps * 1e9) * 1e3

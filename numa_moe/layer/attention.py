@@ -15,30 +15,32 @@ hold the positions' pages; the per-node results are merged by the log-sum-exp ru
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Sequence
 
-import ml_dtypes
 import numpy as np
 
-from numa_moe import _native, kernels
-from numa_moe.kernels import ISA_ENV, _bf16_view, _is_bf16_dtype, _is_torch, _out_view, as_index_array
+from numa_moe import _native
+from numa_moe.arrays import BF16, as_index_array, bf16_bits, is_bf16_dtype, is_torch, output_view
+from numa_moe.layer import kernels
+from numa_moe.layer.pools import default_topology, topology_node_cpus, worker_pool
+from numa_moe.placement import memory
+from numa_moe.placement.pages import page_bytes_of
+from numa_moe.placement.tables import buffer_table, check_table_source
 
 __all__ = ["gqa_decode", "available_isas", "tested_isas", "default_isa", "merge_states", "KVCache", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def available_isas() -> tuple[str, ...]:
     """ISAs with attention kernels this CPU (and OS) runs, in the order of
-    ``numa_moe.kernels.available_isas``."""
+    ``numa_moe.layer.kernels.available_isas``."""
     return tuple(_native.attention_isas())
 
 
 def tested_isas() -> tuple[str, ...]:
     """The ISAs the test suite runs the attention kernels on, by the rule of
-    ``numa_moe.kernels.tested_isas``."""
+    ``numa_moe.layer.kernels.tested_isas``."""
     return kernels.tested_isas(available=available_isas())
 
 
@@ -72,10 +74,10 @@ def gqa_decode(q: Any, k_cache: Any, v_cache: Any, lengths: Any, *, scale: float
     pool node over the cache's rows (``KVCache`` supplies both). Returns a torch tensor if
     q is one, else a numpy array. A sequence of length 0 gets zeros.
     """
-    use_torch = _is_torch(q)
-    q_u16 = _bf16_view("q", q, 3)
-    k_u16 = _bf16_view("k_cache", k_cache, 4)
-    v_u16 = _bf16_view("v_cache", v_cache, 4)
+    use_torch = is_torch(q)
+    q_u16 = bf16_bits("q", q)
+    k_u16 = bf16_bits("k_cache", k_cache)
+    v_u16 = bf16_bits("v_cache", v_cache)
     if isinstance(lengths, (int, np.integer)):
         lengths = [int(lengths)] * (q_u16.shape[0] if q_u16.ndim == 3 else 1)
     lengths_i64 = as_index_array("lengths", lengths)
@@ -90,17 +92,17 @@ def gqa_decode(q: Any, k_cache: Any, v_cache: Any, lengths: Any, *, scale: float
     elif isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
         raise ValueError(f"threads: must be an int >= 1, got {threads!r}")
     if out is None:
-        want_bf16 = _is_bf16_dtype(out_dtype)
+        want_bf16 = is_bf16_dtype(out_dtype)
         if use_torch:
             import torch
 
             out = torch.empty(tuple(q_u16.shape), dtype=torch.bfloat16 if want_bf16 else torch.float32)
         else:
-            out = np.empty(q_u16.shape, dtype=_BF16 if want_bf16 else np.float32)
+            out = np.empty(q_u16.shape, dtype=BF16 if want_bf16 else np.float32)
     segments = None
     if node_segments is not None:
         segments = [as_index_array(f"node_segments[{n}]", s) for n, s in enumerate(node_segments)]
-    _native.gqa_decode(isa if isa is not None else default_isa(), q_u16, k_u16, v_u16, lengths_i64, _out_view(out, 3),
+    _native.gqa_decode(isa if isa is not None else default_isa(), q_u16, k_u16, v_u16, lengths_i64, output_view(out),
                        float(scale), int(window), block_table=table, node_segments=segments, pool=pool,
                        threads=int(threads))
     return out
@@ -120,20 +122,14 @@ class KVCache:
 
     def __init__(self, shape: Sequence[int], *, topology=None, page: str = "4k", tables: str = "measured",
                  phase: int = 0):
-        from numa_moe import memory
-        from numa_moe.moe import _default_topology, _measured_table, topology_node_cpus, worker_pool
-        from numa_moe.pages import page_bytes_of
-        from numa_moe.segments import SegmentTable
-
         shape = tuple(int(s) for s in shape)
         if len(shape) != 4 or min(shape) < 1:
             raise ValueError(f"KVCache: shape must be 4 positive ints (B or n_blocks, Hkv, T or block_size, D), "
                              f"got {shape}")
         if shape[3] not in HEAD_DIMS:
             raise ValueError(f"KVCache: head size {shape[3]} has no kernels ({', '.join(map(str, HEAD_DIMS))})")
-        if tables not in ("measured", "theoretical"):
-            raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
-        self.topology = topology if topology is not None else _default_topology()
+        check_table_source(tables)
+        self.topology = topology if topology is not None else default_topology()
         node_ids, node_cpus = topology_node_cpus(self.topology)
         self.shape = shape
         self.rows = shape[0] * shape[1] * shape[2]
@@ -146,12 +142,12 @@ class KVCache:
                                                 page=page)
         self.k = self._buffer[: cache_bytes // 2].reshape(shape)
         self.v = self._buffer[v_offset // 2: v_offset // 2 + cache_bytes // 2].reshape(shape)
-        if tables == "measured" and not self.topology.is_virtual:
-            self.table = _measured_table(self.k, self.rows, shape[3], SegmentTable, memory)
-            self.v_table = _measured_table(self.v, self.rows, shape[3], SegmentTable, memory)
-        else:
-            self.table = SegmentTable.theoretical(self.rows, shape[3], "bf16", page_bytes, node_ids, phase=phase)
-            self.v_table = self.table
+        self.table = buffer_table(self.k, self.rows, shape[3], "bf16", self.topology, page_bytes, tables=tables,
+                                  phase=phase)
+        # V starts whole interleave rounds after K: by the rule its table is K's
+        measured = tables == "measured" and not self.topology.is_virtual
+        self.v_table = (buffer_table(self.v, self.rows, shape[3], "bf16", self.topology, page_bytes)
+                        if measured else self.table)
         self.node_ids = node_ids
         self.node_segments = [self.table.node_array(n) for n in node_ids]
         self.pool = worker_pool(node_cpus)

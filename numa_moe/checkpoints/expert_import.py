@@ -1,6 +1,6 @@
 """Routed experts stored in an encoding the store does not hold as it is: GGUF
-(``numa_moe.gguf_checkpoint``) and FP8 block-scaled safetensors
-(``numa_moe.fp8_checkpoint``).
+(``numa_moe.checkpoints.gguf``) and FP8 block-scaled safetensors
+(``numa_moe.checkpoints.fp8``).
 
 A ``Checkpoint`` of such a file carries an ``ExpertImport`` (``checkpoint.importer``):
 it says which formats the experts can be loaded in (``resolve``), converts one expert
@@ -14,18 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-from numa_moe import quant as q
+from numa_moe import formats, quant as q
+from numa_moe.files import CheckpointError, OpenFiles
+from numa_moe.formats import FLOAT_NUMPY, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES
 
 __all__ = ["ExpertImport", "LoadFormat", "ConversionError", "measure_conversion",
-           "FLOAT_NUMPY", "check_group_divides"]
-
-# store float formats -> numpy dtype of their buffers
-FLOAT_NUMPY = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16),
-               "fp32": np.dtype(np.float32)}
-
+           "check_group_divides"]
 
 @dataclass(frozen=True)
 class LoadFormat:
@@ -82,15 +78,14 @@ class ExpertImport:
         """The format a load request means: None picks ``default()``'s parts; refuses
         (ValueError, one line) a format the experts cannot become, a group that does not
         divide the columns and group/scale options for a float format."""
-        from numa_moe.segments import weight_format as format_of
 
         default = self.default()
-        fmt = default.fmt if weight_format is None else format_of(weight_format).name
-        allowed = (*self.float_formats, *q.QUANT_FORMATS)
+        fmt = default.fmt if weight_format is None else formats.weight_format(weight_format).name
+        allowed = (*self.float_formats, *QUANT_FORMATS)
         if fmt not in allowed:
             raise ValueError(f"{root}: {self.source} experts load as {', '.join(allowed)}, "
                              f"not {fmt}")
-        if fmt not in q.QUANT_FORMATS:
+        if fmt not in QUANT_FORMATS:
             if group is not None or scale_dtype is not None:
                 raise ValueError(f"group and scale_dtype apply to weight_format 'int8'/'int4', "
                                  f"not {fmt}")
@@ -98,11 +93,11 @@ class ExpertImport:
         same = fmt == default.fmt
         group = (default.group if same else q.GGML_BLOCK) if group is None else group
         scale_dtype = (default.scale_dtype if same else "fp16") if scale_dtype is None else scale_dtype
-        if group not in q.GROUPS:
-            raise ValueError(f"group {group!r} is not one of {', '.join(map(str, q.GROUPS))}")
-        if scale_dtype not in q.SCALE_DTYPES:
+        if group not in GROUPS:
+            raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
+        if scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale dtype {scale_dtype!r} is not one of "
-                             f"{', '.join(q.SCALE_DTYPES)}")
+                             f"{', '.join(SCALE_DTYPES)}")
         check_group_divides(root, group, dims.hidden_size, dims.intermediate_size)
         return LoadFormat(fmt, group, scale_dtype)
 
@@ -115,7 +110,6 @@ def convert_float(w: np.ndarray, values: np.ndarray, scales: np.ndarray | None,
                   fmt: LoadFormat, where: str) -> None:
     """float32 values of one matrix into the store's rows: rounded to a float format
     (round to nearest even), or quantized by ``numa_moe.quant.quantize``."""
-    from numa_moe.checkpoint import CheckpointError
 
     if fmt.group is None:
         values[...] = w.astype(FLOAT_NUMPY[fmt.fmt])
@@ -155,7 +149,6 @@ def _loaded_values(values: np.ndarray, scales: np.ndarray | None, fmt: LoadForma
 def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[ConversionError]:
     """Convert ``matrices`` (ExpertMatrix of ``checkpoint``) as the store would and compare
     each with the file's own dequantization, in float64. One matrix in memory at a time."""
-    from numa_moe.checkpoint import OpenFiles
 
     importer = checkpoint.importer
     out = []
@@ -163,11 +156,11 @@ def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[Conversion
         for m in matrices:
             fd = files.fd(m.tensor.path)
             value_cols = m.cols // 2 if fmt.fmt == "int4" else m.cols
-            value_dtype = {"int8": np.int8, "int4": np.uint8}.get(fmt.fmt) or FLOAT_NUMPY[fmt.fmt]
+            value_dtype = NUMPY_DTYPES[QUANT_DTYPES[fmt.fmt]] if fmt.fmt in QUANT_DTYPES else FLOAT_NUMPY[fmt.fmt]
             values = np.empty((m.rows, value_cols), dtype=value_dtype)
             scales = None
             if fmt.group is not None:
-                scales = np.empty((m.rows, m.cols // fmt.group), dtype=q.SCALE_DTYPES[fmt.scale_dtype])
+                scales = np.empty((m.rows, m.cols // fmt.group), dtype=SCALE_DTYPES[fmt.scale_dtype])
             importer.read_into(m, fd, values, scales, fmt)
             reference = importer.dequantize(m, fd).astype(np.float64)
             loaded = _loaded_values(values, scales, fmt).astype(np.float64)

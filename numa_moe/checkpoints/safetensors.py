@@ -25,72 +25,44 @@ are reported apart. Any other layout: pass a ``NamingPattern`` (regex with named
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import stat
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from numa_moe.checkpoints.naming import BUILTIN_PATTERNS, PATTERN_HELP, ROUTER_RE, SHARED_RE, NamingPattern
+from numa_moe.files import CheckpointError, OpenFiles, open_checkpoint_file, parse_json, read_json_file, short
+from numa_moe.formats import (DTYPE_BYTES, FLOAT_FORMATS, GROUPS, KINDS, NUMPY_DTYPES, QUANT_DTYPES,
+                              SCALE_DTYPE_CODES)
+
 __all__ = [
-    "CheckpointError",
     "TensorInfo",
-    "NamingPattern",
-    "BUILTIN_PATTERNS",
     "ExpertMatrix",
     "ExpertLayer",
     "ModelDims",
     "Checkpoint",
     "read_safetensors_header",
-    "open_checkpoint_file",
-    "read_json_file",
     "resolve_checkpoint_path",
     "overlapping_source",
     "tensor_nbytes",
-    "parse_kind_map",
     "read_matrix_into",
     "read_scales_into",
     "scale_tensor_name",
     "QuantInfo",
     "QUANT_METADATA",
-    "KINDS",
-    "FP8_DTYPES",
 ]
-
-KINDS = ("gate", "up", "down")
-
-# safetensors dtype code -> bytes per element
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
 
 # A header this long is not a plausible safetensors header (the library's own limit is 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as asked: the message names the file and tensor."""
-
-
 # safetensors ``__metadata__`` keys of a quantized checkpoint (docs/quantization.md,
 # "Checkpoints"): the scheme, the group size and the scale dtype, all strings.
 QUANT_METADATA = ("numa_moe.quant", "numa_moe.group", "numa_moe.scale_dtype")
-# quantization scheme -> safetensors dtype of its expert weight values
-QUANT_DTYPES = {"int8": "I8", "int4": "U8"}
-# scale dtype name (numa_moe.quant.SCALE_DTYPES) -> safetensors dtype
-SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
-QUANT_GROUPS = (32, 64, 128)
-# safetensors dtype of float expert weights -> their weight format (numa_moe.segments)
-FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-# safetensors dtypes of FP8 expert weights that come with block scales (numa_moe.fp8_checkpoint)
-FP8_DTYPES = ("F8_E4M3",)
-GGUF_SUFFIX = ".gguf"
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -125,167 +97,16 @@ def _quant_of_metadata(path: Path, metadata: dict) -> QuantInfo | None:
                               f"missing (a quantized file carries {', '.join(QUANT_METADATA)})")
     fmt, group, scale = (metadata[k] for k in QUANT_METADATA)
     if not isinstance(fmt, str) or fmt not in QUANT_DTYPES:
-        raise CheckpointError(f"{path}: unknown quantization scheme numa_moe.quant={_short(fmt)}; "
+        raise CheckpointError(f"{path}: unknown quantization scheme numa_moe.quant={short(fmt)}; "
                               f"this reader knows {', '.join(QUANT_DTYPES)}")
     if not (isinstance(group, str) and group.isascii() and group.isdigit()) \
-            or int(group) not in QUANT_GROUPS:
-        raise CheckpointError(f"{path}: numa_moe.group={_short(group)} is not one of "
-                              f"{', '.join(map(str, QUANT_GROUPS))}")
+            or int(group) not in GROUPS:
+        raise CheckpointError(f"{path}: numa_moe.group={short(group)} is not one of "
+                              f"{', '.join(map(str, GROUPS))}")
     if not isinstance(scale, str) or scale not in SCALE_DTYPE_CODES:
-        raise CheckpointError(f"{path}: numa_moe.scale_dtype={_short(scale)} is not one of "
+        raise CheckpointError(f"{path}: numa_moe.scale_dtype={short(scale)} is not one of "
                               f"{', '.join(SCALE_DTYPE_CODES)}")
     return QuantInfo(fmt, int(group), scale)
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISSOCK, "a socket"))
-
-
-def _what_is(mode: int) -> str:
-    return next((what for test, what in _FILE_KINDS if test(mode)), "not a regular file")
-
-
-def open_checkpoint_file(path: str | os.PathLike) -> int:
-    """The one way files a user names are opened (checkpoint shards, index, config.json,
-    machine files, tables, traces): a read-only fd of a regular file.
-
-    Symlinks are followed wherever they point (a Hugging Face cache snapshot is a
-    directory of links into ``../../blobs``; the user can read the targets anyway).
-    Refused, with a ``CheckpointError`` naming the file (and the link's target): what is
-    not a regular file once links are followed (a FIFO would block ``open()`` forever,
-    ``/dev/zero`` never ends, a directory is no file) and a dangling link. The open is
-    non-blocking and the type is checked on the open fd, so a file swapped for a FIFO
-    between the check and the open cannot hang it either.
-    """
-    path = Path(path)
-
-    def refuse(what: str):
-        link = _link_text(path)
-        if link is not None:
-            return CheckpointError(f"{path}: is a symlink to {link!r}, which {what}")
-        return CheckpointError(f"{path}: {what}")
-
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise refuse(f"is {_what_is(mode)}, not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError as err:
-        if path.is_symlink():
-            raise refuse("does not exist (a dangling link)") from err
-        raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from err
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from err
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise refuse(f"is {_what_is(mode)}, not a regular file")
-    os.set_blocking(fd, True)
-    return fd
-
-
-def _link_text(path: Path) -> str | None:
-    """The target a symlink names, None for anything else."""
-    try:
-        return os.readlink(path)
-    except OSError:
-        return None
-
-
-class OpenFiles:
-    """Read-only fds of checkpoint files, each opened once (``open_checkpoint_file``) on
-    first use and all closed when the ``with`` block ends: a loader that reads matrix
-    after matrix would otherwise reopen a shard per matrix."""
-
-    def __init__(self):
-        self._fds: dict[Path, int] = {}
-
-    def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = open_checkpoint_file(path)
-        return self._fds[path]
-
-    def __enter__(self) -> "OpenFiles":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-
-
-def byte_progress(total: int, desc: str, enabled: bool):
-    """A progress bar counting bytes (tqdm; imported here, when a bar is wanted)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, disable=not enabled, desc=desc)
-
-
-# Bounds of ``read_json_file``: config.json, an index, a machine file or a routing trace
-# is at most some megabytes (a 1000-shard index is ~10 MB); nesting deeper than this is
-# no document this project reads, and Python's own parser would overflow its stack.
-JSON_FILE_LIMIT = 100_000_000
-JSON_MAX_DEPTH = 100
-_DEPTH_CHUNK = 1 << 24
-
-
-def read_json_file(path: str | os.PathLike, what: str, limit: int = JSON_FILE_LIMIT,
-                   error: type[ValueError] = CheckpointError):
-    """The one way a JSON file a user names is read: opened by ``open_checkpoint_file``
-    (a regular file, links followed), at most ``limit`` bytes, UTF-8, nested at most
-    ``JSON_MAX_DEPTH`` deep; anything else is an ``error`` (a ``CheckpointError``
-    unless the caller has its own kind) naming the file and ``what`` it was read as."""
-    try:
-        return _read_json(Path(path), what, limit)
-    except CheckpointError as err:
-        if error is CheckpointError:
-            raise
-        raise error(str(err)) from None
-
-
-def _read_json(path: Path, what: str, limit: int):
-    fd = open_checkpoint_file(path)
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise CheckpointError(f"{path}: {what} of {size} bytes is larger than the {limit} "
-                                  "bytes such a file may have")
-        raw = f.read(limit + 1)
-    if len(raw) > limit:  # grew since fstat
-        raise CheckpointError(f"{path}: {what} is larger than the {limit} bytes such a file "
-                              "may have")
-    return _parse_json(raw, path, what)
-
-
-def _json_depth_over(raw: bytes, limit: int) -> bool:
-    """Whether brackets outside strings nest deeper than ``limit`` (checked before
-    parsing: the parser recurses once per level)."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False
-    # Strings may hold brackets: blank them out first (escaped quotes taken care of).
-    text = np.frombuffer(re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', raw), dtype=np.uint8)
-    depth = 0
-    for start in range(0, len(text), _DEPTH_CHUNK):  # vectorised, in bounded memory
-        chunk = text[start:start + _DEPTH_CHUNK]
-        brackets = chunk[(chunk == ord("[")) | (chunk == ord("{")) | (chunk == ord("]"))
-                         | (chunk == ord("}"))]
-        if not len(brackets):
-            continue
-        levels = depth + np.cumsum(np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1))
-        if levels.max() > limit:
-            return True
-        depth = int(levels[-1])
-    return False
-
-
-def _parse_json(raw: bytes, path: Path, what: str):
-    if _json_depth_over(raw, JSON_MAX_DEPTH):
-        raise CheckpointError(f"{path}: {what} is nested too deeply (more than "
-                              f"{JSON_MAX_DEPTH} levels) to be a plausible one")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: {what} is not valid JSON: {err}") from err
 
 
 # ORG/NAME as the Hub spells repo ids (huggingface_hub.utils.validate_repo_id)
@@ -378,7 +199,7 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
             raw = f.read(header_bytes)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read: {err}") from err
-    header = _parse_json(raw, path, "corrupted safetensors header")
+    header = parse_json(raw, path, "corrupted safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupted safetensors header (a JSON object was expected)")
     metadata = header.pop("__metadata__", None) or {}
@@ -388,7 +209,7 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
     for index, (name, entry) in enumerate(header.items()):
         if not _is_unicode(name):
             raise CheckpointError(f"{path}: the name of tensor #{index} in the header is not valid "
-                                  f"Unicode ({_short(name)}: a lone surrogate); corrupted "
+                                  f"Unicode ({short(name)}: a lone surrogate); corrupted "
                                   "safetensors header")
         where = f"{path}: tensor {name!r}"
         try:
@@ -398,16 +219,16 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
             if not isinstance(dtype, str):
                 raise TypeError("dtype is not a string")
         except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{where}: malformed header entry {_short(entry)}") from err
+            raise CheckpointError(f"{where}: malformed header entry {short(entry)}") from err
         if dtype not in DTYPE_BYTES:
-            raise CheckpointError(f"{where}: unknown dtype {_short(dtype)}")
+            raise CheckpointError(f"{where}: unknown dtype {short(dtype)}")
         if any(d < 0 for d in shape):
-            raise CheckpointError(f"{where}: negative dimension in shape {_short(list(shape))}")
+            raise CheckpointError(f"{where}: negative dimension in shape {short(list(shape))}")
         expected = tensor_nbytes(shape, dtype)
         if end - begin != expected or begin < 0:
             raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes "
-                                  f"but shape {_short(list(shape))} {dtype} needs "
-                                  f"{_short(expected)}")
+                                  f"but shape {short(list(shape))} {dtype} needs "
+                                  f"{short(expected)}")
         if end > data_bytes:
             raise CheckpointError(f"{where}: data ends at byte {data_start + end} but the file has "
                                   f"only {file_bytes} bytes (truncated file?)")
@@ -435,95 +256,12 @@ def _check_no_overlap(path: Path, tensors: dict) -> None:
                                   f"(corrupted safetensors header)")
 
 
-def _short(value, limit: int = 80) -> str:
-    """repr of a value from a file, cut to one short line (a crafted header may hold
-    megabytes in one field)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
 def _json_ints(value) -> tuple[int, ...]:
     """A JSON list of integers, strictly: int("48") would read a string as a shape and
     int(2.5) would truncate, both turning a corrupted header into a plausible one."""
     if not isinstance(value, list) or not all(type(v) is int for v in value):
         raise TypeError(f"expected a list of integers, got {value!r}")
     return tuple(value)
-
-
-@dataclass(frozen=True)
-class NamingPattern:
-    """How routed-expert tensors are named.
-
-    ``regex`` is matched (``re.fullmatch``) against every tensor name and must have named
-    groups ``layer`` and ``kind``, and ``expert`` when each expert has its own 2-D
-    tensors; without ``expert`` the tensor is fused 3-D with experts along dimension 0.
-    ``kinds`` maps the text of the ``kind`` group to ``gate``, ``up``, ``down`` or
-    ``gate_up`` (fused [E, 2I, H], gate rows first).
-    """
-
-    name: str
-    regex: str
-    kinds: dict[str, str]
-
-    def __post_init__(self):
-        try:
-            compiled = re.compile(self.regex)
-        except re.error as err:
-            raise CheckpointError(f"naming pattern {self.name!r}: bad regex {self.regex!r}: {err}") from err
-        missing = {"layer", "kind"} - set(compiled.groupindex)
-        if missing:
-            raise CheckpointError(f"naming pattern {self.name!r}: the regex needs named groups "
-                                  f"(?P<layer>...) and (?P<kind>...); missing {sorted(missing)}")
-        bad = {v for v in self.kinds.values() if v not in (*KINDS, "gate_up")}
-        if bad:
-            raise CheckpointError(f"naming pattern {self.name!r}: kinds must map to gate, up, down "
-                                  f"or gate_up; got {sorted(bad)}")
-
-    @property
-    def compiled(self) -> re.Pattern:
-        return re.compile(self.regex)
-
-    @property
-    def fused(self) -> bool:
-        return "expert" not in self.compiled.groupindex
-
-
-_ANY_PREFIX = r"(?:.*\.)?"
-BUILTIN_PATTERNS: tuple[NamingPattern, ...] = (
-    NamingPattern("mixtral",
-                  _ANY_PREFIX + r"layers\.(?P<layer>\d+)\.block_sparse_moe\.experts\.(?P<expert>\d+)"
-                  r"\.(?P<kind>w1|w2|w3)\.weight",
-                  {"w1": "gate", "w3": "up", "w2": "down"}),
-    NamingPattern("mlp.experts",
-                  _ANY_PREFIX + r"layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)"
-                  r"\.(?P<kind>gate_proj|up_proj|down_proj)\.weight",
-                  {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
-    NamingPattern("fused",
-                  _ANY_PREFIX + r"layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts"
-                  r"\.(?P<kind>gate_up_proj|down_proj)(?:\.weight)?",
-                  {"gate_up_proj": "gate_up", "down_proj": "down"}),
-)
-_SHARED_RE = re.compile(_ANY_PREFIX + r"layers\.(?P<layer>\d+)\.mlp\.shared_experts?(?:_gate)?\..*")
-_ROUTER_RE = re.compile(_ANY_PREFIX + r"layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
-
-PATTERN_HELP = (
-    "Pass the naming pattern explicitly: on the command line\n"
-    "    --pattern 'model\\.layers\\.(?P<layer>\\d+)\\.moe\\.experts\\.(?P<expert>\\d+)\\.(?P<kind>w1|w2|w3)\\.weight'"
-    " --kinds w1=gate,w3=up,w2=down\n"
-    "or in Python Checkpoint.open(path, pattern=NamingPattern(name, regex, kinds)). The regex "
-    "needs named groups layer and kind, plus expert unless the tensor is fused 3-D [E, rows, cols] "
-    "(then map its kind to gate_up, gate, up or down). See docs/checkpoints.md.")
-
-
-def parse_kind_map(text: str) -> dict[str, str]:
-    """``"w1=gate,w3=up,w2=down"`` -> ``{"w1": "gate", ...}``."""
-    mapping = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        if "=" not in item:
-            raise CheckpointError(f"kind mapping item {item!r} is not NAME=KIND (e.g. w1=gate)")
-        key, value = (s.strip() for s in item.split("=", 1))
-        mapping[key] = value
-    return mapping
 
 
 @dataclass(frozen=True)
@@ -610,7 +348,7 @@ def _config_value(config: dict, *keys: str):
 class Checkpoint:
     """A safetensors checkpoint's tensors (headers only) and its routed experts.
 
-    Open with ``Checkpoint.open(path, pattern=None)``.
+    Open with ``numa_moe.checkpoints.dispatch.open_checkpoint(path, pattern=None)``.
     """
 
     root: Path
@@ -627,19 +365,15 @@ class Checkpoint:
     file_metadata: dict[Path, dict] = field(default_factory=dict)
     quant: QuantInfo | None = None
     # experts in an encoding the store converts while loading (GGUF, FP8 with block
-    # scales): a numa_moe.expert_import.ExpertImport, else None
+    # scales): a numa_moe.checkpoints.expert_import.ExpertImport, else None
     importer: object | None = None
 
     # ---------------------------------------------------------------- opening
     @classmethod
-    def open(cls, path: str | os.PathLike, pattern: NamingPattern | None = None) -> "Checkpoint":
-        """Open a checkpoint by path, or by Hugging Face repo id (``resolve_checkpoint_path``)."""
-        root = resolve_checkpoint_path(path)
-        gguf_file = _gguf_file_of(root)
-        if gguf_file is not None:
-            from numa_moe.gguf_checkpoint import open_gguf
-
-            return open_gguf(gguf_file, pattern)
+    def from_safetensors(cls, root: Path, pattern: NamingPattern | None = None) -> "Checkpoint":
+        """The experts of the safetensors checkpoint at ``root`` (a file, an index or a
+        directory, already resolved); ``numa_moe.checkpoints.dispatch.open_checkpoint``
+        is the way in that also reads GGUF and attaches FP8 block scales."""
         files, tensors, metadata = _read_tensors(root)
         directory = root if root.is_dir() else root.parent
         config = None
@@ -652,10 +386,6 @@ class Checkpoint:
                          file_metadata=metadata)
         checkpoint.quant = _checkpoint_quant(metadata)
         checkpoint._find_experts(pattern)
-        if checkpoint.dtype in FP8_DTYPES:
-            from numa_moe.fp8_checkpoint import attach_fp8_scales
-
-            attach_fp8_scales(checkpoint)
         return checkpoint
 
     @property
@@ -710,7 +440,7 @@ class Checkpoint:
             for m in self.expert_matrices():
                 s = m.scales
                 fd = files.fd(s.tensor.path)
-                read_scales_into(m, np.empty((s.rows, s.cols), dtype=_SCALE_NP[s.dtype]), fd)
+                read_scales_into(m, np.empty((s.rows, s.cols), dtype=NUMPY_DTYPES[s.dtype]), fd)
 
     # ------------------------------------------------------------ recognising
     def _find_experts(self, pattern: NamingPattern | None) -> None:
@@ -726,12 +456,12 @@ class Checkpoint:
                     continue
                 raw_kind = match.group("kind")
                 if raw_kind not in pat.kinds:
-                    raise CheckpointError(f"{info.path}: tensor {_short(name)}: kind "
-                                          f"{_short(raw_kind)} is not in the pattern's kind "
+                    raise CheckpointError(f"{info.path}: tensor {short(name)}: kind "
+                                          f"{short(raw_kind)} is not in the pattern's kind "
                                           f"mapping {pat.kinds}")
                 layer_id = _group_int(match, "layer", pat, info)
                 expert_id = None if pat.fused else _group_int(match, "expert", pat, info)
-                matrices = _matrices_of(info, layer_id, expert_id, pat.kinds[raw_kind])
+                matrices = matrices_of(info, layer_id, expert_id, pat.kinds[raw_kind])
                 matrices = self._quantized(info, matrices, layer_id, expert_id, pat.kinds[raw_kind])
                 for matrix in matrices:
                     key = (matrix.layer, matrix.expert, matrix.kind)
@@ -746,9 +476,9 @@ class Checkpoint:
                 break
             else:
                 # A layer number too long to be one is not a shared expert or router.
-                if _SHARED_RE.fullmatch(name) and _short_layer(_SHARED_RE, name):
+                if SHARED_RE.fullmatch(name) and _short_layer(SHARED_RE, name):
                     shared.append(info)
-                elif _ROUTER_RE.fullmatch(name) and _short_layer(_ROUTER_RE, name):
+                elif ROUTER_RE.fullmatch(name) and _short_layer(ROUTER_RE, name):
                     routers.append(info)
         self.shared_tensors = tuple(shared)
         self.router_tensors = tuple(routers)
@@ -764,7 +494,7 @@ class Checkpoint:
         quant = self.quant
         if quant is None:
             return matrices
-        where = f"{info.path}: tensor {_short(info.name)}"
+        where = f"{info.path}: tensor {short(info.name)}"
         own = _quant_of_metadata(info.path, self.file_metadata.get(info.path, {}))
         if own is None:
             raise CheckpointError(f"{where}: mixed formats: the checkpoint is quantized "
@@ -782,19 +512,19 @@ class Checkpoint:
         name = scale_tensor_name(info.name)
         scale = self.tensors.get(name)
         if scale is None:
-            raise CheckpointError(f"{where}: missing scales: no tensor {_short(name)} in the "
+            raise CheckpointError(f"{where}: missing scales: no tensor {short(name)} in the "
                                   "checkpoint (a quantized expert weight needs its group scales)")
         shape = (*info.shape[:-1], cols // quant.group)
         if scale.shape != shape:
-            raise CheckpointError(f"{scale.path}: tensor {_short(name)} has shape "
+            raise CheckpointError(f"{scale.path}: tensor {short(name)} has shape "
                                   f"{list(scale.shape)}, expected {list(shape)} (the scales of "
                                   f"{list(info.shape)} {info.dtype} {quant.fmt} weights, group "
                                   f"{quant.group})")
         if scale.dtype != SCALE_DTYPE_CODES[quant.scale_dtype]:
-            raise CheckpointError(f"{scale.path}: tensor {_short(name)} is {scale.dtype} but the "
+            raise CheckpointError(f"{scale.path}: tensor {short(name)} is {scale.dtype} but the "
                                   f"metadata says numa_moe.scale_dtype={quant.scale_dtype} "
                                   f"({SCALE_DTYPE_CODES[quant.scale_dtype]})")
-        scales = _matrices_of(scale, layer, None if expert is None else str(expert), kind)
+        scales = matrices_of(scale, layer, None if expert is None else str(expert), kind)
         return [replace(m, cols=cols, quant=quant.fmt, scales=s)
                 for m, s in zip(matrices, scales, strict=True)]
 
@@ -813,10 +543,10 @@ class Checkpoint:
     def _assemble_layers(self, found: dict[tuple[int, int, str], ExpertMatrix]) -> None:
         config = self.config or {}
         e_key, e_config = _config_value(config, "num_local_experts", "num_experts", "n_routed_experts")
-        routers = {int(_ROUTER_RE.fullmatch(t.name).group("layer")): t for t in self.router_tensors}
+        routers = {int(ROUTER_RE.fullmatch(t.name).group("layer")): t for t in self.router_tensors}
         shared_by_layer: dict[int, list[TensorInfo]] = defaultdict(list)
         for t in self.shared_tensors:
-            shared_by_layer[int(_SHARED_RE.fullmatch(t.name).group("layer"))].append(t)
+            shared_by_layer[int(SHARED_RE.fullmatch(t.name).group("layer"))].append(t)
         by_layer = _experts_by_layer(found)
         for layer in sorted(by_layer):
             kinds = by_layer[layer]
@@ -962,12 +692,12 @@ def _group_int(match: re.Match, group: str, pat: NamingPattern, info: TensorInfo
     """The layer or expert number a naming pattern's group matched, as a checked int."""
     text = match.group(group)
     if text is None:
-        raise CheckpointError(f"{info.path}: tensor {_short(info.name)} matches naming pattern "
+        raise CheckpointError(f"{info.path}: tensor {short(info.name)} matches naming pattern "
                               f"{pat.name!r} but its {group!r} group took no part in the match; "
                               f"the group must always match a number")
     if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        raise CheckpointError(f"{info.path}: tensor {_short(info.name)}: naming pattern "
-                              f"{pat.name!r} read {group} {_short(text)}, which is not a "
+        raise CheckpointError(f"{info.path}: tensor {short(info.name)}: naming pattern "
+                              f"{pat.name!r} read {group} {short(text)}, which is not a "
                               "non-negative integer below 10**18")
     return int(text)
 
@@ -999,7 +729,7 @@ def _ranges(values: list[int]) -> str:
     return ",".join(out)
 
 
-def _matrices_of(info: TensorInfo, layer: int, expert: str | None, kind: str) -> list[ExpertMatrix]:
+def matrices_of(info: TensorInfo, layer: int, expert: str | None, kind: str) -> list[ExpertMatrix]:
     """The expert matrices held by one tensor (one, or E of a fused 3-D tensor)."""
     if expert is not None:
         if len(info.shape) != 2 or kind == "gate_up":
@@ -1044,30 +774,6 @@ def _checkpoint_quant(metadata: dict[Path, dict]) -> QuantInfo | None:
     return next(iter(declared), None)
 
 
-def _gguf_file_of(root: Path) -> Path | None:
-    """The GGUF file a checkpoint path names: a ``*.gguf`` file (or any file starting
-    with the GGUF magic), or a directory holding one ``*.gguf`` file and no safetensors;
-    None for safetensors checkpoints."""
-    if root.is_dir():
-        found = sorted(root.glob("*" + GGUF_SUFFIX))
-        if not found or any(root.glob("*.safetensors")):
-            return None
-        if len(found) > 1:
-            raise CheckpointError(f"{root}: holds {len(found)} GGUF files "
-                                  f"({', '.join(p.name for p in found[:4])}); name the one to read "
-                                  "(split GGUF models are not supported: merge them with "
-                                  "llama-gguf-split --merge)")
-        return found[0]
-    if root.name.endswith(GGUF_SUFFIX):
-        return root
-    fd = open_checkpoint_file(root)
-    try:
-        head = os.pread(fd, 4, 0)
-    finally:
-        os.close(fd)
-    return root if head == GGUF_MAGIC else None
-
-
 def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:
     if not root.is_dir():  # a file named on the command line (a FIFO or device is refused)
         if root.name.endswith(".json"):
@@ -1104,7 +810,7 @@ def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], d
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, filename in weight_map.items():
         if not isinstance(filename, str) or not filename:
-            raise CheckpointError(f"{index}: weight_map[{_short(name)}] is {_short(filename)}; "
+            raise CheckpointError(f"{index}: weight_map[{short(name)}] is {short(filename)}; "
                                   "a shard file name (a string) was expected")
         by_file[filename].append(name)
     tensors: dict[str, TensorInfo] = {}
@@ -1113,7 +819,7 @@ def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], d
     for filename in sorted(by_file):
         path = index.parent / filename
         if "/" in filename or "\0" in filename or filename in (".", ".."):
-            raise CheckpointError(f"{index}: shard {_short(filename)} is not a file name inside "
+            raise CheckpointError(f"{index}: shard {short(filename)} is not a file name inside "
                                   f"{index.parent} (an index may only name shards beside it)")
         if not (path.exists() or path.is_symlink()):
             raise CheckpointError(f"{index}: shard {filename!r} (holding e.g. tensor "
@@ -1121,7 +827,7 @@ def _read_index(index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], d
         header, metadata[path] = read_safetensors_header(path)
         for name in by_file[filename]:
             if name not in header:
-                raise CheckpointError(f"{path}: missing tensor {_short(name)} (listed for this "
+                raise CheckpointError(f"{path}: missing tensor {short(name)} (listed for this "
                                       f"file in {index.name})")
             tensors[name] = header[name]
         files.append(path)
@@ -1156,16 +862,6 @@ def read_matrix_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = Non
             os.close(fd)
 
 
-def _scale_np_dtypes() -> dict[str, np.dtype]:
-    import ml_dtypes
-
-    return {"F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
-            "F32": np.dtype(np.float32)}
-
-
-_SCALE_NP = _scale_np_dtypes()
-
-
 def read_scales_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = None) -> None:
     """Copy the group scales of a quantized expert matrix into ``out`` ([rows, cols /
     group], C-contiguous, the scale dtype) and check them: a NaN, infinite or zero scale
@@ -1180,7 +876,7 @@ def read_scales_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = Non
         r, c = (int(i) for i in np.argwhere(bad)[0])
         what = "NaN" if np.isnan(values[r, c]) else "zero" if values[r, c] == 0 else "infinite"
         raise CheckpointError(
-            f"{scales.tensor.path}: tensor {_short(scales.tensor.name)}: {int(bad.sum())} NaN, "
+            f"{scales.tensor.path}: tensor {short(scales.tensor.name)}: {int(bad.sum())} NaN, "
             f"infinite or zero scale(s) for layer {matrix.layer} expert {matrix.expert} "
             f"{matrix.kind} (first: row {r}, group {c} is {what}); scales must be finite and "
             "non-zero")

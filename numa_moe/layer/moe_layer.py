@@ -1,5 +1,5 @@
 """The NUMA-partitioned MoE layer: per-node pinned workers, segment-driven execution,
-cross-node reduction (native core in ``native/workers``).
+cross-node reduction (native core in ``native/engine``, workers in ``native/common``).
 
 ``MoELayer`` holds one MoE layer's routed experts (gate, up ``[I, H]``, down ``[H, I]``
 bf16, row-major as checkpoints store them) and, for every matrix, its segment table:
@@ -31,111 +31,33 @@ multinode test tier) can use it.
 
 from __future__ import annotations
 
-import atexit
-import itertools
 import operator
 import os
 import threading
-import weakref
 from dataclasses import dataclass
-from typing import Sequence
 
-import ml_dtypes
 import numpy as np
 
-from numa_moe import _native, kernels
-from numa_moe.pages import page_bytes_of
+from numa_moe import _native, quant
+from numa_moe.arrays import BF16, as_index_array, bf16_bits, check_cpu_tensors, is_torch
+from numa_moe.formats import KINDS, QUANT_FORMATS, SCALE_DTYPES
+from numa_moe.layer import kernels, registry
+from numa_moe.layer.kernels import weight_operand
+from numa_moe.layer.pools import default_topology, topology_node_cpus, worker_pool
+from numa_moe.layer.store import expert_tables_of, layer_tables
+from numa_moe.placement import memory
+from numa_moe.placement.pages import page_bytes_of
+from numa_moe.placement.tables import buffer_table, check_table_source
 
-__all__ = ["MoELayer", "worker_pool", "shutdown_pools", "topology_node_cpus", "MATRIX_KINDS"]
+__all__ = ["MoELayer", "store_layer_experts"]
 
-MATRIX_KINDS = ("gate", "up", "down")
 OUT_DTYPES = ("bfloat16", "float32")  # of forward_numpy's (and the torch path's) output
 
-# Held weakly: a pool lives while a layer (or another caller) holds it, so layers built
-# over ever new topologies do not leave a pool of threads behind each; the pool's
-# destructor stops its threads.
-_pools: "weakref.WeakValueDictionary[tuple, _native.WorkerPool]" = weakref.WeakValueDictionary()
-_pools_lock = threading.Lock()
-
-
-def worker_pool(node_cpus: Sequence[Sequence[int]], pin: bool = True, spin_us: int = 50):
-    """The worker pool for this list of per-node CPU lists, shared by every caller while
-    one holds it (its threads start on first use and stop when the last holder drops it,
-    or at interpreter exit)."""
-    key = (tuple(tuple(int(c) for c in cpus) for cpus in node_cpus), bool(pin), int(spin_us))
-    with _pools_lock:
-        pool = _pools.get(key)
-        if pool is None:
-            pool = _native.WorkerPool([list(c) for c in key[0]], pin=pin, spin_us=spin_us)
-            _pools[key] = pool
-        return pool
-
-
-@atexit.register
-def shutdown_pools() -> None:
-    """Stops every live pool's threads (registered with atexit; safe to call more than once)."""
-    with _pools_lock:
-        pools = list(_pools.values())
-    for pool in pools:
-        pool.shutdown()
-
-
-def topology_node_cpus(topology) -> tuple[tuple[int, ...], list[list[int]]]:
-    """(node ids, CPU list per node) of a Topology (numa_moe.topology), restricted to the
-    CPUs this process may use; a node without allowed CPUs borrows all allowed CPUs
-    (virtual topologies on small machines share CPUs between nodes)."""
-    allowed = set(getattr(topology, "allowed_cpus", ()) or os.sched_getaffinity(0))
-    node_ids = tuple(topology.node_ids)
-    node_cpus = []
-    for node in node_ids:
-        cpus = [c for c in topology.cpus_of(node) if c in allowed]
-        node_cpus.append(cpus or sorted(allowed))
-    return node_ids, node_cpus
-
-
-def _default_topology():
-    from numa_moe.topology import current_topology
-
-    return current_topology()
-
-
-def _as_bf16_bits(array, what: str) -> np.ndarray:
-    """A uint16 view of bf16 data (numpy bfloat16/uint16/int16 or a torch bf16 tensor)."""
-    if _is_torch(array):
-        import torch
-
-        if array.dtype != torch.bfloat16:
-            raise TypeError(f"{what}: expected torch.bfloat16, got {array.dtype}")
-        if array.device.type != "cpu":
-            raise ValueError(f"{what}: expected a CPU tensor, got device {array.device}")
-        return array.detach().view(torch.int16).numpy().view(np.uint16)
-    array = np.asarray(array)
-    if array.dtype == np.float16 or array.dtype.itemsize != 2:
-        raise TypeError(f"{what}: expected bf16 data (ml_dtypes.bfloat16 or uint16 bits), got dtype {array.dtype}")
-    return array.view(np.uint16)
-
-
-def _weight_operand(w, what: str):
-    """(values, scales or None, format) of an expert matrix for the native layer: bf16
-    bits, or a QuantizedMatrix's int8 / packed int4 values and its scales."""
-    from numa_moe.quant import QuantizedMatrix
-
-    if isinstance(w, QuantizedMatrix):
-        return w.q, w.scales, w.fmt
-    return _as_bf16_bits(w, what), None, "bf16"
-
-
 def _matrix_shape(w, what: str) -> tuple[int, int]:
-    from numa_moe.quant import QuantizedMatrix
-
-    if isinstance(w, QuantizedMatrix):
+    if isinstance(w, quant.QuantizedMatrix):
         return w.shape
-    rows, cols = _as_bf16_bits(w, what).shape
+    rows, cols = bf16_bits(what, w).shape
     return int(rows), int(cols)
-
-
-def _is_torch(obj) -> bool:
-    return type(obj).__module__.startswith("torch")
 
 
 @dataclass(frozen=True)
@@ -145,10 +67,6 @@ class ExpertMatrices:
     gate: np.ndarray
     up: np.ndarray
     down: np.ndarray
-
-
-_layer_ids = itertools.count(1)
-_layers: "weakref.WeakValueDictionary[int, MoELayer]" = weakref.WeakValueDictionary()
 
 
 def _amx_min_tokens(value) -> int:
@@ -177,9 +95,9 @@ class MoELayer:
     experts: sequence of (gate [I, H], up [I, H], down [H, I]) bf16 arrays/tensors, or
         numa_moe.quant.QuantizedMatrix (int8 / int4 with group scales, all three alike).
     tables: per expert a mapping kind -> segment table (anything with ``nodes`` and
-        ``node_array(node)``, e.g. numa_moe.segments.SegmentTable), rows numbered from 0
+        ``node_array(node)``, e.g. numa_moe.placement.segments.SegmentTable), rows numbered from 0
         within the expert's matrix.
-    topology: a numa_moe.topology.Topology (default: current_topology()); its nodes must
+    topology: a numa_moe.placement.topology.Topology (default: current_topology()); its nodes must
         be the tables' nodes. node_cpus=(node_ids, cpu lists) may be given instead.
     """
 
@@ -187,7 +105,7 @@ class MoELayer:
                  amx_min_tokens: int | None = None, pin: bool = True, verify_tables: bool = True, keep_alive=()):
         amx_min_tokens = _amx_min_tokens(amx_min_tokens)
         if node_cpus is None:
-            topology = topology if topology is not None else _default_topology()
+            topology = topology if topology is not None else default_topology()
             node_ids, cpus = topology_node_cpus(topology)
         else:
             node_ids, cpus = tuple(node_cpus[0]), [list(c) for c in node_cpus[1]]
@@ -207,10 +125,10 @@ class MoELayer:
         self._core = _native.MoELayerCore(self.pool, self.hidden, self.intermediate)
         self.weight_format = "bf16"
         for e, (weights, table_set) in enumerate(zip(experts, self.tables)):
-            operands = [_weight_operand(w, f"expert {e} {kind}") for w, kind in zip(weights, MATRIX_KINDS)]
+            operands = [weight_operand(f"expert {e} {kind}", w) for w, kind in zip(weights, KINDS)]
             mats = ExpertMatrices(*(values for values, _, _ in operands))
             segs = {}
-            for kind in MATRIX_KINDS:
+            for kind in KINDS:
                 if kind not in table_set:
                     raise ValueError(f"expert {e}: no table for its {kind} matrix")
                 segs[kind] = self._node_arrays(table_set[kind], f"expert {e} {kind}")
@@ -223,10 +141,9 @@ class MoELayer:
         self.isa = isa if isa is not None else kernels.forced_isa()
         self._core.set_isa(self.isa)
         self._core.set_amx_min_tokens(amx_min_tokens)
-        self.layer_id = next(_layer_ids)
         self.forward_calls = 0  # forwards run, whichever front end called (eager, the op, numpy)
         self._stacked = None
-        _layers[self.layer_id] = self
+        self.layer_id = registry.register(self)
 
     # ---- construction helpers -------------------------------------------------------
 
@@ -250,8 +167,8 @@ class MoELayer:
         """From stacked buffers gate_up [E, 2I, H] (gate rows first, then up) and down
         [E, H, I] and the segment tables of the whole stacked matrices ([E*2I, H] and
         [E*H, I]); expert tables are their row slices."""
-        gate_up_bits = _as_bf16_bits(gate_up, "gate_up")
-        down_bits = _as_bf16_bits(down, "down")
+        gate_up_bits = bf16_bits("gate_up", gate_up)
+        down_bits = bf16_bits("down", down)
         _check_stacked(gate_up_bits.shape, down_bits.shape)
         E, two_i, H = gate_up_bits.shape
         I = two_i // 2
@@ -277,19 +194,15 @@ class MoELayer:
 
         Weights: stacked ``gate_up`` [E, 2I, H] + ``down`` [E, H, I], or ``gate``/``up``
         [E, I, H] (stacked or lists of [I, H]) + ``down`` (stacked or a list of [H, I]).
-        tables="measured": from the page map the kernel reports (numa_moe.memory.page_map);
+        tables="measured": from the page map the kernel reports (numa_moe.placement.memory.page_map);
         tables="theoretical": from the interleave rule with the given phase (virtual
         topologies, where the memory is not really on those nodes). weight_format "int8" or
         "int4" quantizes the experts while copying (numa_moe.quant: group-wise symmetric,
         ``group`` columns per scale, scales in ``scale_dtype``)."""
-        from numa_moe import memory, quant
-        from numa_moe.segments import SegmentTable
-
         quant.check_arguments(weight_format=weight_format, group=group, scale_dtype=scale_dtype,
-                              formats=("bf16", *quant.QUANT_FORMATS))
-        if tables not in ("measured", "theoretical"):
-            raise ValueError(f"tables must be 'measured' or 'theoretical', got {tables!r}")
-        topology = topology if topology is not None else _default_topology()
+                              formats=("bf16", *QUANT_FORMATS))
+        check_table_source(tables)
+        topology = topology if topology is not None else default_topology()
         gate_up_np, down_np = _stack_inputs(gate_up, down, gate, up)
         E, two_i, H = gate_up_np.shape
         I = two_i // 2
@@ -303,12 +216,8 @@ class MoELayer:
         dst_gate_up.view(np.uint16)[...] = gate_up_np
         dst_down.view(np.uint16)[...] = down_np
         page_bytes = page_bytes_of(page)
-        if tables == "measured" and not topology.is_virtual:
-            t_gu = _measured_table(dst_gate_up, E * two_i, H, SegmentTable, memory)
-            t_d = _measured_table(dst_down, E * H, I, SegmentTable, memory)
-        else:
-            t_gu = SegmentTable.theoretical(E * two_i, H, "bf16", page_bytes, node_ids, phase=phase)
-            t_d = SegmentTable.theoretical(E * H, I, "bf16", page_bytes, node_ids, phase=phase)
+        t_gu = buffer_table(dst_gate_up, E * two_i, H, "bf16", topology, page_bytes, tables=tables, phase=phase)
+        t_d = buffer_table(dst_down, E * H, I, "bf16", topology, page_bytes, tables=tables, phase=phase)
         return cls.from_stacked(dst_gate_up, dst_down, t_gu, t_d, topology=topology, **kwargs)
 
     @classmethod
@@ -316,9 +225,6 @@ class MoELayer:
                         scale_dtype, **kwargs) -> "MoELayer":
         """from_tensors for integer formats: each expert matrix quantized into interleaved
         value and scale buffers stacked like the bf16 ones; tables of the value buffers."""
-        from numa_moe import memory, quant
-        from numa_moe.segments import SegmentTable
-
         E, two_i, H = gate_up_bits.shape
         I = two_i // 2
         per_byte = 2 if fmt == "int4" else 1
@@ -326,22 +232,20 @@ class MoELayer:
 
         def stacked(rows, cols):
             values = memory.interleaved_empty((E, rows, cols // per_byte), value_dtype, nodes=alloc_nodes, page=page)
-            scales = memory.interleaved_empty((E, rows, cols // group), quant.SCALE_DTYPES[scale_dtype],
+            scales = memory.interleaved_empty((E, rows, cols // group), SCALE_DTYPES[scale_dtype],
                                               nodes=alloc_nodes, page=page)
             return values, scales
 
         (gu_q, gu_s), (d_q, d_s) = stacked(two_i, H), stacked(H, I)
         for e in range(E):
             for src, values, scales in ((gate_up_bits[e], gu_q[e], gu_s[e]), (down_bits[e], d_q[e], d_s[e])):
-                qm = quant.quantize(src.view(ml_dtypes.bfloat16), fmt, group, scale_dtype)
+                qm = quant.quantize(src.view(BF16), fmt, group, scale_dtype)
                 values[...] = qm.q
                 scales[...] = qm.scales
         page_bytes = page_bytes_of(page)
 
         def table(values, rows, cols):
-            if tables == "measured" and not topology.is_virtual:
-                return _measured_table(values, rows, cols, SegmentTable, memory, fmt)
-            return SegmentTable.theoretical(rows, cols, fmt, page_bytes, tuple(topology.node_ids), phase=phase)
+            return buffer_table(values, rows, cols, fmt, topology, page_bytes, tables=tables, phase=phase)
 
         t_gu, t_d = table(gu_q, E * two_i, H), table(d_q, E * H, I)
         experts, expert_tables = [], []
@@ -357,12 +261,12 @@ class MoELayer:
 
     @classmethod
     def from_store(cls, store, layer: int, *, topology=None, **kwargs) -> "MoELayer":
-        """From one layer of a loaded numa_moe.store.ExpertStore: its interleaved buffers
+        """From one layer of a loaded numa_moe.layer.store.ExpertStore: its interleaved buffers
         (no copy) and the tables it measured. Under a virtual topology (node ids the
         store's memory is not really on) the tables are the interleave rule over the
         virtual nodes instead, so the partitioned code path runs as it would on a real
         machine with that many nodes."""
-        topology = topology if topology is not None else _default_topology()
+        topology = topology if topology is not None else default_topology()
         experts, tables, keep = store_layer_experts(store, layer, topology)
         kwargs.setdefault("keep_alive", keep)
         return cls(experts, tables, topology=topology, **kwargs)
@@ -375,20 +279,20 @@ class MoELayer:
         With torch input the call goes through the custom op numa_moe::moe_forward while
         torch.compile traces it; in eager mode it runs the op's body directly (the
         dispatcher would add tens of microseconds per call and nothing else)."""
-        if not _is_torch(hidden):
+        if not is_torch(hidden):
             return self.forward_numpy(hidden, topk_ids, topk_weights)
         import torch
 
-        from numa_moe import ops  # registers the op (torch.ops.numa_moe.moe_forward)
+        from numa_moe.layer import op as ops  # registers the op (torch.ops.numa_moe.moe_forward)
 
         # the op takes tensors only; routing from numpy or lists is converted (zero copy
         # for numpy) rather than failing inside the dispatcher
-        topk_ids = topk_ids if _is_torch(topk_ids) else torch.as_tensor(np.asarray(topk_ids))
-        topk_weights = topk_weights if _is_torch(topk_weights) else torch.as_tensor(np.asarray(topk_weights))
+        topk_ids = topk_ids if is_torch(topk_ids) else torch.as_tensor(np.asarray(topk_ids))
+        topk_weights = topk_weights if is_torch(topk_weights) else torch.as_tensor(np.asarray(topk_weights))
         if torch.compiler.is_compiling():
             check_cpu_tensors(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights)
             return ops.moe_forward(hidden, topk_ids, topk_weights, self.layer_id)
-        return self._forward_torch(hidden, topk_ids, topk_weights)
+        return self.forward_torch(hidden, topk_ids, topk_weights)
 
     __call__ = forward
 
@@ -397,7 +301,7 @@ class MoELayer:
         # through them since the last step), where every Python-level call costs
         # microseconds: the usual input (arrays already of the native dtypes) skips the
         # Python-level conversions; the native layer checks every input the same way.
-        if not (type(hidden) is np.ndarray and hidden.dtype is _BF16 and out_dtype in OUT_DTYPES
+        if not (type(hidden) is np.ndarray and hidden.dtype is BF16 and out_dtype in OUT_DTYPES
                 and _is_native_array(topk_ids, _INT64) and _is_native_array(topk_weights, _FLOAT32)):
             _check_out_dtype(out_dtype)
             hidden = self._check_hidden(np.asarray(hidden))
@@ -406,12 +310,14 @@ class MoELayer:
             out = np.empty(hidden.shape, dtype=np.float32)
             out_native = out
         else:
-            out = np.empty(hidden.shape, dtype=_BF16)
+            out = np.empty(hidden.shape, dtype=BF16)
             out_native = out.view(np.uint16)
         self._run(hidden.view(np.uint16), topk_ids, topk_weights, out_native)
         return out
 
-    def _forward_torch(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16"):
+    def forward_torch(self, hidden, topk_ids, topk_weights, out_dtype="bfloat16"):
+        """``forward`` for torch tensors, run directly: the body of the custom op
+        (``numa_moe.layer.op``), which eager calls skip."""
         import torch
 
         _check_out_dtype(out_dtype)
@@ -435,19 +341,18 @@ class MoELayer:
         self._run(x, ids, weights, out.numpy() if out_dtype == "float32" else out.view(torch.int16).numpy())
         return out
 
-    def _check_hidden(self, x: np.ndarray, is_bits: bool = False) -> np.ndarray:
+    def _check_hidden(self, x: np.ndarray) -> np.ndarray:
         # Shape and layout are checked natively (native/bindings/checks.cpp); here only
         # what the bf16 bit view needs.
-        if not is_bits:
-            if x.dtype.itemsize != 2 or x.dtype == np.float16:
-                raise TypeError(f"hidden: expected bf16, got dtype {x.dtype}")
+        if x.dtype.itemsize != 2 or x.dtype == np.float16:
+            raise TypeError(f"hidden: expected bf16, got dtype {x.dtype}")
         return x
 
     def _check_routing(self, topk_ids, weights: np.ndarray):
         """(ids int64, weights float32), both C-contiguous; topk_ids: integers of any width
         (numpy, torch or nested lists). Shapes, id ranges and finite weights are checked
         natively, against this layer."""
-        ids = kernels.as_index_array("topk_ids", topk_ids)
+        ids = as_index_array("topk_ids", topk_ids)
         if weights.dtype.kind != "f":
             raise TypeError(f"topk_weights: expected a floating dtype, got {weights.dtype}")
         if weights.dtype != np.float32 or not weights.flags.c_contiguous:
@@ -462,6 +367,13 @@ class MoELayer:
             self.forward_calls += 1
 
     # ---- introspection ---------------------------------------------------------------
+
+    @property
+    def core(self):
+        """The native layer (``numa_moe._native.MoELayerCore``) this one drives: its
+        ``forward`` without the Python checks and conversions, for timing the native part
+        of a call (``numa-moe bench app``)."""
+        return self._core
 
     def stacked_weights(self):
         """(gate_up [E, 2I, H], down [E, H, I]), the bf16 buffers the layer computes from
@@ -488,12 +400,9 @@ class MoELayer:
     def isa_for_tokens(self, m: int) -> str:
         return self._core.isa_for_tokens(int(m), self.weight_format) if self.isa is None else self.isa
 
-    def weight_bytes(self) -> int:
-        return self.n_experts * 3 * self.hidden * self.intermediate * 2
-
     def expert_weight_bytes_per_node(self, expert: int) -> dict[int, int]:
         total = np.zeros(len(self.node_ids), dtype=np.int64)
-        for kind in MATRIX_KINDS:
+        for kind in KINDS:
             total += np.asarray(self._core.node_bytes(expert, kind), dtype=np.int64)
         return {node: int(b) for node, b in zip(self.node_ids, total)}
 
@@ -523,40 +432,20 @@ def _check_thread_backend() -> None:
                       "Python (docs/architecture.md, 'Threads')", RuntimeWarning, stacklevel=3)
 
 
-def check_cpu_tensors(**tensors) -> None:
-    """Raises ValueError naming the first argument that is not a CPU tensor. The custom
-    op's dispatcher picks the fake (meta) implementation when any input is a meta
-    tensor, which would hand back an uninitialised CPU tensor for a CPU ``hidden``."""
-    for name, tensor in tensors.items():
-        device = getattr(tensor, "device", None)
-        if device is not None and device.type != "cpu":
-            raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
-
-
 def _reset_locks_in_child() -> None:
-    """After fork() the child has only the forking thread: a lock that another thread of
-    the parent held (a layer inside forward, a pool being made) would stay locked for
-    good, so the child starts with fresh ones. The native pools restart their threads in
-    the child by themselves."""
-    global _pools_lock
-    _pools_lock = threading.Lock()
-    for layer in list(_layers.values()):
-        layer._lock = threading.Lock()
+    """After fork() the child has only the forking thread: the lock of a layer another
+    thread of the parent was running would stay locked for good, so the child's layers
+    start with fresh ones (numa_moe.layer.pools does the same for its own lock)."""
+    for layer in registry.live_layers():
+        if isinstance(layer, MoELayer):
+            layer._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 
-def get_layer(layer_id: int) -> MoELayer:
-    layer = _layers.get(int(layer_id))
-    if layer is None:
-        raise ValueError(f"no live MoELayer with id {layer_id}")
-    return layer
-
-
 # ---- helpers ------------------------------------------------------------------------
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 _INT64 = np.dtype(np.int64)
 _FLOAT32 = np.dtype(np.float32)
 
@@ -585,13 +474,13 @@ def _check_stacked(gate_up_shape, down_shape) -> None:
 def _stack_inputs(gate_up, down, gate, up):
     def stack(parts, what):
         if isinstance(parts, (list, tuple)):
-            arrays = [_as_bf16_bits(p, f"{what}[{i}]") for i, p in enumerate(parts)]
+            arrays = [bf16_bits(f"{what}[{i}]", p) for i, p in enumerate(parts)]
             for i, a in enumerate(arrays[1:], 1):
                 if a.shape != arrays[0].shape:
                     raise ValueError(f"{what}[{i}] has shape {list(a.shape)} but {what}[0] has "
                                      f"{list(arrays[0].shape)}: all experts must share one shape")
             return np.stack(arrays)
-        return _as_bf16_bits(parts, what)
+        return bf16_bits(what, parts)
 
     if down is None:
         raise ValueError("down weights are required")
@@ -611,27 +500,19 @@ def _stack_inputs(gate_up, down, gate, up):
     return gate_up_np, down_np
 
 
-def _measured_table(buffer, rows, cols, SegmentTable, memory, fmt: str = "bf16"):
-    pm = memory.page_map(buffer)
-    return SegmentTable.from_page_map(rows, cols, fmt, pm.nodes, pm.page_bytes, offset_bytes=pm.offset_bytes)
-
-
 def store_layer_experts(store, layer, topology):
     """(experts, tables, keep_alive) of one ExpertStore layer: the experts are views of
     the store's stacked buffers (with their scales, as numa_moe.quant.QuantizedMatrix, for
     an int8 / int4 store) and their tables row slices of the stack's tables, both cut
-    where the store's layout (numa_moe.store.expert_rows) puts each expert."""
-    from numa_moe.quant import QuantizedMatrix
-    from numa_moe.store import expert_tables_of, layer_tables
-
+    where the store's layout (numa_moe.layer.store.expert_rows) puts each expert."""
     n_experts = store.n_experts
     experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
     if store.quantized:
-        experts = [tuple(QuantizedMatrix(store.weight_format, store.group, values, scales)
+        experts = [tuple(quant.QuantizedMatrix(store.weight_format, store.group, values, scales)
                          for values, scales in zip(matrices, store.expert_scales(layer, e)))
                    for e, matrices in enumerate(experts)]
     node_ids = tuple(topology.node_ids)
-    store_nodes = {int(n) for kind in MATRIX_KINDS for n in store.table(layer, kind).nodes}
+    store_nodes = {int(n) for kind in KINDS for n in store.table(layer, kind).nodes}
     if not getattr(topology, "is_virtual", False):
         if not store_nodes <= set(node_ids):
             raise ValueError(f"layer {layer}: the store's memory is on nodes {sorted(store_nodes)}, "
@@ -640,9 +521,9 @@ def store_layer_experts(store, layer, topology):
     else:
         fmt = store.table(layer, "gate").fmt
         stacked = layer_tables(store.dims, node_ids, store.page_bytes, fmt, group=store.group,
-                               scale_fmt=store.scale_dtype or "fp32")
+                               scale_dtype=store.scale_dtype or "fp32")
         tables = [expert_tables_of(stacked, store.dims, e) for e in range(n_experts)]
-    keep = tuple(store.weights(layer, kind) for kind in MATRIX_KINDS)
+    keep = tuple(store.weights(layer, kind) for kind in KINDS)
     if store.quantized:
-        keep += tuple(store.scales(layer, kind) for kind in MATRIX_KINDS)
+        keep += tuple(store.scales(layer, kind) for kind in KINDS)
     return experts, tables, keep

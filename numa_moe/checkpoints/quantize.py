@@ -11,7 +11,7 @@ their names and tensors, the index is rewritten, and the other files of the dire
 
 Quantization is ``numa_moe.quant.quantize``, expert matrix by expert matrix (one matrix
 in float32 at a time, also for fused 3-D tensors). The output is built in a temporary
-sibling directory and swapped in whole (``synthetic.building_directory``, the helper
+sibling directory and swapped in whole (``writer.building_directory``, the helper
 ``make-checkpoint`` uses): an error or an interrupt leaves OUT as it was.
 """
 
@@ -27,13 +27,13 @@ from typing import Iterable
 import numpy as np
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import (FLOAT_FORMATS, QUANT_DTYPES, QUANT_METADATA, SCALE_DTYPE_CODES,
-                                 Checkpoint, CheckpointError, ExpertMatrix, NamingPattern,
-                                 OpenFiles, TensorInfo, byte_progress, open_checkpoint_file,
-                                 overlapping_source,
-                                 read_matrix_into, read_safetensors_header, scale_tensor_name)
-from numa_moe.synthetic import (NUMPY_DTYPES, TensorPlan, building_directory, check_replaceable,
-                                write_safetensors)
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.checkpoints.naming import NamingPattern
+from numa_moe.checkpoints.safetensors import (QUANT_METADATA, Checkpoint, ExpertMatrix, TensorInfo, overlapping_source, read_matrix_into, read_safetensors_header, scale_tensor_name)
+from numa_moe.checkpoints.writer import TensorPlan, building_directory, check_replaceable, write_safetensors
+from numa_moe.files import CheckpointError, OpenFiles, byte_progress, open_checkpoint_file
+from numa_moe.formats import (DEFAULT_GROUP, FLOAT_FORMATS, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPE_CODES,
+                              SCALE_DTYPES)
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
 
@@ -72,8 +72,8 @@ def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int,
 def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> None:
     if fmt not in QUANT_DTYPES:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(QUANT_DTYPES)}")
-    if group not in q.GROUPS:
-        raise ValueError(f"group {group} is not one of {', '.join(map(str, q.GROUPS))}")
+    if group not in GROUPS:
+        raise ValueError(f"group {group} is not one of {', '.join(map(str, GROUPS))}")
     if scale_dtype not in SCALE_DTYPE_CODES:
         raise ValueError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPE_CODES)}")
     if ck.importer is not None:
@@ -94,7 +94,7 @@ def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> No
                              "int4 packs two columns per byte and needs an even count")
         if cols % group:
             raise ValueError(f"{ck.root}: group {group} does not divide the {cols} columns of the "
-                             f"{kind} matrices; choose a group from {', '.join(map(str, q.GROUPS))} "
+                             f"{kind} matrices; choose a group from {', '.join(map(str, GROUPS))} "
                              f"that divides {cols}")
 
 
@@ -107,7 +107,7 @@ def _check_output(ck: Checkpoint, out: Path, overwrite: bool) -> None:
 
 
 def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str | os.PathLike,
-                        fmt: str = "int8", group: int = q.DEFAULT_GROUP, scale_dtype: str = "fp16",
+                        fmt: str = "int8", group: int = DEFAULT_GROUP, scale_dtype: str = "fp16",
                         overwrite: bool = False, progress: bool = True,
                         pattern: NamingPattern | None = None) -> QuantizeResult:
     """Write the quantized copy of ``checkpoint`` into the directory ``output``.
@@ -117,9 +117,9 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
     NaN/Inf weights, an ``output`` that contains or lies inside a file or directory of the
     source (links resolved), and an ``output`` that is not empty unless it holds exactly
     an earlier numa-moe output and ``overwrite`` is given
-    (``synthetic.check_replaceable``).
+    (``writer.check_replaceable``).
     """
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, pattern=pattern)
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, pattern=pattern)
     _check_request(ck, fmt, group, scale_dtype)
     out = Path(output)
     _check_output(ck, out, overwrite)
@@ -183,7 +183,7 @@ def _shard_plans(path: Path, infos: list[TensorInfo], ck: Checkpoint,
                                       "it would collide with the scales of "
                                       f"{info.name!r}")
             scale_plan = TensorPlan(scale_name, (*info.shape[:-1], cols // group),
-                                    q.SCALE_DTYPES[scale_dtype], 1)
+                                    SCALE_DTYPES[scale_dtype], 1)
             plans += [plan, scale_plan]
             sources[plan.name] = ("values", info)
             sources[scale_plan.name] = ("scales", info)

@@ -10,7 +10,7 @@ The pieces:
 * :class:`Machine`: nodes, cores per node, the read bandwidth of every (reading node,
   memory node) pair, per-core compute peaks per ISA and weight format, and the kernel's
   efficiency (fraction of the read bandwidth it achieves). Built-in files live in
-  ``numa_moe/machines/*.json``; :func:`load_machine` reads a name or a path and refuses a
+  ``numa_moe/apps/machines/*.json``; :func:`load_machine` reads a name or a path and refuses a
   bad file with a one-line :class:`MachineFormatError`.
 * :class:`Workload`: expert shapes (from ``synthetic.MODEL_SPECS`` or a checkpoint's
   headers), weight format, page size, layers.
@@ -36,9 +36,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import CheckpointError, open_checkpoint_file, read_json_file
-from numa_moe.pages import page_name
-from numa_moe.segments import SegmentTable, weight_format
+from numa_moe.files import CheckpointError, open_checkpoint_file, read_json_file
+from numa_moe.formats import weight_format
+from numa_moe.placement.pages import page_name
+from numa_moe.placement.segments import SegmentTable
 
 __all__ = [
     "MACHINE_SCHEMA", "MachineFormatError", "Machine", "machine_from_dict", "load_machine",
@@ -87,9 +88,6 @@ class Machine:
     layer_overhead_us: float = 0.0   # fixed cost of one layer step (calls, barriers)
     description: str = ""
     source: str = ""
-
-    def local_gbps(self, node: int) -> float:
-        return self.read_gbps[node][node]
 
     def peak(self, fmt: str, isa: str | None = None) -> float:
         isa = isa or self.isa
@@ -206,7 +204,7 @@ class Workload:
     fmt: str = "bf16"
     page: str = "4k"
     group: int = 128          # scale group (int8/int4)
-    scale_fmt: str = "fp32"
+    scale_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -220,7 +218,7 @@ class Workload:
 
     @property
     def dims(self):
-        from numa_moe.checkpoint import ModelDims
+        from numa_moe.checkpoints.safetensors import ModelDims
 
         return ModelDims(self.hidden, self.intermediate, self.n_experts, self.top_k)
 
@@ -229,7 +227,7 @@ class Workload:
         bits = weight_format(self.fmt).bits_per_element
         total = 3 * self.hidden * self.intermediate * bits // 8
         if self.fmt in ("int8", "int4"):
-            sbits = weight_format(self.scale_fmt).bits_per_element
+            sbits = weight_format(self.scale_dtype).bits_per_element
             total += (2 * self.intermediate * (self.hidden // self.group)
                       + self.hidden * (self.intermediate // self.group)) * sbits // 8
         return total
@@ -238,7 +236,7 @@ class Workload:
 def workload_like(like: str, fmt: str = "bf16", page: str = "4k", layers: int | None = None,
                   experts: int | None = None) -> Workload:
     """The routed experts of a published model (synthetic.MODEL_SPECS), all its layers."""
-    from numa_moe.synthetic import MODEL_SPECS
+    from numa_moe.checkpoints.synthetic import MODEL_SPECS
 
     if like not in MODEL_SPECS:
         raise ValueError(f"unknown model {like!r}; known: {', '.join(MODEL_SPECS)}")
@@ -249,9 +247,10 @@ def workload_like(like: str, fmt: str = "bf16", page: str = "4k", layers: int | 
 
 def workload_from_checkpoint(path, fmt: str = "bf16", page: str = "4k", layers: int | None = None) -> Workload:
     """Expert shapes and MoE layer count from a checkpoint's headers (no weights read)."""
-    from numa_moe.checkpoint import Checkpoint
+    from numa_moe.checkpoints.safetensors import Checkpoint
+    from numa_moe.checkpoints.dispatch import open_checkpoint
 
-    ckpt = Checkpoint.open(path)
+    ckpt = open_checkpoint(path)
     d = ckpt.dims
     return Workload(Path(path).name, d.hidden_size, d.intermediate_size, d.n_experts, int(d.top_k or 2),
                     layers or len(ckpt.layer_ids), fmt, page_name(page))
@@ -433,12 +432,12 @@ def layer_accounting(workload: Workload, n_nodes: int, tables: Mapping[str, Segm
     """Bytes per policy for one layer over ``n_nodes`` nodes. ``tables`` default to the
     theoretical tables of the stacked buffers (store.layer_tables, phase 0); give the
     tables of real buffers (ExpertStore.table, measured) to account for those instead."""
-    from numa_moe.store import buffer_shape, layer_tables
+    from numa_moe.layer.store import buffer_shape, layer_tables
 
     w = workload
     N, E, H, I = n_nodes, w.n_experts, w.hidden, w.intermediate
     if tables is None:
-        tables = layer_tables(w.dims, N, w.page, w.fmt, w.group, w.scale_fmt)
+        tables = layer_tables(w.dims, N, w.page, w.fmt, w.group, w.scale_dtype)
     kinds = [k for k in tables if k.split("_")[0] in ("gate", "up", "down")]
     reads = {p: np.zeros((E, N, N), dtype=np.int64) for p in ("a", "b", "c", "d")}
     reduce = {p: np.zeros(E, dtype=np.int64) for p in POLICIES}
@@ -553,7 +552,7 @@ def _check_draws(tokens: Sequence[int], samples: int, seed: int, workload: Workl
     """Refuses token counts below 1, a seed numpy does not take, a Zipf exponent that is
     not a finite number >= 0 (it would turn every time into NaN) and draws that do not fit
     in memory (memory.check_fits), before any is drawn."""
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
@@ -722,10 +721,10 @@ def measure_machine(read_mib: int = 256, tries: int = 5, cross_gbps: float | Non
     import statistics
     import time
 
-    from numa_moe import memory, topology as topo_mod
-    from numa_moe.benchmarking import native_loops
-    from numa_moe.benchmarking.kernels import measure_peak_gflop_s, random_bf16_bits, random_weights
-    from numa_moe.kernels import default_isa
+    from numa_moe.placement import memory, topology as topo_mod
+    from numa_moe.apps.benchmarking import native_loops
+    from numa_moe.apps.benchmarking.kernels import measure_peak_gflop_s, random_bf16_bits, random_weights
+    from numa_moe.layer.kernels import default_isa
 
     topo = topo_mod.current_topology()
     node_ids = list(topo.node_ids)
@@ -825,9 +824,9 @@ def validate_run(checkpoint, tokens=(1, 2, 4), node_counts=(1, 2), steps: int = 
     the prediction uses it; ``kernel_efficiency`` defaults to DEFAULT_KERNEL_EFFICIENCY."""
     import statistics
 
-    from numa_moe import moe_run
-    from numa_moe.benchmarking import native_loops
-    from numa_moe.kernels import default_isa
+    from numa_moe.apps import run as moe_run
+    from numa_moe.apps.benchmarking import native_loops
+    from numa_moe.layer.kernels import default_isa
 
     eff = DEFAULT_KERNEL_EFFICIENCY if kernel_efficiency is None else kernel_efficiency
     threads = native_loops.affinity_cpu_count()
@@ -836,7 +835,7 @@ def validate_run(checkpoint, tokens=(1, 2, 4), node_counts=(1, 2), steps: int = 
     accounting = {n: layer_accounting(workload, n) for n in node_counts}
     peak = None
     if isa in native_loops.PEAK_INSTRUCTIONS:
-        from numa_moe.benchmarking.kernels import measure_peak_gflop_s
+        from numa_moe.apps.benchmarking.kernels import measure_peak_gflop_s
 
         peak = measure_peak_gflop_s(isa, threads, seconds=0.05, tries=3)
     peak_per_core = peak.best / threads if peak else 50.0

@@ -26,17 +26,18 @@ import time
 
 import numpy as np
 
-from numa_moe import _native, memory
-from numa_moe.benchmarking.layer import BENCH_MODELS, check_arguments, fill_bf16
-from numa_moe.moe import MoELayer
-from numa_moe.moe_run import random_routing
+from numa_moe import _native
+from numa_moe.apps.benchmarking.layer import BENCH_MODELS, check_arguments, fill_bf16
+from numa_moe.apps.run import random_routing
+from numa_moe.layer.moe_layer import MoELayer
+from numa_moe.placement import memory
 
 TINY = (8, 8, 256, 128)  # experts, top_k, hidden, intermediate
 
 
 def _layer(n_experts: int, hidden: int, inter: int, rng: np.random.Generator, isa=None):
-    from numa_moe.segments import SegmentTable
-    from numa_moe.topology import Topology, current_topology
+    from numa_moe.placement.segments import SegmentTable
+    from numa_moe.placement.topology import Topology, current_topology
 
     base = current_topology()
     topo = Topology.virtual(1, base) if base.is_virtual or len(base.node_ids) > 1 else base
@@ -142,7 +143,7 @@ def overhead_row(rng, calls: int = 2000) -> dict:
     import ml_dtypes
     import torch
 
-    from numa_moe import kernels
+    from numa_moe.layer import kernels
 
     n_experts, top_k, hidden, inter = TINY
     layer, gate_up, down = _layer(n_experts, hidden, inter, rng)
@@ -160,7 +161,7 @@ def overhead_row(rng, calls: int = 2000) -> dict:
         return _median_us([_timed(fn) for _ in range(calls)])
 
     row = {"layer_us": median_us(lambda: layer(x, ids, weights)),
-           "layer_native_us": median_us(lambda: layer._core.forward(x_bits, ids.numpy(), weights.numpy(), out)),
+           "layer_native_us": median_us(lambda: layer.core.forward(x_bits, ids.numpy(), weights.numpy(), out)),
            "expert_ffn_us": median_us(lambda: kernels.expert_ffn(xe, wg, wu, wd, out=ye)),
            "threads": len(os.sched_getaffinity(0)), "thread_backend": _native.thread_backend()}
     del layer, gate_up, down

@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from numa_moe import kernels, memory, quant
-from numa_moe.benchmarking import native_loops
-from numa_moe.benchmarking.yardsticks import (
+from numa_moe import quant
+from numa_moe.apps.benchmarking import native_loops
+from numa_moe.apps.benchmarking.yardsticks import (
     MEASUREMENT_NOTE,
     Yardstick,
     busy_warning,
@@ -38,7 +38,10 @@ from numa_moe.benchmarking.yardsticks import (
     l3_bytes,
     ratio_cell,
 )
-from numa_moe.pages import page_name
+from numa_moe.formats import QUANT_FORMATS
+from numa_moe.layer import kernels
+from numa_moe.placement import memory
+from numa_moe.placement.pages import page_name
 
 # Routed-expert shapes (hidden H, intermediate I) from the models' published configs.
 SHAPES: dict[str, tuple[int, int]] = {
@@ -322,7 +325,7 @@ def _checked_arguments(shapes, page, min_seconds, isa, weight_format, group, rep
                          f"got {min_seconds!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    quant.check_arguments(weight_format=weight_format, formats=("bf16",) + quant.QUANT_FORMATS)
+    quant.check_arguments(weight_format=weight_format, formats=("bf16",) + QUANT_FORMATS)
     if weight_format != "bf16":
         quant.check_arguments(group=group)
     available = kernels.available_isas() if weight_format == "bf16" else kernels.available_isas(weight_format)

@@ -43,12 +43,12 @@ from pathlib import Path
 import numpy as np
 
 from numa_moe import quant as q
-from numa_moe.checkpoint import (KINDS, Checkpoint, CheckpointError, ExpertLayer, ExpertMatrix,
-                                 ModelDims, TensorInfo, _short, open_checkpoint_file,
-                                 read_matrix_into)
-from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe.checkpoints.safetensors import Checkpoint, ExpertLayer, ExpertMatrix, ModelDims, TensorInfo, read_matrix_into
+from numa_moe.files import CheckpointError, open_checkpoint_file, short
+from numa_moe.formats import KINDS
 
-__all__ = ["open_gguf", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
+__all__ = ["open_gguf", "gguf_file_of", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
            "MAX_TENSORS", "MAX_METADATA_KEYS"]
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.weight")
@@ -74,6 +74,8 @@ MAX_METADATA_ELEMENTS = 4_000_000
 MAX_METADATA_KEYS = 4_096
 MAX_TENSORS = 16_384
 GGUF_VERSIONS = (2, 3)
+GGUF_SUFFIX = ".gguf"
+GGUF_MAGIC = b"GGUF"
 # GGUF value type -> bytes of a scalar of it; 8 (string) and 9 (array) are variable
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
@@ -189,7 +191,7 @@ class _Layout:
     def header(self) -> tuple[int, int, int]:
         """(tensor count, metadata entry count, end of the header), checked."""
         magic = bytes(self.data[:4])
-        if magic != b"GGUF":
+        if magic != GGUF_MAGIC:
             raise CheckpointError(f"{self.path}: not a readable GGUF file: it starts with "
                                   f"{magic!r}, not the GGUF magic b'GGUF'")
         version = self.uint(4, 4, "the GGUF version")
@@ -264,14 +266,14 @@ class _Layout:
         tensors, keys, at = self.header()
         for i in range(keys):
             end = self.string(at, f"the key of metadata entry #{i}", _MAX_KEY_BYTES)
-            key = f"metadata {_short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))}"
+            key = f"metadata {short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))}"
             vtype = self.uint(end, 4, f"the value type of {key}")
             at = self.value(end + 4, vtype, key)
             if vtype == _ARRAY:
                 self.array_bytes[end + 4] = at - (end + 4)
         for i in range(tensors):
             end = self.string(at, f"the name of tensor #{i}", _MAX_KEY_BYTES)
-            where = f"tensor #{i} ({_short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))})"
+            where = f"tensor #{i} ({short(bytes(self.data[at + 8:end]).decode('utf-8', 'replace'))})"
             n_dims = self.uint(end, 4, f"the dimension count of {where}")
             if not 1 <= n_dims <= _MAX_DIMS:
                 raise CheckpointError(f"{self.path}: {where} has {n_dims} dimensions (GGUF allows "
@@ -297,8 +299,8 @@ def _check_tensor_field(field, data_start: int, file_bytes: int, path: Path) -> 
         name = bytes(name_data).decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: a tensor name is not UTF-8 "
-                              f"({_short(bytes(name_data))}): corrupted GGUF file") from None
-    where = f"{path}: tensor {_short(name)}"
+                              f"({short(bytes(name_data))}): corrupted GGUF file") from None
+    where = f"{path}: tensor {short(name)}"
     code = int(raw_type[0])
     try:
         qtype = gguf.GGMLQuantizationType(code)
@@ -309,7 +311,7 @@ def _check_tensor_field(field, data_start: int, file_bytes: int, path: Path) -> 
     type_name = qtype.name
     shape = [int(d) for d in dims]
     if not 1 <= int(n_dims[0]) <= _MAX_DIMS or min(shape) < 1:
-        raise CheckpointError(f"{where}: ggml dims {_short(shape)} (at most {_MAX_DIMS}, each >= 1)")
+        raise CheckpointError(f"{where}: ggml dims {short(shape)} (at most {_MAX_DIMS}, each >= 1)")
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     if shape[0] % block:
         raise CheckpointError(f"{where}: {type_name} rows of {shape[0]} weights are not whole "
@@ -317,7 +319,7 @@ def _check_tensor_field(field, data_start: int, file_bytes: int, path: Path) -> 
     nbytes = math.prod(shape) // block * size  # Python ints: never wraps
     begin = data_start + int(offset[0])
     if begin + nbytes > file_bytes:
-        raise CheckpointError(f"{where}: {type_name} {_short(shape)} declares {nbytes} bytes at "
+        raise CheckpointError(f"{where}: {type_name} {short(shape)} declares {nbytes} bytes at "
                               f"byte {begin}, but the file has only {file_bytes} bytes "
                               "(truncated file, or sizes larger than its bytes)")
 
@@ -360,7 +362,7 @@ def read_gguf(path: str | os.PathLike, metadata_arrays: bool = True):
             MemoryError) as err:
         # the reader's own messages may be empty (a bare KeyError ''): its type says more
         raise CheckpointError(f"{path}: not a readable GGUF file: the gguf reader failed with "
-                              f"{type(err).__name__}: {_short(str(err), 160) if str(err) else '(no message)'}") from None
+                              f"{type(err).__name__}: {short(str(err), 160) if str(err) else '(no message)'}") from None
     return reader
 
 
@@ -395,6 +397,30 @@ def _architecture(reader, path: Path) -> str:
         return field.contents()
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: GGUF metadata general.architecture is not UTF-8") from None
+
+
+def gguf_file_of(root: Path) -> Path | None:
+    """The GGUF file a checkpoint path names: a ``*.gguf`` file (or any file starting
+    with the GGUF magic), or a directory holding one ``*.gguf`` file and no safetensors;
+    None for safetensors checkpoints."""
+    if root.is_dir():
+        found = sorted(root.glob("*" + GGUF_SUFFIX))
+        if not found or any(root.glob("*.safetensors")):
+            return None
+        if len(found) > 1:
+            raise CheckpointError(f"{root}: holds {len(found)} GGUF files "
+                                  f"({', '.join(p.name for p in found[:4])}); name the one to read "
+                                  "(split GGUF models are not supported: merge them with "
+                                  "llama-gguf-split --merge)")
+        return found[0]
+    if root.name.endswith(GGUF_SUFFIX):
+        return root
+    fd = open_checkpoint_file(root)
+    try:
+        head = os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
+    return root if head == GGUF_MAGIC else None
 
 
 def open_gguf(path: str | os.PathLike, pattern=None) -> Checkpoint:

@@ -1,6 +1,6 @@
 """Periodic segment tables: which part of a row-major weight matrix lies on which NUMA node.
 
-Pure Python/numpy, no system calls: the page map comes from ``numa_moe.memory`` (or from
+Pure Python/numpy, no system calls: the page map comes from ``numa_moe.placement.memory`` (or from
 the interleave rule), this module only does the arithmetic. See docs/placement.md for
 the math, the worked examples and the JSON schema.
 
@@ -38,13 +38,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from numa_moe.files import read_json_file
+from numa_moe.formats import SCALE_DTYPES, WeightFormat, positive_int, weight_format
+
 __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
-    "WeightFormat",
-    "WEIGHT_FORMATS",
-    "SCALE_FORMATS",
-    "weight_format",
     "period_rows",
     "smallest_period",
     "Segment",
@@ -62,87 +61,7 @@ class SegmentTableFormatError(ValueError):
     """A serialised segment table is not a valid ``numa-moe/segment-table`` document."""
 
 
-# --------------------------------------------------------------------------- formats
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How many bits one element of a weight (or scale) tensor takes in memory."""
-
-    name: str
-    bits_per_element: int
-
-    def row_bytes(self, cols: int) -> int:
-        """Bytes of one row of ``cols`` elements; a row must be a whole number of bytes."""
-        cols = _positive_int(cols, "cols")
-        bits = cols * self.bits_per_element
-        if bits % 8:
-            raise ValueError(
-                f"cols={cols} of {self.name} ({self.bits_per_element} bits per element) "
-                f"is {bits} bits, not a whole number of bytes: rows must be whole bytes "
-                f"(use an even number of columns for {self.name})"
-            )
-        return bits // 8
-
-    @property
-    def element_bytes(self) -> int:
-        """Bytes an element occupies, rounded up (1 for sub-byte formats)."""
-        return max(1, self.bits_per_element // 8)
-
-    def elements_in(self, nbytes):
-        """Elements held in ``nbytes`` bytes (works element-wise on numpy arrays)."""
-        return nbytes * 8 // self.bits_per_element
-
-
-WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    "bf16": WeightFormat("bf16", 16),
-    "fp16": WeightFormat("fp16", 16),
-    "fp32": WeightFormat("fp32", 32),
-    "int8": WeightFormat("int8", 8),
-    "int4": WeightFormat("int4", 4),
-}
-
-# The dtypes a group-scale tensor may have (each a WEIGHT_FORMATS entry as well).
-SCALE_FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-
-_FORMAT_ALIASES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-    "f32": "fp32",
-    "f16": "fp16",
-    "i8": "int8",
-    "i4": "int4",
-}
-
-
-def weight_format(fmt: str | WeightFormat) -> WeightFormat:
-    """The :class:`WeightFormat` named ``fmt`` (``"bf16"``, ``"int4"``, ... or an alias)."""
-    if isinstance(fmt, WeightFormat):
-        return fmt
-    if not isinstance(fmt, str):
-        raise ValueError(f"weight format must be a name such as 'bf16', got {fmt!r}")
-    key = fmt.strip().lower()
-    key = _FORMAT_ALIASES.get(key, key)
-    try:
-        return WEIGHT_FORMATS[key]
-    except KeyError:
-        raise ValueError(
-            f"unknown weight format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}"
-        ) from None
-
-
 # --------------------------------------------------------------------------- validation
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return int(value)
 
 
 def _non_negative_int(value, name: str) -> int:
@@ -175,7 +94,7 @@ def check_node_id(node) -> int:
 
 
 def _check_page_bytes(page_bytes, fmt: WeightFormat) -> int:
-    page_bytes = _positive_int(page_bytes, "page_bytes")
+    page_bytes = positive_int(page_bytes, "page_bytes")
     if page_bytes & (page_bytes - 1):
         raise ValueError(f"page_bytes must be a power of two, got {page_bytes}")
     if page_bytes < fmt.element_bytes:
@@ -205,7 +124,7 @@ def _check_offset(offset_bytes, page_bytes: int, fmt: WeightFormat) -> int:
 def _check_nodes(nodes) -> tuple[int, ...]:
     if isinstance(nodes, (int, np.integer)) and not isinstance(nodes, bool):
         # An int N is shorthand for nodes 0..N-1.
-        count = _positive_int(nodes, "number of nodes")
+        count = positive_int(nodes, "number of nodes")
         if count > MAX_NODES:
             raise ValueError(f"number of nodes must be at most {MAX_NODES} (the most a Linux "
                              f"machine or a virtual topology has), got {count}")
@@ -233,18 +152,18 @@ def period_rows(row_bytes: int, page_bytes: int, n_nodes: int) -> int:
     With 4 KB pages and BF16 (``row_bytes = 2 K``) this is the paper's
     ``T_x = 2048 N / gcd(K, 2048 N)``.
     """
-    row_bytes = _positive_int(row_bytes, "row_bytes")
-    page_bytes = _positive_int(page_bytes, "page_bytes")
-    n_nodes = _positive_int(n_nodes, "n_nodes")
+    row_bytes = positive_int(row_bytes, "row_bytes")
+    page_bytes = positive_int(page_bytes, "page_bytes")
+    n_nodes = positive_int(n_nodes, "n_nodes")
     cycle = page_bytes * n_nodes
     return cycle // math.gcd(row_bytes, cycle)
 
 
 def scale_shape(rows: int, cols: int, group: int) -> tuple[int, int]:
     """Shape ``(rows, cols / group)`` of the group-scale tensor of a ``rows x cols`` weight."""
-    rows = _positive_int(rows, "rows")
-    cols = _positive_int(cols, "cols")
-    group = _positive_int(group, "group")
+    rows = positive_int(rows, "rows")
+    cols = positive_int(cols, "cols")
+    group = positive_int(group, "group")
     if cols % group:
         raise ValueError(f"cols={cols} is not a multiple of the scale group size {group}")
     return rows, cols // group
@@ -443,7 +362,7 @@ def _compress(rows: int, runs: _ClassRuns, row_class: np.ndarray, nodes: tuple[i
 
 
 def _matrix_geometry(rows, cols, fmt, page_bytes, offset_bytes):
-    rows = _positive_int(rows, "rows")
+    rows = positive_int(rows, "rows")
     fmt = weight_format(fmt)
     row_bytes = fmt.row_bytes(cols)
     page_bytes = _check_page_bytes(page_bytes, fmt)
@@ -727,14 +646,14 @@ class SegmentTable:
             if "bits_per_element" in data and data["bits_per_element"] != fmt.bits_per_element:
                 fail(f"bits_per_element {data['bits_per_element']} does not match "
                      f"format {fmt.name} ({fmt.bits_per_element})")
-            rows = _positive_int(data["rows"], "rows")
-            cols = _positive_int(data["cols"], "cols")
+            rows = positive_int(data["rows"], "rows")
+            cols = positive_int(data["cols"], "cols")
             fmt.row_bytes(cols)
             page_bytes = _check_page_bytes(data["page_bytes"], fmt)
             nodes = _check_nodes(data["nodes"])
             period = data["period_rows"]
             if period is not None:
-                period = _positive_int(period, "period_rows")
+                period = positive_int(period, "period_rows")
             if data["source"] not in ("theoretical", "measured"):
                 fail(f"source {data['source']!r} is neither 'theoretical' nor 'measured'")
             missing = data.get("pages_not_present", 0)
@@ -820,8 +739,6 @@ class SegmentTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SegmentTable":
         """Read a table written by :meth:`save`; SegmentTableFormatError names the file."""
-        from numa_moe.checkpoint import read_json_file
-
         path = os.fspath(path)
         data = read_json_file(path, "segment table", error=SegmentTableFormatError)
         try:
@@ -833,17 +750,17 @@ class SegmentTable:
 # --------------------------------------------------------------------------- scales
 
 
-def scales_table(rows: int, cols: int, group: int, scale_fmt: str | WeightFormat,
+def scales_table(rows: int, cols: int, group: int, scale_dtype: str | WeightFormat,
                  page_bytes: int, nodes: Sequence[int] | int, phase: int = 0,
                  offset_bytes: int = 0) -> SegmentTable:
-    """Theoretical table of the group-scale tensor (``rows x cols/group`` of ``scale_fmt``)
+    """Theoretical table of the group-scale tensor (``rows x cols/group`` of ``scale_dtype``)
     of a ``rows x cols`` weight. The scales are a separate buffer: ``phase`` and
     ``offset_bytes`` are those of the scale buffer, not of the weight. For a measured scale
-    buffer use ``SegmentTable.from_page_map(*scale_shape(rows, cols, group), scale_fmt, ...)``.
+    buffer use ``SegmentTable.from_page_map(*scale_shape(rows, cols, group), scale_dtype, ...)``.
     """
-    fmt = weight_format(scale_fmt)
-    if fmt.name not in SCALE_FORMATS:
-        raise ValueError(f"scale dtype {fmt.name!r} is not one of {', '.join(SCALE_FORMATS)}")
+    fmt = weight_format(scale_dtype)
+    if fmt.name not in SCALE_DTYPES:
+        raise ValueError(f"scale dtype {fmt.name!r} is not one of {', '.join(SCALE_DTYPES)}")
     scale_rows, scale_cols = scale_shape(rows, cols, group)
     return SegmentTable.theoretical(scale_rows, scale_cols, fmt, page_bytes, nodes,
                                     phase=phase, offset_bytes=offset_bytes)

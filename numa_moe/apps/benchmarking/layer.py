@@ -25,10 +25,11 @@ import time
 import numpy as np
 
 from numa_moe import quant
-from numa_moe.benchmarking import native_loops
-from numa_moe.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
-from numa_moe.moe import MoELayer
-from numa_moe.moe_run import random_routing, torch_moe_loop, touched_bytes
+from numa_moe.apps.benchmarking import native_loops
+from numa_moe.apps.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
+from numa_moe.apps.run import random_routing, torch_moe_loop, touched_bytes
+from numa_moe.formats import QUANT_FORMATS
+from numa_moe.layer.moe_layer import MoELayer
 
 BENCH_MODELS = {
     # name: (experts, top_k, hidden, intermediate)
@@ -69,9 +70,9 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
     import ml_dtypes
     import torch
 
-    from numa_moe import memory
-    from numa_moe.segments import SegmentTable
-    from numa_moe.topology import Topology, current_topology
+    from numa_moe.placement import memory
+    from numa_moe.placement.segments import SegmentTable
+    from numa_moe.placement.topology import Topology, current_topology
 
     threads = len(os.sched_getaffinity(0))  # torch's, and the layer's workers: one per allowed CPU
     torch.set_num_threads(threads)
@@ -189,7 +190,7 @@ def _measure_peaks(peaks: dict, isas, threads: int) -> None:
     """Measures the peak of each ISA (kernels.measure_peak_gflop_s on the layer's threads)
     before a case is timed, and keeps the best of all measurements so far: a neighbour can
     only lower a peak, and a low peak would flatter the roofline fractions."""
-    from numa_moe.benchmarking.kernels import measure_peak_gflop_s
+    from numa_moe.apps.benchmarking.kernels import measure_peak_gflop_s
 
     for isa in isas:
         peak = measure_peak_gflop_s(isa, threads)
@@ -204,7 +205,7 @@ def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dic
     at the in-run peak of the ISA the layer runs it with (_measure_peaks). None when one of
     those ISAs has no peak loop (ref, amx_model): the memory time alone is then the
     roofline."""
-    from numa_moe.benchmarking.kernels import measure_peak_gflop_s
+    from numa_moe.apps.benchmarking.kernels import measure_peak_gflop_s
 
     total = 0.0
     for m in np.bincount(ids.reshape(-1)):
@@ -221,7 +222,7 @@ def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dic
 
 def _integer_formats(formats) -> list[str]:
     for fmt in formats:
-        quant.check_arguments(weight_format=fmt, formats=("bf16", *quant.QUANT_FORMATS))
+        quant.check_arguments(weight_format=fmt, formats=("bf16", *QUANT_FORMATS))
     return list(dict.fromkeys(f for f in formats if f != "bf16"))
 
 
@@ -229,8 +230,8 @@ def check_arguments(models, tokens, repeats: int, virtual_nodes: int = 2, int_fo
     """Refuses unknown models, counts out of range and token counts whose step does not fit
     in memory (memory.check_fits), before anything is allocated (bench_layer's, and
     app.bench_app's with its defaults)."""
-    from numa_moe import memory
-    from numa_moe.segments import MAX_NODES
+    from numa_moe.placement import memory
+    from numa_moe.placement.segments import MAX_NODES
 
     for name in models:
         if name not in BENCH_MODELS:

@@ -22,15 +22,14 @@ from dataclasses import dataclass, replace
 import ml_dtypes
 import numpy as np
 
-from numa_moe.checkpoint import (Checkpoint, CheckpointError, ExpertLayer,
-                                 ExpertMatrix, _matrices_of, _short, read_matrix_into)
-from numa_moe.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe.checkpoints.safetensors import Checkpoint, ExpertLayer, ExpertMatrix, matrices_of, read_matrix_into
+from numa_moe.files import CheckpointError, short
+from numa_moe.formats import FP8_SCALE_CODES, NUMPY_DTYPES
 
 __all__ = ["attach_fp8_scales", "FP8Import", "fp8_scale_name", "DEFAULT_BLOCK"]
 
 DEFAULT_BLOCK = (128, 128)
-SCALE_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16),
-                "F16": np.dtype(np.float16)}
 
 
 def fp8_scale_name(weight_name: str) -> str:
@@ -49,7 +48,7 @@ def _block_size(checkpoint: Checkpoint) -> tuple[tuple[int, int], str]:
     if not (isinstance(block, list) and len(block) == 2
             and all(type(b) is int and b >= 1 for b in block)):
         raise CheckpointError(f"{checkpoint.root}: config.json quantization_config.weight_block_size="
-                              f"{_short(block)} is not two positive integers")
+                              f"{short(block)} is not two positive integers")
     return (block[0], block[1]), "config.json quantization_config.weight_block_size"
 
 
@@ -78,7 +77,7 @@ def attach_fp8_scales(checkpoint: Checkpoint) -> None:
                         f"split into gate and up halves of {info.shape[1] // 2} rows, not whole "
                         f"{b0}-row scale blocks")
                 fused_kind = "gate_up" if fused and kind in ("gate", "up") else kind
-                for s in _matrices_of(scale, layer_id, expert, fused_kind):
+                for s in matrices_of(scale, layer_id, expert, fused_kind):
                     scales_of[(s.expert, s.kind)] = s
             for m in per_expert:
                 out.append(replace(m, scales=scales_of[(m.expert, m.kind)]))
@@ -93,7 +92,7 @@ def attach_fp8_scales(checkpoint: Checkpoint) -> None:
 
 def _scale_tensor(checkpoint: Checkpoint, info, block: tuple[int, int], block_source: str):
     name = fp8_scale_name(info.name)
-    where = f"{info.path}: tensor {_short(info.name)}"
+    where = f"{info.path}: tensor {short(info.name)}"
     *_, rows, cols = info.shape
     if block[0] > rows or block[1] > cols:
         # a block is a tile of the weight: larger than the weight is a corrupted config
@@ -103,17 +102,17 @@ def _scale_tensor(checkpoint: Checkpoint, info, block: tuple[int, int], block_so
                               "block size must be at most the dimension it tiles")
     scale = checkpoint.tensors.get(name)
     if scale is None:
-        raise CheckpointError(f"{where} is FP8 but its scale tensor {_short(name)} is missing "
+        raise CheckpointError(f"{where} is FP8 but its scale tensor {short(name)} is missing "
                               "(an FP8 expert weight needs its block scales)")
     *lead, rows, cols = info.shape
     shape = (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     if scale.shape != shape:
-        raise CheckpointError(f"{scale.path}: tensor {_short(name)} has shape {list(scale.shape)}, "
+        raise CheckpointError(f"{scale.path}: tensor {short(name)} has shape {list(scale.shape)}, "
                               f"expected {list(shape)}: one scale per {block[0]} x {block[1]} block "
                               f"of the FP8 weight {list(info.shape)}")
-    if scale.dtype not in SCALE_DTYPES:
-        raise CheckpointError(f"{scale.path}: tensor {_short(name)} is {scale.dtype}; FP8 block "
-                              f"scales are {', '.join(SCALE_DTYPES)}")
+    if scale.dtype not in FP8_SCALE_CODES:
+        raise CheckpointError(f"{scale.path}: tensor {short(name)} is {scale.dtype}; FP8 block "
+                              f"scales are {', '.join(FP8_SCALE_CODES)}")
     return scale
 
 
@@ -145,12 +144,12 @@ class FP8Import(ExpertImport):
         s = matrix.scales
         w8 = np.empty((matrix.rows, matrix.cols), dtype=ml_dtypes.float8_e4m3fn)
         read_matrix_into(matrix, w8, fd)
-        scale = np.empty((s.rows, s.cols), dtype=SCALE_DTYPES[s.dtype])
+        scale = np.empty((s.rows, s.cols), dtype=NUMPY_DTYPES[s.dtype])
         read_matrix_into(s, scale, fd if s.tensor.path == matrix.tensor.path else None)
         scale = scale.astype(np.float32)
         if not np.all(np.isfinite(scale)):
             r, c = (int(i) for i in np.argwhere(~np.isfinite(scale))[0])
-            raise CheckpointError(f"{s.tensor.path}: tensor {_short(s.tensor.name)}: a NaN or "
+            raise CheckpointError(f"{s.tensor.path}: tensor {short(s.tensor.name)}: a NaN or "
                                   f"infinite block scale for layer {matrix.layer} expert "
                                   f"{matrix.expert} {matrix.kind} (block row {r}, column {c})")
         b0, b1 = self.block

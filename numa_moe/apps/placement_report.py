@@ -34,9 +34,12 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import (DTYPE_BYTES, FLOAT_FORMATS, KINDS, Checkpoint, NamingPattern, TensorInfo,
-                                 open_checkpoint_file)
-from numa_moe.segments import SegmentTable, smallest_period, weight_format
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.checkpoints.naming import NamingPattern
+from numa_moe.checkpoints.safetensors import Checkpoint, TensorInfo
+from numa_moe.files import open_checkpoint_file
+from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS, weight_format
+from numa_moe.placement.segments import SegmentTable, smallest_period
 
 __all__ = [
     "TensorPlacement",
@@ -327,7 +330,7 @@ def analyse_map(name: str, rows: int, cols: int, fmt: str, page_nodes: np.ndarra
 
 
 def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
-                      scale_fmt: str) -> tuple[np.ndarray, np.ndarray]:
+                      scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """Byte ranges ``[starts, ends)`` (within the scale matrix ``[rows, cols / group]``)
     of the scales ``node``'s segments of ``weight_table`` need: for a segment's row r and
     columns [k0, k1), scale columns [k0 // group, ceil(k1 / group)) of row r. A scale
@@ -338,7 +341,7 @@ def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
         return empty, empty
     if weight_table.cols % group:
         raise ValueError(f"group {group} does not divide the table's {weight_table.cols} columns")
-    element = weight_format(scale_fmt).bits_per_element // 8
+    element = weight_format(scale_dtype).bits_per_element // 8
     row_bytes = weight_table.cols // group * element
     nrows = seg[:, 2]
     which = np.repeat(np.arange(len(seg)), nrows)
@@ -354,7 +357,7 @@ def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
     return starts[keep], ends[keep]
 
 
-def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_fmt: str,
+def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_dtype: str,
                        scale_page_nodes: np.ndarray, page_bytes: int, offset_bytes: int = 0
                        ) -> dict[int, tuple[int, int]]:
     """Per node of ``weight_table``: (scale bytes its segments need that lie on present
@@ -362,12 +365,12 @@ def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_fmt: str,
     the scale buffer (``scale_page_nodes``, ``-errno`` for pages not present)."""
     out = {}
     for node in weight_table.nodes:
-        starts, ends = scale_byte_ranges(weight_table, node, group, scale_fmt)
+        starts, ends = scale_byte_ranges(weight_table, node, group, scale_dtype)
         out[node] = remote_bytes(starts, ends, node, scale_page_nodes, page_bytes, offset_bytes)
     return out
 
 
-def quant_node_summary(pairs, group: int, scale_fmt: str, nodes) -> dict[int, dict[str, int]]:
+def quant_node_summary(pairs, group: int, scale_dtype: str, nodes) -> dict[int, dict[str, int]]:
     """Per node totals over ``pairs`` of (weight table from its map, weight page map,
     scale table from its map, scale page map), each map a ``(page_nodes, page_bytes,
     offset_bytes)`` triple: weight and scale bytes on the node, the remote weight bytes
@@ -386,7 +389,7 @@ def quant_node_summary(pairs, group: int, scale_fmt: str, nodes) -> dict[int, di
         for node in weight_table.nodes:
             starts, ends = table_byte_ranges(weight_table, node)
             out[node]["remote_weight_bytes"] += remote_bytes(starts, ends, node, *weight_map)[0]
-        for node, (remote, needed) in remote_scale_bytes(weight_table, group, scale_fmt,
+        for node, (remote, needed) in remote_scale_bytes(weight_table, group, scale_dtype,
                                                          *scale_map).items():
             out[node]["remote_scale_bytes"] += remote
             out[node]["scale_bytes_needed"] += needed
@@ -421,11 +424,11 @@ def inspect_checkpoint(checkpoint: str | os.PathLike | Checkpoint, tensor: str |
     ``import_summary`` of loading it as ``weight_format``/``group``/``scale_dtype``
     (default: the importer's own choice), in ``report.conversion``.
     """
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     _check_inspect_request(touch, tensor)
     if not isinstance(checkpoint, Checkpoint):
-        checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
+        checkpoint = open_checkpoint(checkpoint, pattern=pattern)
     workers = _worker_nodes(nodes)
     quant = checkpoint.quant
     # quantized: weight name -> its scale tensor's name; both are reported
@@ -471,8 +474,8 @@ def import_summary(checkpoint: Checkpoint, nodes: Sequence[int], weight_format: 
     theoretical tables of the store's buffers over ``nodes``), and the conversion error of
     the first ``sample_experts`` experts of the first MoE layer against the file's own
     dequantized values (``expert_import.measure_conversion``, one matrix at a time)."""
-    from numa_moe.expert_import import measure_conversion
-    from numa_moe.store import checkpoint_tables, page_bytes_of
+    from numa_moe.checkpoints.expert_import import measure_conversion
+    from numa_moe.layer.store import checkpoint_tables, page_bytes_of
 
     importer = checkpoint.importer
     fmt = importer.resolve(checkpoint.root, checkpoint.dims, weight_format, group, scale_dtype)
@@ -597,12 +600,12 @@ def _measure_file(memory, path, entries: list[_Inspected], touch: str,
 
 
 def _worker_nodes(nodes) -> tuple[int, ...]:
-    from numa_moe.store import parse_nodes
+    from numa_moe.layer.store import parse_nodes
 
     parsed = parse_nodes(nodes)
     if parsed is not None:
         return parsed
-    from numa_moe.topology import current_topology
+    from numa_moe.placement.topology import current_topology
 
     return tuple(current_topology().node_ids)
 
@@ -614,7 +617,7 @@ def placement_report(store, keep_pages: bool = True) -> PlacementReport:
     still equals the table built from the map (pages can move after loading, e.g. with
     automatic NUMA balancing).
     """
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     results = []
     quantized = getattr(store, "group", None) is not None

@@ -13,10 +13,10 @@ INT8 / INT4 (docs/quantization.md): the value buffer of a kind is int8 ``[rows, 
 or uint8 ``[rows, cols / 2]`` (two weights per byte), and each kind has a second
 interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or fp32), with
 its own table (``scale_table``). Tables count columns in weights (elements), also for
-int4, as ``segments.WeightFormat`` does. A quantized checkpoint is copied as it is; a
+int4, as ``formats.WeightFormat`` does. A quantized checkpoint is copied as it is; a
 float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time);
 GGUF and FP8 experts are converted by the checkpoint's ``importer``
-(``numa_moe.expert_import``), one expert matrix at a time.
+(``numa_moe.checkpoints.expert_import``), one expert matrix at a time.
 
 Loading copies tensor by tensor straight from the file into the destination rows
 (``os.preadv``), so extra memory is nil beyond the page cache; the checkpoint is opened
@@ -35,17 +35,18 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from numa_moe.checkpoint import _short
-from numa_moe.checkpoint import (FLOAT_FORMATS, KINDS, Checkpoint, ModelDims, NamingPattern,
-                                 OpenFiles, byte_progress, read_matrix_into, read_scales_into)
-from numa_moe.expert_import import LoadFormat
-from numa_moe.pages import PAGE_BYTES as PAGE_SIZES
-from numa_moe.pages import page_bytes_of
-from numa_moe.quant import DEFAULT_GROUP, SCALE_DTYPES, check_arguments
-from numa_moe.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape, weight_format
+from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.checkpoints.expert_import import LoadFormat
+from numa_moe.checkpoints.naming import NamingPattern
+from numa_moe.checkpoints.safetensors import Checkpoint, ModelDims, read_matrix_into, read_scales_into
+from numa_moe.files import OpenFiles, byte_progress, short
+from numa_moe.formats import DEFAULT_GROUP, FLOAT_FORMATS, KINDS, SCALE_DTYPES, weight_format
+from numa_moe.placement.pages import PAGE_BYTES, page_bytes_of
+from numa_moe.placement.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape
+from numa_moe.quant import check_arguments
 
 __all__ = [
-    "PAGE_SIZES",
+    "PAGE_BYTES",
     "page_bytes_of",
     "parse_nodes",
     "buffer_shape",
@@ -73,7 +74,7 @@ def parse_nodes(nodes: int | str | Sequence[int] | None) -> tuple[int, ...] | No
                 nodes = [int(part) for part in text.split(",") if part.strip()]
         except ValueError:
             raise ValueError(f"nodes must be a count N or a list of node ids such as 0,2; "
-                             f"got {_short(nodes)}") from None
+                             f"got {short(nodes)}") from None
     if isinstance(nodes, (int, np.integer)) and not isinstance(nodes, bool):
         if nodes < 1:
             raise ValueError(f"number of nodes must be >= 1, got {nodes}")
@@ -108,12 +109,12 @@ def expert_tables_of(tables: Mapping[str, SegmentTable], dims: ModelDims,
 
 
 def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = "4k",
-                 fmt: str = "bf16", group: int | None = None, scale_fmt: str = "fp32",
+                 fmt: str = "bf16", group: int | None = None, scale_dtype: str = "fp32",
                  phase: int = 0) -> dict[str, SegmentTable]:
     """Theoretical tables of one layer's buffers (and of their scales for int8/int4).
 
     Keys: ``gate``, ``up``, ``down`` and, for quantised formats, ``gate_scales``,
-    ``up_scales``, ``down_scales`` (scales [rows, cols / group] of ``scale_fmt``, each
+    ``up_scales``, ``down_scales`` (scales [rows, cols / group] of ``scale_dtype``, each
     in its own page-aligned buffer).
     """
     page_bytes = page_bytes_of(page)
@@ -127,13 +128,13 @@ def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = 
         for kind in KINDS:
             rows, cols = buffer_shape(dims, kind)
             s_rows, s_cols = scale_shape(rows, cols, g)
-            tables[f"{kind}_scales"] = SegmentTable.theoretical(s_rows, s_cols, scale_fmt,
+            tables[f"{kind}_scales"] = SegmentTable.theoretical(s_rows, s_cols, scale_dtype,
                                                                 page_bytes, nodes, phase=phase)
     return tables
 
 
 def checkpoint_tables(checkpoint: Checkpoint, nodes: Sequence[int] | int, page: str | int = "4k",
-                      fmt: str = "bf16", group: int | None = None, scale_fmt: str = "fp32",
+                      fmt: str = "bf16", group: int | None = None, scale_dtype: str = "fp32",
                       layers: Iterable[int] | None = None, progress: bool = False
                       ) -> dict[int, dict[str, SegmentTable]]:
     """Tables of every MoE layer of a checkpoint, from its headers only.
@@ -145,7 +146,7 @@ def checkpoint_tables(checkpoint: Checkpoint, nodes: Sequence[int] | int, page: 
     from tqdm.auto import tqdm
 
     chosen = _choose_layers(checkpoint, layers)
-    shared = layer_tables(checkpoint.dims, nodes, page, fmt, group, scale_fmt)
+    shared = layer_tables(checkpoint.dims, nodes, page, fmt, group, scale_dtype)
     out = {}
     # One computation serves every layer, so a rate would be meaningless: count the layers.
     counter = tqdm(chosen, desc="tables", disable=not progress,
@@ -245,10 +246,10 @@ class ExpertStore:
         -> int8 and Q4_0 -> int4 without loss, K-quants -> int8/int4 group 32, FP8 ->
         bf16; docs/checkpoints.md, "Formats").
         """
-        from numa_moe import memory
+        from numa_moe.placement import memory
 
         if not isinstance(checkpoint, Checkpoint):
-            checkpoint = Checkpoint.open(checkpoint, pattern=pattern)
+            checkpoint = open_checkpoint(checkpoint, pattern=pattern)
         page_bytes = page_bytes_of(page)
         node_list = parse_nodes(nodes)
         chosen = _choose_layers(checkpoint, layers)
@@ -332,7 +333,7 @@ class ExpertStore:
 
     def torch_weights(self, layer: int, kind: str):
         """The same buffer as a zero-copy torch tensor (torch.bfloat16 for bf16)."""
-        from numa_moe import memory
+        from numa_moe.placement import memory
 
         return memory.as_torch(self.weights(layer, kind))
 
@@ -425,7 +426,7 @@ class _LayerLoader:
 
     def _fill(self, kind: str, matrices, buffer: np.ndarray, scales: np.ndarray | None) -> None:
         """Each expert's matrix (and scales) into its rows of the stacked buffers."""
-        from numa_moe.quantize import quantize_expert
+        from numa_moe.checkpoints.quantize import quantize_expert
 
         for e, matrix in enumerate(matrices):
             where = slice(*expert_rows(self.dims, kind, e))

@@ -10,7 +10,7 @@
 * :func:`migrate_pages_to` - ``move_pages(2)`` with targets, reporting each failed page.
 
 Node ids here are always *real* kernel node ids. A virtual topology (see
-:mod:`numa_moe.topology`) means nothing to the kernel, so ``nodes=None`` interleaves over
+:mod:`numa_moe.placement.topology`) means nothing to the kernel, so ``nodes=None`` interleaves over
 the real nodes this process may allocate on, whatever ``NUMA_MOE_VIRTUAL_NODES`` says.
 
 The interleave rule Linux (4.x-6.x, mm/mempolicy.c ``interleave_nid``/``get_vma_policy``)
@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from numa_moe import _native
-from numa_moe.pages import PAGE_CHOICES, page_name  # noqa: F401 (PAGE_CHOICES: a public name here too)
+from numa_moe.placement.pages import PAGE_CHOICES, page_name  # noqa: F401 (PAGE_CHOICES: a public name here too)
 
 
 class PlacementError(OSError):
@@ -165,7 +165,7 @@ def check_fits(nbytes: int, what: str) -> None:
 
 def _real_nodes() -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(online nodes, nodes this process may allocate on): real kernel ids."""
-    from numa_moe.topology import Topology
+    from numa_moe.placement.topology import Topology
 
     topo = Topology.detect()
     return topo.node_ids, topo.allowed_nodes
@@ -195,7 +195,7 @@ def _validate_nodes(nodes: Sequence[int] | None, call: str) -> tuple[int, ...]:
 
 
 def _thp_mode() -> str:
-    from numa_moe.topology import THP_ENABLED, parse_thp_mode
+    from numa_moe.placement.topology import THP_ENABLED, parse_thp_mode
 
     try:
         return parse_thp_mode(THP_ENABLED.read_text())

@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from numa_moe import _native
+from numa_moe.arrays import BF16, as_index_array, bf16_bits, is_bf16_dtype, is_torch, output_view
+from numa_moe.quant import QuantizedMatrix
 
 __all__ = [
     "ISAS",
@@ -36,6 +37,7 @@ __all__ = [
     "silu_mul_pack",
     "combine_down",
     "store_down",
+    "weight_operand",
 ]
 
 ISAS = ("ref", "avx2", "avx512", "amx_model", "amx", "avx2_emulated", "avx512_emulated")
@@ -48,7 +50,6 @@ EMULATED_ISAS = {
     "amx_model": ("amx", "AMX model"),
 }
 ISA_ENV = "NUMA_MOE_ISA"
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def available_isas(fmt: str = "bf16") -> tuple[str, ...]:
@@ -108,66 +109,13 @@ def _resolve_isa(isa: str | None, fmt: str = "bf16") -> str:
     return fastest_isa(fmt)
 
 
-def _is_torch(value: Any) -> bool:
-    return type(value).__module__.startswith("torch")
-
-
-def _bf16_view(name: str, value: Any, ndim: int) -> np.ndarray:
-    """A zero-copy uint16 view of a bf16 torch tensor or numpy array (checked)."""
-    if _is_torch(value):
-        import torch
-
-        if value.dtype != torch.bfloat16:
-            raise TypeError(f"{name}: dtype {value.dtype}, expected torch.bfloat16")
-        if value.device.type != "cpu":
-            raise ValueError(f"{name}: tensor is on {value.device}, expected cpu")
-        if not value.is_contiguous():
-            raise ValueError(f"{name}: tensor must be contiguous (row-major), got strides {tuple(value.stride())}")
-        array = value.detach().view(torch.int16).numpy().view(np.uint16)
-    elif isinstance(value, np.ndarray):
-        if value.dtype == _BF16:
-            array = value.view(np.uint16)
-        elif value.dtype == np.uint16:
-            array = value
-        else:
-            raise TypeError(f"{name}: dtype {value.dtype}, expected ml_dtypes.bfloat16 (or uint16 bf16 bits)")
-    else:
-        raise TypeError(f"{name}: expected a torch tensor or numpy array, got {type(value).__name__}")
-    return array
-
-
-def _weight_format(w: Any) -> str:
-    from numa_moe.quant import QuantizedMatrix
-
-    return w.fmt if isinstance(w, QuantizedMatrix) else "bf16"
-
-
-def _weight_view(name: str, w: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """(values, scales): a bf16 weight's uint16 view and None, or a
-    numa_moe.quant.QuantizedMatrix's int8 / packed int4 values and group scales."""
-    from numa_moe.quant import QuantizedMatrix
-
+def weight_operand(name: str, w: Any) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """(values, scales, format) of an expert matrix as the native code takes it: a bf16
+    weight's uint16 view, no scales and "bf16"; or a numa_moe.quant.QuantizedMatrix's
+    int8 / packed int4 values, its group scales and its format."""
     if isinstance(w, QuantizedMatrix):
-        return w.q, w.scales
-    return _bf16_view(name, w, 2), None
-
-
-def as_index_array(name: str, value: Any) -> np.ndarray:
-    """Integer input (token indices, expert ids, segments) as a C-contiguous int64 array.
-    Other dtypes are refused, not cast: a cast would truncate a float index 0.5 to
-    token 0, or read True as 1. Empty input may have any dtype (``[]`` reads as float64).
-    Shared by the MoE layer for its ``topk_ids``."""
-    if _is_torch(value):
-        dtype = value.dtype
-        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
-            raise TypeError(f"{name}: expected integers, got dtype {dtype}")
-        value = value.detach().numpy()
-    array = np.asarray(value)
-    if array.dtype == np.int64 and array.flags.c_contiguous:
-        return array
-    if array.dtype.kind not in "iu" and array.size:
-        raise TypeError(f"{name}: expected integers, got dtype {array.dtype}")
-    return np.ascontiguousarray(array, dtype=np.int64)
+        return w.q, w.scales, w.fmt
+    return bf16_bits(name, w), None, "bf16"
 
 
 def _index_array(token_index: Any, n_tokens: int) -> np.ndarray:
@@ -212,29 +160,28 @@ def expert_ffn(
     int64 ``[n, 5]`` segment lists restricting each matrix (default: whole matrix).
     Returns the output (a torch tensor if x is one, else a numpy array).
     """
-    use_torch = _is_torch(x)
-    x_u16 = _bf16_view("x", x, 2)
-    (wg, gate_scales), (wu, up_scales), (wd, down_scales) = (
-        _weight_view(name, w) for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
+    use_torch = is_torch(x)
+    x_u16 = bf16_bits("x", x)
+    (wg, gate_scales, fmt), (wu, up_scales, _), (wd, down_scales, _) = (
+        weight_operand(name, w) for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)))
     # Shapes, ranges and layouts are checked natively (native/bindings/checks.cpp); here
     # only what allocating the output needs.
     hidden = x_u16.shape[-1] if x_u16.ndim else 0
     index = _index_array(token_index, x_u16.shape[0] if x_u16.ndim else 0)
     m = index.shape[0] if index.ndim else 1
-    want_bf16 = _is_bf16_dtype(out_dtype)
+    want_bf16 = is_bf16_dtype(out_dtype)
     if out is None:
         if use_torch:
             import torch
 
             out = torch.empty((m, hidden), dtype=torch.bfloat16 if want_bf16 else torch.float32)
         else:
-            out = np.empty((m, hidden), dtype=_BF16 if want_bf16 else np.float32)
-    out_native = _out_view(out)
+            out = np.empty((m, hidden), dtype=BF16 if want_bf16 else np.float32)
+    out_native = output_view(out)
     if threads is None:
         threads = 0
     elif threads < 1:
         raise ValueError(f"threads: must be >= 1, got {threads}")
-    fmt = _weight_format(w_gate)
     _native.expert_ffn(
         str(isa) if isa is not None else isa_for_tokens(max(m, 1), fmt),
         x_u16,
@@ -254,40 +201,6 @@ def expert_ffn(
     return out
 
 
-def _is_bf16_dtype(dtype: Any) -> bool:
-    if _is_torch(dtype) or "torch" in str(type(dtype)):
-        import torch
-
-        if dtype == torch.bfloat16:
-            return True
-        if dtype == torch.float32:
-            return False
-        raise ValueError(f"out_dtype: {dtype}, expected float32 or bfloat16")
-    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
-        return True
-    resolved = np.dtype(dtype)
-    if resolved == _BF16:
-        return True
-    if resolved == np.float32:
-        return False
-    raise ValueError(f"out_dtype: {dtype}, expected float32 or bfloat16")
-
-
-def _out_view(out: Any, ndim: int = 2) -> np.ndarray:
-    """The numpy view the native code writes into (float32 or uint16 bf16 bits)."""
-    if _is_torch(out):
-        import torch
-
-        if out.dtype == torch.float32:
-            if not out.is_contiguous():
-                raise ValueError("out: tensor must be contiguous")
-            return out.detach().numpy()
-        return _bf16_view("out", out, ndim)
-    if isinstance(out, np.ndarray) and out.dtype == np.float32:
-        return out
-    return _bf16_view("out", out, ndim)
-
-
 def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *, isa: str | None = None,
                     row_begin: int = 0, row_end: int | None = None) -> np.ndarray:
     # weight may be a numa_moe.quant.QuantizedMatrix (then tokens are quantized per its
@@ -295,10 +208,10 @@ def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *,
     """Low-level: ``out[r, t] += sum_{c in [k0, k1)} weight[r, c] * tokens[t, c]`` for the rows
     of every segment (int64 ``[n, 5]``: row0, row_stride, nrows, k0, k1) inside
     ``[row_begin, row_end)``. out: float32 ``[rows, >= M]`` (accumulated into)."""
-    w, scales = _weight_view("weight", weight)
-    x = _bf16_view("tokens", tokens, 2)
+    w, scales, fmt = weight_operand("weight", weight)
+    x = bf16_bits("tokens", tokens)
     seg = _segments_array("segments", segments)
-    _native.matmul_segments(_resolve_isa(isa, _weight_format(weight)), w, seg, x, out, int(row_begin), -1 if row_end is None else int(row_end),
+    _native.matmul_segments(_resolve_isa(isa, fmt), w, seg, x, out, int(row_begin), -1 if row_end is None else int(row_end),
                             scales=scales)
     return out
 
@@ -308,7 +221,7 @@ def silu_mul_pack(gate_parts, up_parts, i_begin: int, i_end: int, *, isa: str | 
     for i in ``[i_begin, i_end)``; returned as ``[M, I]`` ml_dtypes.bfloat16 (the ISA's packed
     layout unpacked; other columns 0)."""
     act = _native.silu_mul_pack(_resolve_isa(isa), list(gate_parts), list(up_parts), int(i_begin), int(i_end))
-    return act.view(_BF16)
+    return act.view(BF16)
 
 
 def combine_down(parts, h_begin: int, h_end: int, token_index, token_weight, y: np.ndarray, *,
@@ -325,6 +238,6 @@ def store_down(parts, h_begin: int, h_end: int, out: np.ndarray, *, isa: str | N
     """Low-level: ``out[t, h] = sum_p parts[p][h, t]`` for h in ``[h_begin, h_end)``, stored
     (not added) and rounded to bf16 when `out` is bfloat16 (else float32); parts are float32
     ``[H, M]``, out ``[M, H]``. The single-expert down epilogue of `expert_ffn`."""
-    target = out.view(np.uint16) if out.dtype == _BF16 else out
+    target = out.view(np.uint16) if out.dtype == BF16 else out
     _native.store_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), target)
     return out

@@ -1,11 +1,11 @@
 """A CPU decode loop with both kernels: transformers' own model of a published MoE shape
 (random weights), run greedily once as transformers runs it and once with the routed
 experts patched (numa_moe.integrations.hf.patch_moe) and decode attention through
-numa_moe.attention (numa_moe.integrations.hf_attention); tokens/s of both, whether the
+numa_moe.layer.attention (numa_moe.integrations.hf_attention); tokens/s of both, whether the
 greedy tokens agree (and, where they part, how close the baseline's top two logits were),
 and where the patched step's time goes (experts, attention, the rest).
 
-Shapes come from numa_moe.synthetic.MODEL_SPECS (hidden size, heads, head size, expert
+Shapes come from numa_moe.checkpoints.synthetic.MODEL_SPECS (hidden size, heads, head size, expert
 width) with fewer layers and experts than the real model, and a small vocabulary so that
 the LM head does not dominate; all of them are options.
 """
@@ -59,7 +59,7 @@ def build_model(like: str = "qwen3-30b-a3b", layers: int = 4, experts: int | Non
     torch = _torch()
     import transformers
 
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     config = _model_config(like, layers, experts, vocab, seed, overrides)
     memory.check_fits(_weight_bytes(config), f"a {config['num_hidden_layers']}-layer {like} model")
@@ -83,7 +83,7 @@ MAX_POSITIONS = 32768
 def _model_config(like: str, layers: int, experts: int | None, vocab: int, seed: int, overrides: dict) -> dict:
     """transformers config fields of build_model's model, checked: experts at most the
     real model's count, layers and vocabulary at least 1."""
-    from numa_moe.synthetic import MODEL_SPECS, _config
+    from numa_moe.checkpoints.synthetic import MODEL_SPECS, model_config
 
     if like not in MODEL_SPECS:
         raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
@@ -97,7 +97,7 @@ def _model_config(like: str, layers: int, experts: int | None, vocab: int, seed:
     for name, value in (("layers", layers), ("vocab", vocab)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    config = _config(spec, layers, experts, spec.hidden_size, spec.moe_intermediate_size, seed, True)
+    config = model_config(spec, layers, experts, spec.hidden_size, spec.moe_intermediate_size, seed, True)
     config.pop("numa_moe_synthetic")
     config.pop("architectures")
     config.pop("torch_dtype")
@@ -215,7 +215,8 @@ def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64,
     """Greedy decoding of `tokens` new tokens after a random prompt, unpatched then
     patched (see the module docstring); the report of both. overrides: config fields
     (tiny models for tests: hidden_size=128, head_dim=64, ...)."""
-    from numa_moe import attention, memory
+    from numa_moe.layer import attention
+    from numa_moe.placement import memory
 
     if baseline_attention not in ("sdpa", "eager"):
         raise ValueError(f"baseline attention must be sdpa or eager, got {baseline_attention!r}")

@@ -2,7 +2,7 @@
 ``scaled_dot_product_attention(..., enable_gqa=True)`` and the read ceiling of the KV
 bytes, all in one run.
 
-Per (shape, batch, context): the median time of ``numa_moe.attention.gqa_decode`` (the
+Per (shape, batch, context): the median time of ``numa_moe.layer.attention.gqa_decode`` (the
 default ISA, all CPUs; and its best, which on a shared machine is the call least held up
 by waking threads), of SDPA on the same bf16 tensors (all CPUs), and the streaming
 read of the same K and V bytes (the read ceiling; best rate over the repetitions, a
@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from numa_moe.benchmarking import native_loops
-from numa_moe.benchmarking.layer import fill_bf16
-from numa_moe.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, settle
+from numa_moe.apps.benchmarking import native_loops
+from numa_moe.apps.benchmarking.layer import fill_bf16
+from numa_moe.apps.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, settle
 
 ATTENTION_SHAPES = {
     # name: (query heads, KV heads, head size)
@@ -31,7 +31,8 @@ ATTENTION_SHAPES = {
 def bench_attention(shapes=tuple(ATTENTION_SHAPES), contexts=(512, 4096, 32768), batches=(1, 8), repeats: int = 10,
                     isa: str | None = None, seed: int = 0, echo=print) -> list[dict]:
     """Rows of ms per decode-attention call: ours, SDPA, and the read ceiling."""
-    from numa_moe import attention, memory
+    from numa_moe.layer import attention
+    from numa_moe.placement import memory
 
     _check_arguments(shapes, contexts, batches, repeats)
     import ml_dtypes
@@ -94,7 +95,7 @@ def bench_attention(shapes=tuple(ATTENTION_SHAPES), contexts=(512, 4096, 32768),
 def _check_arguments(shapes, contexts, batches, repeats) -> None:
     """Refuses unknown shapes, counts below 1 and cases whose KV cache does not fit in
     memory (memory.check_fits), before anything is allocated."""
-    from numa_moe import memory
+    from numa_moe.placement import memory
 
     for name in shapes:
         if name not in ATTENTION_SHAPES:
