@@ -207,3 +207,25 @@ def test_doctor_refuses_bad_arguments_in_one_line(tmp_path):
     unknown = _doctor("--like", "no-such-model", "--quick")
     assert unknown.exit_code == 1 and "unknown model 'no-such-model'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
+
+
+def test_layer_step_beside_its_projection_on_virtual_nodes(tmp_path, monkeypatch):
+    import math
+
+    from numa_moe import doctor
+    from numa_moe.synthetic import make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, 8, 0, hidden_size=512, intermediate_size=256,
+                         progress=False)
+    monkeypatch.setenv("NUMA_MOE_VIRTUAL_NODES", "2")
+    lines = []
+    report = doctor.run_doctor(ck, quick=True, echo=lines.append)
+    assert [s.tokens for s in report.steps] == list(doctor.STEP_TOKENS)
+    for s in report.steps:
+        assert s.measured_ms > 0 and math.isfinite(s.projected_ms) and s.projected_ms > 0
+        assert len(s.node_busy_ms) == 2 and 0 < s.of_ceiling
+    assert any("layer step at 16 token(s)" in line for line in lines)
+    assert "placement" not in {f.check for f in report.findings}
+    text = doctor.format_report(report)
+    assert "layer step of" in text and "projected ms" in text
+    json.dumps(report.to_dict(), default=str)  # the --json form serializes

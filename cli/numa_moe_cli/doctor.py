@@ -10,7 +10,7 @@ import click
 from numa_moe_cli.options import check_output, page_option, write_output, wrote
 
 
-@click.command("doctor", short_help="Measure this machine for per-node weight streaming and say what to change.")
+@click.command("doctor", short_help="This machine measured per NUMA node, and what to change.")
 @click.argument("checkpoint", required=False)
 @click.option("--like", default=None, help="Measure the layer step on a generated checkpoint of this model's "
               "expert shapes (one layer, at most 32 experts), e.g. qwen3-30b-a3b; instead of CHECKPOINT.")
