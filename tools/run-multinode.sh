@@ -17,6 +17,6 @@ for layout in "2" "3" "4" "8 --sockets 2 --mem 512"; do
   tools/numa-vm --nodes "$nodes" --cpus "$nodes" --mem 1024 $vm_options --timeout 900 -- \
     .venv/bin/python -P -m pytest -q -p no:cacheprovider --rootdir=. tests/multinode "$@"
 done
-echo "== doctor's checks on a 2-node VM with NUMA balancing on and transparent huge pages off"
-tools/numa-vm --nodes 2 --cpus 2 --mem 1024 --thp never --append " numa_balancing=enable" --timeout 900 -- \
+echo "== doctor's checks on a 2-node VM with NUMA balancing on, transparent huge pages off, SMT"
+tools/numa-vm --nodes 2 --cpus 4 --smt 2 --mem 1024 --thp never --append " numa_balancing=enable" --timeout 900 -- \
   .venv/bin/python -P -m pytest -q -p no:cacheprovider --rootdir=. tests/multinode/test_doctor_vm.py "$@"

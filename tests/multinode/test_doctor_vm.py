@@ -2,7 +2,7 @@
 labels (VM timings are not asserted) and the findings the kernel's own files produce.
 tools/run-multinode.sh runs the tier on 2, 3, 4 and 8 nodes (the 8 as two sockets of
 four, as SNC-4 / NPS4 lay them out), and this file once more with NUMA balancing on and
-transparent huge pages off."""
+transparent huge pages off, and with two SMT threads per core."""
 
 from __future__ import annotations
 
@@ -50,3 +50,35 @@ def test_a_process_bound_to_one_node_is_told_so(real_nodes):
         os.sched_setaffinity(0, before)
     findings = {f.check: f for f in dc.diagnose(bound, dc.gather_host_facts())}
     assert "allowed-cpus" in findings and "AllowedCPUs=" in findings["allowed-cpus"].fix
+
+
+def test_smt_siblings_of_the_guest_are_found():
+    host = dc.gather_host_facts()
+    topo = Topology.detect()
+    smt = [f for f in dc.diagnose(topo, host) if f.check == "smt"]
+    siblings = {Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+                for c in topo.allowed_cpus}
+    shared = [s for s in siblings if "," in s or "-" in s]
+    assert len(smt) == (1 if shared else 0)
+    if shared:
+        assert f"{len(shared)} core(s)" in smt[0].problem
+
+
+def test_a_nearly_full_node_is_named(real_nodes):
+    import numpy as np
+
+    from numa_moe import memory
+
+    node = real_nodes[-1]
+    free = Topology.detect().node(node).memory_free_bytes
+    filler = memory.interleaved_empty(max(free - (96 << 20), 1 << 20), np.uint8, nodes=[node])  # touched: resident
+    try:
+        topo = Topology.detect()
+        need = 128 << 20  # each node's share of the experts
+        findings = [f for f in dc.diagnose(topo, dc.gather_host_facts(), bytes_per_node=need)
+                    if f.check == "node-memory"]
+        named = {int(f.problem.split()[1]) for f in findings}
+        assert node in named
+        assert all(topo.node(n).memory_free_bytes < need * dc.FREE_MEMORY_MARGIN for n in named)
+    finally:
+        del filler
