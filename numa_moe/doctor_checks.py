@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from numa_moe.topology import Topology, parse_cpulist
+from numa_moe.topology import Topology, format_cpulist, parse_cpulist
 
 SEVERITIES = ("high", "medium", "low", "info")
 # OpenMP settings that pin or size torch's team, the threads numa-moe's workers run on.
@@ -101,17 +101,6 @@ def _meminfo_bytes(text: str, key: str) -> int:
 # --------------------------------------------------------------------------- checks
 
 
-def _cpus(cpus: Sequence[int]) -> str:
-    out, cpus, i = [], sorted(cpus), 0
-    while i < len(cpus):
-        j = i
-        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
-            j += 1
-        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
-        i = j + 1
-    return ",".join(out) or "-"
-
-
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
@@ -122,7 +111,7 @@ def check_nodes(topo: Topology, host: HostFacts) -> list[Finding]:
     for node in topo.nodes:
         if node.cpus and node.memory_total_bytes == 0:
             out.append(Finding(
-                "high", "node-without-memory", f"node {node.node_id} has CPUs {_cpus(node.cpus)} but no memory",
+                "high", "node-without-memory", f"node {node.node_id} has CPUs {format_cpulist(node.cpus)} but no memory",
                 "its workers read every weight from another node's memory, at the remote rate",
                 "populate the node's memory channels, or leave its CPUs out: "
                 f"`taskset -c <the other nodes' CPUs> numa-moe ...`"))
@@ -229,15 +218,15 @@ def check_allowed(topo: Topology, host: HostFacts) -> list[Finding]:
     if allowed < machine_cpus:
         out.append(Finding(
             "medium", "allowed-cpus",
-            f"this process may run on CPUs {_cpus(sorted(allowed))} of {_cpus(sorted(machine_cpus))}",
+            f"this process may run on CPUs {format_cpulist(sorted(allowed))} of {format_cpulist(sorted(machine_cpus))}",
             f"{len(machine_cpus) - len(allowed)} CPUs do not read weights (a cgroup cpuset, taskset or numactl)",
             "run without the wrapper, or widen the cgroup: `sudo systemctl set-property <unit> AllowedCPUs="
-            f"{_cpus(sorted(machine_cpus))}`"))
+            f"{format_cpulist(sorted(machine_cpus))}`"))
     with_memory = {n.node_id for n in topo.nodes if n.memory_total_bytes > 0}
     if set(topo.allowed_nodes) < with_memory:
         out.append(Finding(
             "medium", "allowed-nodes",
-            f"this process may allocate on nodes {_cpus(topo.allowed_nodes)} of {_cpus(sorted(with_memory))}",
+            f"this process may allocate on nodes {format_cpulist(topo.allowed_nodes)} of {format_cpulist(sorted(with_memory))}",
             "weights cannot be interleaved over every node: the other nodes' workers read remotely",
             "run without `numactl --membind`/`--cpunodebind`, or widen the cgroup's cpuset.mems"))
     return out
@@ -251,10 +240,10 @@ def check_smt(topo: Topology, host: HostFacts) -> list[Finding]:
         return []
     one_per_core = sorted((allowed - {c for g in shared for c in g}) | {g[0] for g in shared})
     return [Finding(
-        "low", "smt", f"{len(shared)} core(s) run two or more workers (SMT siblings, e.g. {_cpus(shared[0])})",
+        "low", "smt", f"{len(shared)} core(s) run two or more workers (SMT siblings, e.g. {format_cpulist(shared[0])})",
         "siblings share one core's load ports and caches: a streaming read gains little from the second "
         "thread and a barrier waits for the slower one",
-        f"measure with one worker per core: `taskset -c {_cpus(one_per_core)} numa-moe ...`")]
+        f"measure with one worker per core: `taskset -c {format_cpulist(one_per_core)} numa-moe ...`")]
 
 
 def check_governor(topo: Topology, host: HostFacts) -> list[Finding]:
@@ -263,7 +252,7 @@ def check_governor(topo: Topology, host: HostFacts) -> list[Finding]:
         return []
     kinds = sorted({host.governors[c] for c in slow})
     return [Finding(
-        "low", "cpu-governor", f"CPUs {_cpus(slow)} use the {'/'.join(kinds)} frequency governor",
+        "low", "cpu-governor", f"CPUs {format_cpulist(slow)} use the {'/'.join(kinds)} frequency governor",
         "cores clock down between steps and ramp up inside the next one",
         "`sudo cpupower frequency-set -g performance`")]
 
