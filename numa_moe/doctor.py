@@ -135,7 +135,9 @@ def run_doctor(checkpoint=None, *, quick: bool = False, steps: int = 5, page: st
     if checkpoint is not None:
         points, tables = measure_steps(checkpoint, machine, STEP_TOKENS, 3 if quick else steps, page, echo)
         per_node = expert_bytes_per_node(checkpoint, len(read.memory_nodes))
-    findings = doctor_checks.diagnose(topo, host, bytes_per_node=per_node, page=page, table_summary=tables)
+    busy = points[-1].node_busy_ms if points else None
+    findings = doctor_checks.diagnose(topo, host, bytes_per_node=per_node, page=page, table_summary=tables,
+                                      node_busy_ms=busy)
     return DoctorReport(topo.to_dict(), asdict(host), read, peaks, points,
                         None if checkpoint is None else str(checkpoint), findings, machine, machine_problem)
 

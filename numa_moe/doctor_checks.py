@@ -22,6 +22,8 @@ OPENMP_PINNING = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFIN
 OPENMP_VARIABLES = ("OMP_NUM_THREADS", *OPENMP_PINNING, "OMP_WAIT_POLICY")
 # Below this share of a node's free memory the kernel reclaims and may swap under the load.
 FREE_MEMORY_MARGIN = 1.1
+# A node busy this many times the median node's time holds up every step.
+BUSY_IMBALANCE = 1.25
 
 
 @dataclass(frozen=True)
@@ -293,15 +295,36 @@ def check_placement(table_summary: Mapping | None) -> list[Finding]:
         return []
     moved, total = int(table_summary["mismatches"]), int(table_summary["matrices"])
     return [Finding(
-        "high", "placement", f"{moved} of {total} expert matrices are not placed as their tables say",
-        "their workers read the moved pages from another node",
-        "turn off NUMA balancing and free memory on every node, then load again")]
+        "medium", "placement", f"{moved} of {total} expert matrices did not land on the nodes the interleave "
+        "rule gives (a node ran out of memory, or a policy overrode the interleave)",
+        "their tables follow the pages as measured, so reads stay local, but the nodes' shares are unequal "
+        "and the step waits for the largest",
+        "free memory on every node (see node-memory), run without `numactl --membind/--preferred`, "
+        "then load again")]
+
+
+def check_balance(node_busy_ms: Sequence[float] | None) -> list[Finding]:
+    """One node's measured busy time in the layer step well above the others'."""
+    if not node_busy_ms or len(node_busy_ms) < 2:
+        return []
+    typical = sorted(node_busy_ms)[len(node_busy_ms) // 2]
+    slowest = max(range(len(node_busy_ms)), key=lambda i: node_busy_ms[i])
+    if typical <= 0 or node_busy_ms[slowest] < BUSY_IMBALANCE * typical:
+        return []
+    return [Finding(
+        "medium", "imbalance", f"node position {slowest} was busy {node_busy_ms[slowest]:.2f} ms in the layer step, "
+        f"the median node {typical:.2f} ms",
+        "every step waits for the slowest node",
+        "look for other work on that node's CPUs (`top`, `numastat -p <pid>`) and for a node-memory "
+        "finding; then measure again")]
 
 
 def diagnose(topo: Topology, host: HostFacts, *, bytes_per_node: float | None = None, page: str = "4k",
-             table_summary: Mapping | None = None) -> list[Finding]:
-    """Every finding on this configuration, most costly first."""
+             table_summary: Mapping | None = None, node_busy_ms: Sequence[float] | None = None) -> list[Finding]:
+    """Every finding on this configuration, most costly first; with a measured layer step,
+    its table summary and per-node busy times."""
     findings = (check_amx(topo, host) + check_nodes(topo, host) + check_placement(table_summary)
+                + check_balance(node_busy_ms)
                 + check_memory(topo, host, bytes_per_node) + check_allowed(topo, host)
                 + check_numa_balancing(topo, host) + check_openmp(topo, host) + check_huge_pages(topo, host, page)
                 + check_smt(topo, host) + check_governor(topo, host) + check_sub_numa(topo, host))

@@ -151,11 +151,20 @@ def test_openmp_settings_that_fight_the_pool():
     assert "4 of 8" in threads.problem
 
 
-def test_pages_not_where_the_tables_say():
+def test_pages_not_where_the_interleave_rule_puts_them():
     topo = two_socket_topology()
     (f,) = checks_named(dc.diagnose(topo, clean_host(topo), table_summary={"matrices": 6, "matching": 4,
                                                                            "mismatches": 2}), "placement")
-    assert f.severity == "high" and "2 of 6" in f.problem
+    assert f.severity == "medium" and "2 of 6" in f.problem
+
+
+def test_a_node_that_holds_up_the_step():
+    topo = two_socket_topology(nodes_per_socket=2)
+    host = clean_host(topo, 2)
+    (f,) = checks_named(dc.diagnose(topo, host, node_busy_ms=[2.0, 2.1, 3.0, 1.9]), "imbalance")
+    assert "node position 2" in f.problem and "3.00 ms" in f.problem
+    assert checks_named(dc.diagnose(topo, host, node_busy_ms=[2.0, 2.1, 2.4, 1.9]), "imbalance") == []
+    assert checks_named(dc.diagnose(topo, host, node_busy_ms=[5.0]), "imbalance") == []
 
 
 def test_host_facts_from_a_written_sysfs_and_procfs(tmp_path):
