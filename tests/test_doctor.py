@@ -238,3 +238,12 @@ def test_layer_step_beside_its_projection_on_virtual_nodes(tmp_path, monkeypatch
     text = doctor.format_report(report)
     assert "layer step of" in text and "projected ms" in text
     json.dumps(report.to_dict(), default=str)  # the --json form serializes
+
+
+def test_openmp_pinning_in_the_environment_reaches_the_report(monkeypatch):
+    monkeypatch.setenv("OMP_PROC_BIND", "spread")
+    result = _doctor("--quick", "--json")
+    assert result.exit_code == 0, result.stderr
+    findings = {f["check"]: f for f in json.loads(result.stdout)["findings"]}
+    assert "OMP_PROC_BIND=spread" in findings["openmp-pinning"]["problem"]
+    assert "unset OMP_PROC_BIND" in findings["openmp-pinning"]["fix"]
