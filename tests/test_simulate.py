@@ -315,3 +315,19 @@ def test_measure_fills_a_valid_machine_file(tmp_path):
     assert all(m.read_gbps[i][i] > 0 for i in range(m.nodes))
     again = CliRunner().invoke(cli, ["simulate", "--machine", str(out), "--like", "qwen3-30b-a3b", "--tokens", "1"])
     assert again.exit_code == 0, again.output
+
+
+def test_machine_from_a_measured_read_matrix():
+    from numa_moe.apps.benchmarking.machine import ReadMatrix
+
+    # node 2 has CPUs but no memory, node 3 memory but no CPUs: the model keeps 0 and 1
+    read = ReadMatrix(cpu_nodes=(0, 1, 2), memory_nodes=(0, 1, 3),
+                      gbps=((100.0, 40.0, 20.0), (38.0, 90.0, 21.0), (30.0, 31.0, 22.0)), interleaved_gbps=150.0)
+    m = sim.machine_from_measurements(read, {"avx512": {"bf16": 800.0, "int8": 1600.0}}, threads=16, isa="avx512")
+    assert m.nodes == 2 and m.cores_per_node == 8
+    assert m.read_gbps == ((100.0, 40.0), (38.0, 90.0))
+    assert m.peak("bf16") == 50.0 and m.peak("int8") == 100.0 and m.peak("int4") == 100.0
+    assert read.remote_ratio() == pytest.approx(95.0 / 30.0) and read.one_node_share() == pytest.approx(100 / 150)
+    assert sim.machine_from_dict(m.to_dict()) == m
+    with pytest.raises(ValueError, match="no measured bf16 and int8 peak for isa 'amx'"):
+        sim.machine_from_measurements(read, {"avx512": {"bf16": 1.0, "int8": 2.0}}, 16, "amx")

@@ -204,3 +204,12 @@ def test_cli_topo_bad_args_one_line():
     assert r.output.strip().count("\n") == 0 and "NUMA_MOE_VIRTUAL_NODES" in r.output
     r = _cli("topo", "--virtual", "0")
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_format_cpulist_is_the_inverse_of_parse_cpulist(rng):
+    from numa_moe.placement.topology import format_cpulist
+
+    assert format_cpulist([]) == "-" and format_cpulist([8, 0, 1, 2, 3, 10, 11]) == "0-3,8,10-11"
+    for _ in range(50):
+        cpus = sorted(set(rng.integers(0, 64, int(rng.integers(1, 40))).tolist()))
+        assert parse_cpulist(format_cpulist(cpus)) == tuple(cpus)

@@ -29,6 +29,7 @@ _COMMANDS = {
     "run": ("run", "run_command"),
     "generate": ("generate", "generate_command"),
     "simulate": ("simulate", "simulate_command"),
+    "doctor": ("doctor", "doctor_command"),
     "serve-check": ("serve_check", "serve_check_command"),
 }
 

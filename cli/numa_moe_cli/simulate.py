@@ -35,10 +35,8 @@ def _policies(ctx, param, value):
 @click.argument("checkpoint", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--machine", "machine_name", default=None,
               help="Built-in machine (xeon-6430, xeon-6448h, xeon-max-9462) or a machine JSON file.")
-@click.option("--measure", is_flag=True, help="Describe this machine by measuring it (read bandwidth per node, "
-              "cores, ISA peaks, kernel efficiency) instead of --machine.")
-@click.option("--cross-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="With --measure on several nodes: the cross-node read bandwidth (not measured).")
+@click.option("--measure", is_flag=True, help="Describe this machine by measuring it (read bandwidth of every "
+              "CPU node from every memory node, cores, ISA peaks, kernel efficiency) instead of --machine.")
 @click.option("--save-machine", type=click.Path(dir_okay=False), default=None,
               help="Write the machine description used (e.g. the measured one) to this JSON file.")
 @click.option("--like", default=None, help="Expert shapes of a published model (synthetic.MODEL_SPECS), "
@@ -71,7 +69,7 @@ def _policies(ctx, param, value):
               help="Also write the report as JSON to this file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG: step time per policy over tokens, per-node bytes local/remote.")
-def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine, like, fmt, page, tokens,
+def simulate_command(checkpoint, machine_name, measure, save_machine, like, fmt, page, tokens,
                      routing, zipf_s, trace_path, layers, policies, samples, seed, isa, validate, steps, json_path,
                      plot_path):
     """Project the cost of one MoE step (all layers) on a multi-socket machine, for each
@@ -98,7 +96,7 @@ def simulate_command(checkpoint, machine_name, measure, cross_gbps, save_machine
             check_apart(path, option, inputs)
     try:
         if measure:
-            machine = sim.measure_machine(cross_gbps=cross_gbps, echo=lambda s: click.echo(s, err=True))
+            machine = sim.measure_machine(echo=lambda s: click.echo(s, err=True))
         else:
             machine = sim.load_machine(machine_name)
         if like is not None:

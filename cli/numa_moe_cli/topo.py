@@ -6,6 +6,8 @@ import json
 
 import click
 
+from numa_moe.placement.topology import format_cpulist
+
 _FEATURES = [
     ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("avx_vnni", "AVX-VNNI"), ("avx512f", "AVX512F"), ("avx512bw", "AVX512BW"),
     ("avx512vl", "AVX512VL"), ("avx512_bf16", "AVX512_BF16"), ("avx512_vnni", "AVX512_VNNI"),
@@ -17,33 +19,20 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def _cpus(cpus) -> str:
-    """Compact Linux list form: 0-3,8."""
-    out, cpus = [], sorted(cpus)
-    i = 0
-    while i < len(cpus):
-        j = i
-        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
-            j += 1
-        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
-        i = j + 1
-    return ",".join(out) or "-"
-
-
 def render(topo) -> str:
     kind = "virtual" if topo.is_virtual else "real"
     lines = [f"NUMA topology ({kind}): {len(topo.nodes)} node(s)"]
     for node in topo.nodes:
         label = "virtual node" if topo.is_virtual else "node"
         lines.append(
-            f"  {label} {node.node_id}: cpus {_cpus(node.cpus)}  memory total {_gib(node.memory_total_bytes)},"
+            f"  {label} {node.node_id}: cpus {format_cpulist(node.cpus)}  memory total {_gib(node.memory_total_bytes)},"
             f" free {_gib(node.memory_free_bytes)}  distances {' '.join(map(str, node.distances))}"
         )
     lines.append(f"pages: base {topo.base_page_bytes // 1024} KB, huge {topo.huge_page_bytes // (1 << 20)} MB;"
                  f" transparent huge pages: {topo.thp_mode}")
     balancing = {True: "on", False: "off", None: "not available"}[topo.numa_balancing]
     lines.append(f"automatic NUMA balancing: {balancing}")
-    lines.append(f"allowed cpus: {_cpus(topo.allowed_cpus)}; allowed nodes: {_cpus(topo.allowed_nodes)}")
+    lines.append(f"allowed cpus: {format_cpulist(topo.allowed_cpus)}; allowed nodes: {format_cpulist(topo.allowed_nodes)}")
     present = [name for key, name in _FEATURES if topo.cpu_features.get(key)]
     lines.append(f"cpu features: {' '.join(present) or 'none of interest'}")
     amx = "granted by Linux" if topo.amx_permitted else f"not usable ({topo.amx_reason})"

@@ -710,57 +710,45 @@ def plot_report(report: dict, path: str) -> None:
 # --------------------------------------------------------------------------- measure
 
 
-def measure_machine(read_mib: int = 256, tries: int = 5, cross_gbps: float | None = None,
-                    kernel_efficiency: float | None = None, echo=print) -> Machine:
-    """A description of this machine: nodes and cores from the topology, local read
-    bandwidth per node with the project's native streaming read (median of ``tries``
-    reads of a ``read_mib`` buffer interleaved over the nodes, per node on that node's
-    cores and memory), the ISA peaks from the register-only loops, and the kernel
-    efficiency from the expert FFN kernel against the streaming read of the same bytes
-    (Qwen3-30B-A3B expert, 1 token; as ``bench kernels`` measures it) unless given."""
+def machine_from_measurements(read, peaks: Mapping[str, Mapping[str, float]], threads: int, isa: str,
+                              kernel_efficiency: float = 1.0, description: str = "") -> Machine:
+    """This machine as the model describes one: the measured read matrix
+    (benchmarking.machine.ReadMatrix) over the nodes that have both CPUs and memory, and
+    the measured peaks (isa -> "bf16"/"int8" -> GFLOP/s on ``threads`` threads) per core;
+    int4 kernels multiply at the int8 peak. ValueError when a node or a peak is missing."""
+    nodes = [n for n in read.cpu_nodes if n in read.memory_nodes]
+    if not nodes:
+        raise ValueError("no node has both allowed CPUs and memory: nothing to describe")
+    matrix = tuple(tuple(read.gbps[read.cpu_nodes.index(c)][read.memory_nodes.index(m)] for m in nodes)
+                   for c in nodes)
+    per_core = {name: {fmt: p[src] / threads for fmt, src in (("bf16", "bf16"), ("int8", "int8"), ("int4", "int8"))
+                       if p.get(src, 0) > 0}
+                for name, p in peaks.items()}
+    if len(per_core.get(isa, {})) < 3:
+        raise ValueError(f"no measured bf16 and int8 peak for isa {isa!r} (measured: {sorted(per_core)})")
+    return Machine("this-machine", len(nodes), max(1, threads // len(nodes)), matrix, per_core, isa,
+                   float(kernel_efficiency), 0.5, 0.0, description or f"measured (nodes {nodes})", "measured")
+
+
+def measure_machine(read_mib: int = 256, tries: int = 5, kernel_efficiency: float | None = None,
+                    echo=print) -> Machine:
+    """A description of this machine: the read matrix of its real nodes with the project's
+    native streaming read (benchmarking.machine.measure_read_matrix), the ISA peaks from the
+    register-only loops, and the kernel efficiency from the expert FFN kernel against the
+    streaming read of the same bytes (Qwen3-30B-A3B expert, 1 token; as ``bench kernels``
+    measures it) unless given."""
     import statistics
-    import time
 
-    from numa_moe.placement import memory, topology as topo_mod
-    from numa_moe.apps.benchmarking import native_loops
-    from numa_moe.apps.benchmarking.kernels import measure_peak_gflop_s, random_bf16_bits, random_weights
+    from numa_moe.apps.benchmarking import machine as measured, native_loops
+    from numa_moe.apps.benchmarking.kernels import random_bf16_bits, random_weights
     from numa_moe.layer.kernels import default_isa
+    from numa_moe.placement import topology as topo_mod
 
-    topo = topo_mod.current_topology()
-    node_ids = list(topo.node_ids)
-    n = len(node_ids)
-    threads = native_loops.affinity_cpu_count()
-    cores = max(1, threads // n)
-    local = []
-    for node in node_ids:
-        buf = memory.interleaved_empty(read_mib << 20, np.uint8, nodes=[node], page="4k")
-        buf[:] = 1
-        rates = []
-        for _ in range(tries):
-            start = time.perf_counter()
-            native_loops.stream_read([buf], cores)
-            rates.append(buf.nbytes / (time.perf_counter() - start) / 1e9)
-        local.append(statistics.median(rates))
-        echo(f"node {node}: streaming read {local[-1]:.1f} GB/s (median of {tries}; best {max(rates):.1f})")
-    cross = cross_gbps if cross_gbps is not None else None
-    read = [[local[i] if i == j else (cross if cross is not None else 0.4 * local[i]) for j in range(n)]
-            for i in range(n)]
-    if n > 1 and cross is None:
-        echo("cross-node read not measured: set to 40% of local (give --cross-gbps)")
+    topo = topo_mod.Topology.detect()
+    threads = len(topo.allowed_cpus)
+    read = measured.measure_read_matrix(topo, read_mib, tries, echo)
+    peaks = measured.measure_peaks(threads, 0.05, 3, echo)
     isa = default_isa()
-    peaks = {}
-    for name in native_loops.PEAK_INSTRUCTIONS:
-        try:
-            y = measure_peak_gflop_s(name, threads, seconds=0.05, tries=3)
-        except (ValueError, RuntimeError):
-            continue
-        if y is not None:
-            per_core = y.best / threads
-            peaks[name] = {"bf16": per_core, "int8": 2 * per_core, "int4": 2 * per_core}
-            echo(f"{name} peak: {y.best:.0f} GFLOP/s on {threads} threads ({per_core:.1f} per core)")
-    if isa not in peaks:
-        peaks.setdefault(isa, {"bf16": 50.0, "int8": 100.0, "int4": 100.0})
-        echo(f"no peak loop for isa {isa}: assuming 50 GFLOP/s per core")
     if kernel_efficiency is None:
         rng = np.random.default_rng(0)
         H, I = 2048, 768
@@ -773,10 +761,8 @@ def measure_machine(read_mib: int = 256, tries: int = 5, cross_gbps: float | Non
         kernel_efficiency = min(1.0, statistics.median(read_s) / statistics.median(ours))
         echo(f"kernel efficiency: {kernel_efficiency:.2f} of the streaming read (median expert FFN call, "
              f"qwen3-30b-a3b shape, 1 token, isa {isa})")
-    return Machine("this-machine", n, cores, tuple(tuple(r) for r in read), peaks, isa,
-                   float(kernel_efficiency), 0.5, 0.0,
-                   f"measured by numa-moe simulate --measure ({topo.kind} topology, nodes {node_ids})",
-                   "measured")
+    return machine_from_measurements(read, peaks, threads, isa, kernel_efficiency,
+                                     f"measured by numa-moe simulate --measure (nodes {list(read.cpu_nodes)})")
 
 
 # --------------------------------------------------------------------------- validation

@@ -168,6 +168,18 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def format_cpulist(cpus) -> str:
+    """A set of ints in Linux list format (0-3,8), the inverse of parse_cpulist; "-" when empty."""
+    out, cpus, i = [], sorted(cpus), 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(out) or "-"
+
+
 def parse_thp_mode(text: str) -> str:
     m = re.search(r"\[(\w+)\]", text)
     return m.group(1) if m else "unavailable"

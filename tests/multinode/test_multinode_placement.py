@@ -48,6 +48,8 @@ def node_subsets(real_nodes):
     subsets = [tuple(real_nodes)]
     if len(real_nodes) >= 3:
         subsets += [tuple(real_nodes[1:]), (real_nodes[0], real_nodes[-1])]
+    if len(real_nodes) >= 7:  # a non-power-of-two count beside the VM's 8
+        subsets.append(tuple(real_nodes[:6]))
     return subsets
 
 

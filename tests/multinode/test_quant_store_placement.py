@@ -96,10 +96,12 @@ def test_quantized_weights_local_and_remote_scales_reported(checkpoint_dir, tmp_
     report = placement_report(store)
     assert report.per_node == measured
     total_scales = sum(store.scales(layer, k).nbytes for layer in store.layers for k in KINDS)
+    # the scales are small: with many nodes some hold no page of them
+    scale_nodes = {int(n) for _, _, _, (page_nodes, _, _) in pairs for n in page_nodes}
     for node, v in measured.items():
         assert v["remote_weight_bytes"] == 0
         assert 0 <= v["remote_scale_bytes"] <= v["scale_bytes_needed"]
-        assert v["weight_bytes"] > 0 and v["scale_bytes"] > 0
+        assert v["weight_bytes"] > 0 and (v["scale_bytes"] > 0) == (node in scale_nodes)
     assert sum(v["scale_bytes"] for v in measured.values()) == total_scales
     # every scale is needed by at least one node
     assert sum(v["scale_bytes_needed"] for v in measured.values()) >= total_scales
