@@ -1,7 +1,7 @@
 """The fixed cost of one native call on each thread backend: a tiny expert FFN (hidden 256,
 intermediate 128, 4 tokens, 2 threads) called back to back, first on numa-moe's own
-threads (torch not loaded), then on torch's OpenMP team (docs/benchmarks.md, "Eleventh
-session"; docs/architecture.md, "Threads").
+threads (torch not loaded), then on torch's OpenMP team (docs/benchmarks.md, "Fixed cost
+of a call"; docs/architecture.md, "Threads").
 
     .venv/bin/python benchmarks/call_overhead.py [--calls 2000]
 

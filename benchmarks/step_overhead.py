@@ -1,5 +1,5 @@
 """The fixed cost of a MoE layer call outside its native step, with the caches cold as a
-decode step finds them (docs/benchmarks.md, "Tenth session").
+decode step finds them (docs/benchmarks.md, "Fixed cost of a call").
 
     .venv/bin/python benchmarks/step_overhead.py [--format int4] [--calls 100]
 

@@ -34,7 +34,8 @@ def _int_list(text: str) -> list[int]:
 @click.option("--page", type=click.Choice(PAGES), default="2m", show_default=True,
               help="Page size of the weight copies. The default is 2m (transparent huge pages), unlike the "
                    "placement commands' 4k: this measures the kernels as a serving host would run them, "
-                   "and 4 KB pages alone moved the read ceiling by up to 1.6x here (docs/kernels.md).")
+                   "and 4 KB pages alone moved the read ceiling by up to 2x on the development VMs "
+                   "(docs/benchmarks.md).")
 @click.option("--format", "weight_format", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
               show_default=True, help="Expert weight format: int8 / int4 run quantized experts (docs/quantization.md; "
                                       "the bytes read count the scales) against PyTorch's own low-bit kernels "

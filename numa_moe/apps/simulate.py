@@ -797,8 +797,9 @@ def this_machine(read_gbps: float, nodes: int, threads: int, kernel_efficiency: 
 # Fraction of the streaming read the layer step reaches on this VM at decode sizes, and
 # where it comes from: docs/simulate.md ("Calibration"). Overridable per call.
 DEFAULT_KERNEL_EFFICIENCY = 0.85
-# Fraction of the register-only peak the expert kernel reaches at 32-128 tokens here
-# (docs/benchmarks.md: 0.70-0.86 of the vdpbf16ps peak).
+# Fraction of the register-only peak the expert kernel reaches at 32-128 tokens: below the
+# avx512 prefill rows of docs/benchmarks.md (0.83-0.95 of the vdpbf16ps peak at 64-256
+# tokens on Zen 4), since fewer tokens reach less.
 VALIDATION_COMPUTE_EFFICIENCY = 0.7
 
 
