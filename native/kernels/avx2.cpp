@@ -6,15 +6,24 @@
 //   tokens   plain row-major packed[t * k + c] bf16
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
-// bf16 -> fp32 in-lane, 16 columns per step split into even and odd columns (a 16-bit
-// left shift of each dword for the even ones, a mask for the odd ones) for weights and
-// tokens alike; R rows x T tokens of ymm FMA accumulators (8 x 1, 4 x 2, 2 x 3, 2 x 4),
-// horizontal sums at the end. Rows are read 8 at a time, and while the first token block
-// reads a row block each 64 bytes of a row request one line of the row block after next,
-// in address order (LinePrefetcher): 8 rows read side by side are a pattern the hardware
-// prefetchers follow badly.
+// Decode (m < kGemmMinTokens): dot products. bf16 -> fp32 in-lane, 16 columns per step
+// split into even and odd columns (a 16-bit left shift of each dword for the even ones, a
+// mask for the odd ones) for weights and tokens alike; R rows x T tokens of ymm FMA
+// accumulators (8 x 1, 4 x 2, 2 x 3, 2 x 4), horizontal sums at the end. Rows are read 8
+// at a time, and while the first token block reads a row block each 64 bytes of a row
+// request one line of the row block after next, in address order (LinePrefetcher): 8 rows
+// read side by side are a pattern the hardware prefetchers follow badly.
+//
+// Prefill (m >= kGemmMinTokens): a register-blocked GEMM in which every weight is
+// converted once per call and every product is one FMA. Per call the tokens become fp32
+// (x32[t * k + c], per-thread scratch); per block of 16 rows of a segment the weights
+// become fp32 columns of 16 rows (wt[c * 16 + r], transposed 8 x 8 at a time); then per 6
+// tokens, 2 x 6 ymm accumulators take per column two weight vectors and six broadcast
+// token values: 12 FMAs against 8 loads, no horizontal sums. The 16 x 6 sums are added
+// to out at the end of the segment's columns.
 #include <immintrin.h>
 
+#include "common/util.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/isa_tables.hpp"
 #include "kernels/line_prefetcher.hpp"
@@ -122,11 +131,133 @@ void run_block(const bf16* const* w_rows, float* const* out_rows, int n_rows, co
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Prefill GEMM.
+
+constexpr int64_t kGemmMinTokens = 16;
+constexpr int kGemmRows = 16;    // rows of a weight tile: two ymm of fp32
+constexpr int kGemmTokens = 6;   // tokens of a register block: 2 x 6 accumulators
+constexpr int kTokensSlot = 0, kWeightTileSlot = 1;  // thread_scratch slots
+
+// 8 x 8 fp32 transpose in registers: v[i] lane j <-> v[j] lane i.
+inline void transpose8_ps(__m256 v[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    __m256 u[8];
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+inline __m256 load8_bf16(const bf16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// wt[(c - k0) * 16 + r] = w_rows[r][c] as fp32 for c in [k0, k1); rows past n_rows are 0.
+void weight_tile(const bf16* const* w_rows, int n_rows, int64_t k0, int64_t k1, float* wt) {
+    int64_t c = k0;
+    for (; c + 8 <= k1; c += 8) {
+        for (int half = 0; half < 2; ++half) {
+            __m256 v[8];
+            for (int i = 0; i < 8; ++i) {
+                const int r = 8 * half + i;
+                v[i] = r < n_rows ? load8_bf16(w_rows[r] + c) : _mm256_setzero_ps();
+            }
+            transpose8_ps(v);
+            for (int j = 0; j < 8; ++j) _mm256_store_ps(wt + (c - k0 + j) * kGemmRows + 8 * half, v[j]);
+        }
+    }
+    for (; c < k1; ++c)
+        for (int r = 0; r < kGemmRows; ++r)
+            wt[(c - k0) * kGemmRows + r] = r < n_rows ? bf16_to_float(w_rows[r][c]) : 0.0f;
+}
+
+// out_rows[r][t0 + t] += sum over the tile's n_cols columns of wt[c][r] * x[t][c], for
+// the tile's rows and T tokens (x: token t0's fp32 row, from the tile's first column).
+template <int T>
+void gemm_micro(const float* wt, int64_t n_cols, const float* x, int64_t ldx, float* const* out_rows, int n_rows,
+                int64_t t0) {
+    __m256 acc[2][T];
+    for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_cols; ++c) {
+        const __m256 w0 = _mm256_load_ps(wt + c * kGemmRows), w1 = _mm256_load_ps(wt + c * kGemmRows + 8);
+        for (int t = 0; t < T; ++t) {
+            const __m256 xb = _mm256_broadcast_ss(x + t * ldx + c);
+            acc[0][t] = _mm256_fmadd_ps(w0, xb, acc[0][t]);
+            acc[1][t] = _mm256_fmadd_ps(w1, xb, acc[1][t]);
+        }
+    }
+    alignas(32) float sums[T][kGemmRows];
+    for (int t = 0; t < T; ++t) {
+        _mm256_store_ps(sums[t], acc[0][t]);
+        _mm256_store_ps(sums[t] + 8, acc[1][t]);
+    }
+    for (int r = 0; r < n_rows; ++r)
+        for (int t = 0; t < T; ++t) out_rows[r][t0 + t] += sums[t][r];
+}
+
+void gemm_row_block(const bf16* const* w_rows, float* const* out_rows, int n_rows, const float* x32, int64_t m,
+                    int64_t k, int64_t k0, int64_t k1) {
+    float* wt = static_cast<float*>(thread_scratch(kWeightTileSlot, static_cast<size_t>(k1 - k0) * kGemmRows * 4));
+    weight_tile(w_rows, n_rows, k0, k1, wt);
+    for (int64_t t0 = 0; t0 < m; t0 += kGemmTokens) {
+        const float* x = x32 + t0 * k + k0;
+        switch (m - t0 < kGemmTokens ? m - t0 : kGemmTokens) {
+            case 1: gemm_micro<1>(wt, k1 - k0, x, k, out_rows, n_rows, t0); break;
+            case 2: gemm_micro<2>(wt, k1 - k0, x, k, out_rows, n_rows, t0); break;
+            case 3: gemm_micro<3>(wt, k1 - k0, x, k, out_rows, n_rows, t0); break;
+            case 4: gemm_micro<4>(wt, k1 - k0, x, k, out_rows, n_rows, t0); break;
+            case 5: gemm_micro<5>(wt, k1 - k0, x, k, out_rows, n_rows, t0); break;
+            default: gemm_micro<6>(wt, k1 - k0, x, k, out_rows, n_rows, t0); break;
+        }
+    }
+}
+
+void gemm_segments(const Weights& weights, const Segment* segments, int64_t n_segments, int64_t row_begin,
+                   int64_t row_end, const bf16* tokens, int64_t m, int64_t k, float* out, int64_t ldo) {
+    float* x32 = static_cast<float*>(thread_scratch(kTokensSlot, static_cast<size_t>(m * k) * 4));
+    int64_t i = 0;
+    for (; i + 8 <= m * k; i += 8) _mm256_storeu_ps(x32 + i, load8_bf16(tokens + i));
+    for (; i < m * k; ++i) x32[i] = bf16_to_float(tokens[i]);
+    const bf16* w = static_cast<const bf16*>(weights.data);
+    for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
+                                                                      int64_t stride) {
+        for (int64_t j0 = j_lo; j0 < j_hi; j0 += kGemmRows) {
+            const bf16* w_rows[kGemmRows];
+            float* out_rows[kGemmRows];
+            int n_rows = 0;
+            for (int64_t j = j0; j < j_hi && n_rows < kGemmRows; ++j, ++n_rows) {
+                const int64_t r = seg.row0 + j * stride;
+                w_rows[n_rows] = w + r * weights.ld;
+                out_rows[n_rows] = out + r * ldo;
+            }
+            gemm_row_block(w_rows, out_rows, n_rows, x32, m, k, seg.k0, seg.k1);
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+
 void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
     const bf16* w = static_cast<const bf16*>(weights.data);
     const int64_t ldw = weights.ld;
     const bf16* tokens = static_cast<const bf16*>(packed);
+    if (m >= kGemmMinTokens) {
+        gemm_segments(weights, segments, n_segments, row_begin, row_end, tokens, m, k, out, ldo);
+        return;
+    }
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {
