@@ -50,6 +50,9 @@ kernels::Format weight_format_named(const std::string& name);
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16,
                                   int64_t group = kernels::kDefaultGroup);
 
+// An int64 [n, 5] array as segments, not yet checked against a matrix.
+std::vector<Segment> segment_array(const py::object& obj, const std::string& name);
+
 // An int64 [n, 5] segment array (None: empty list) whose segments lie in rows x cols.
 std::vector<Segment> read_segments(const py::object& obj, const std::string& name, int64_t rows, int64_t cols);
 
