@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings/attention_checks.hpp"
 #include "bindings/checks.hpp"
 #include "bindings/gil.hpp"
 #include "common/check.hpp"

@@ -2,6 +2,7 @@
 list(APPEND NUMA_MOE_SOURCES
   native/bindings/module.cpp
   native/bindings/attention_bindings.cpp
+  native/bindings/attention_checks.cpp
   native/bindings/checks.cpp
   native/bindings/engine_bindings.cpp
   native/bindings/gil.cpp
