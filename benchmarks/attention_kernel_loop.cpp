@@ -1,6 +1,6 @@
-// One thread, one decode-attention kernel, back to back: the kernel's own rate without
-// the driver, thread wake-ups or cache eviction (docs/benchmarks.md, "Decode
-// attention"). Not part of the library: it includes a kernel translation unit whole.
+// One thread, one decode-attention kernel, back to back: the kernel's own rate without the
+// driver, thread wake-ups or cache eviction. Not part of the library: it includes a kernel
+// translation unit whole.
 //
 //   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -I. -Inative \
 //       -DKERNEL='"native/kernels/attention_avx512.cpp"' benchmarks/attention_kernel_loop.cpp -o /tmp/attn_loop

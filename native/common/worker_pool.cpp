@@ -498,7 +498,7 @@ bool WorkerPool::run(int n_phases, const Job& job, const std::function<bool()>& 
     state.job_generation.fetch_add(1, std::memory_order_seq_cst);
     if (state.job_sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&state.job_generation);
     if (caller_cpu_ >= 0) {
-        // Moving the caller costs two affinity syscalls (~10 us in a VM), so only when it
+        // Moving the caller costs two affinity syscalls (more in a VM), so only when it
         // sits on a worker's CPU.
         const int cpu = sched_getcpu();
         std::optional<ScopedPin> pin;

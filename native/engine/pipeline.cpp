@@ -203,7 +203,7 @@ private:
                      const void* tokens, int64_t m, int64_t k, float* out, int64_t ldo) const;
     void token_block(size_t a, Range tokens, const ThreadInfo& ti);
     void gate_up(const Group& g, const ThreadInfo& ti);
-    void silu(const Group& g, Range rows, size_t a) const;
+    void silu(Range rows, size_t a) const;
     void down(const Group& g, const ThreadInfo& ti);
     void epilogue(const Group& g, Range h) const;
     void clear_y(Range h) const;
@@ -392,7 +392,7 @@ void StepRun::gate_up(const Group& g, const ThreadInfo& ti) {
         if (u.kind != UnitKind::gate)
             matmul_rows(t, p.up, p.up.node_segments[ti.node], u.rows, tokens, t.m, shape_.hidden,
                         partial(ti.node, u.a, 1), t.m);
-        if (u.kind == UnitKind::gate_up_silu && !team_.aborted()) silu(g, u.rows, u.a);
+        if (u.kind == UnitKind::gate_up_silu && !team_.aborted()) silu(u.rows, u.a);
     });
 }
 
@@ -436,7 +436,7 @@ void StepRun::claim(ClaimedPhase phase, const ThreadInfo& ti, Fn&& fn) {
         fn(units_[phase][begin + static_cast<size_t>(i)]);
 }
 
-void StepRun::silu(const Group&, Range rows, size_t a) const {
+void StepRun::silu(Range rows, size_t a) const {
     if (rows.empty()) return;
     const ExpertTask& t = tasks_[a];
     t.ops->silu_mul_pack(partial_ptrs(a, 0), partial_ptrs(a, 1), n_nodes_, t.m, rows.begin, rows.end, t.m,
@@ -544,7 +544,7 @@ bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going)
             case kGateUp: gate_up(g, ti); break;
             case kSilu:
                 for (size_t a = g.begin; a < g.end; ++a)
-                    if (placed_[a].token_block == 0) silu(g, silu_ranges_[ti.global], a);
+                    if (placed_[a].token_block == 0) silu(silu_ranges_[ti.global], a);
                 break;
             case kDown: down(g, ti); break;
             case kEpilogue: epilogue(g, h_ranges_[ti.global]); break;

@@ -66,10 +66,10 @@ namespace {
 constexpr int kChunkGroups = 16;  // groups per transposed scale table
 
 // Streamed weights are requested one row block (32 rows) ahead of the block being read,
-// when their rows are at most 4 KiB: measured from memory on both cores, one block ahead
-// read int8 768- and 2048-byte rows 20% and 4-7% faster than 128 KiB ahead, int4 384- and
-// 1024-byte rows 37% and 8% faster; with 14 KiB rows every distance of whole blocks was
-// slower than none (docs/kernels.md), and such rows are read 16 at a time instead.
+// when their rows are at most 4 KiB: for such rows one block ahead reads faster from
+// memory than a fixed distance in bytes, for both int8 and int4. For longer rows every
+// whole-block distance reads slower than none (docs/kernels.md), and such rows are read
+// 16 at a time instead.
 constexpr int64_t kPrefetchAheadRows = 32;
 constexpr int64_t kPrefetchMaxRowBytes = 4096;
 

@@ -1,5 +1,5 @@
 // The interface every expert-FFN kernel implements, one KernelOps table per instruction
-// set. The worker layer (native/workers) only talks to this table; it never looks inside
+// set. The engine (native/engine) only talks to this table; it never looks inside
 // the packed token operand.
 //
 // Operands (bf16 = raw uint16_t bit patterns, fp32 accumulation everywhere):
