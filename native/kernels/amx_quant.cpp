@@ -93,22 +93,7 @@ struct TileShape {
 };
 
 void configure(const TileShape& shape) {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    auto set = [&](int tile, int rows, int colsb) {
-        if (rows == 0 || colsb == 0) return;
-        cfg.rows[tile] = static_cast<uint8_t>(rows);
-        cfg.colsb[tile] = static_cast<uint16_t>(colsb);
-    };
-    set(kC00, shape.rows[0], 4 * shape.tokens[0]);
-    set(kC01, shape.rows[0], 4 * shape.tokens[1]);
-    set(kC10, shape.rows[1], 4 * shape.tokens[0]);
-    set(kC11, shape.rows[1], 4 * shape.tokens[1]);
-    set(kA0, shape.rows[0], shape.columns);
-    set(kA1, shape.rows[1], shape.columns);
-    set(kB0, shape.columns / 4, 4 * shape.tokens[0]);
-    set(kB1, shape.columns / 4, 4 * shape.tokens[1]);
+    const TileConfig cfg = amx_tiles::block_config(shape.rows, shape.tokens, shape.columns, shape.columns / 4);
     TILE_LOADCONFIG(&cfg);
 }
 
