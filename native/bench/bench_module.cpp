@@ -1,8 +1,8 @@
-// The benchmark harness in native code (numa_moe._native.bench, re-exported as numa_moe._bench),
-// registered apart from the API. Loops
-// that must not pay Python overhead per call (the kernel against the read ceiling,
+// The benchmark harness in native code, its own extension module numa_moe._native_bench
+// (re-exported as numa_moe._bench), so that the API module carries none of it: loops that
+// must not pay Python overhead per call (the kernel against the read ceiling,
 // interleaved), the streaming read and the peak-FLOP loops, all on the project's process
-// pool.
+// pool (this module's own copy of it).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -282,8 +282,10 @@ double py_peak_flops(const std::string& isa, int64_t iterations, int threads, co
 
 }  // namespace
 
-void register_bench(py::module_& parent) {
-    py::module_ m = parent.def_submodule("bench");
+}  // namespace numa_moe::bench
+
+PYBIND11_MODULE(_native_bench, m) {
+    using namespace numa_moe::bench;
     m.doc() = "numa-moe benchmark harness: streaming read, peak loops, kernel-vs-read loops";
     m.def("stream_read", &py_stream_read, py::arg("buffers"), py::arg("threads") = 1,
           "Reads the buffers with the CPU's widest loads (AVX-512, AVX2 or baseline) on `threads` threads (bandwidth "
@@ -301,6 +303,7 @@ void register_bench(py::module_& parent) {
           py::arg("format") = "bf16",
           "Register-only peak loop of the ISA and weight format (avx2: vfmadd231ps / vpmaddubsw, avx512: vdpbf16ps / "
           "vpdpbusd, amx: tdpbf16ps / tdpbssd) on `threads` threads; returns the operations executed (time it).");
+    // Daemon threads inside native calls at interpreter exit (bindings/gil.hpp): this
+    // module's copy of the exit state needs the hook as much as _native's.
+    py::module_::import("atexit").attr("register")(py::cpp_function([] { numa_moe::bindings::prepare_exit(); }));
 }
-
-}  // namespace numa_moe::bench
