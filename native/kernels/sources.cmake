@@ -4,6 +4,7 @@
 set(NUMA_MOE_AVX512_FLAGS -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma)
 list(APPEND NUMA_MOE_SOURCES
   native/kernels/dispatch.cpp
+  native/kernels/names.cpp
   native/kernels/ref_bf16.cpp
   native/kernels/ref_quant.cpp
   native/kernels/amx_model.cpp
