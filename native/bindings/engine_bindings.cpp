@@ -140,7 +140,7 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              [](PyLayer& l, py::array gate, py::array up, py::array down, py::list gate_segments,
                 py::list up_segments, py::list down_segments, bool verify_partition, py::object gate_scales,
                 py::object up_scales, py::object down_scales) {
-                 const std::string name = "expert " + std::to_string(l.core->n_experts());
+                 const std::string name = message("expert ", l.core->n_experts());
                  ExpertParts parts{matrix_part(gate, gate_scales, gate_segments, name + " gate"),
                                    matrix_part(up, up_scales, up_segments, name + " up"),
                                    matrix_part(down, down_scales, down_segments, name + " down")};
