@@ -1,8 +1,9 @@
 """Periodic segment tables: which part of a row-major weight matrix lies on which NUMA node.
 
-Pure Python/numpy, no system calls: the page map comes from ``numa_moe.memory`` (or from
-the interleave rule), this module only does the arithmetic. See docs/placement.md for
-the math, the worked examples and the JSON schema.
+No system calls: the page map comes from ``numa_moe.memory`` (or from the interleave
+rule), this module only does the arithmetic, in numpy; ``SegmentTable.check`` applies the
+partition rule of the native kernels (``_native.check_partition``). See docs/placement.md
+for the math, the worked examples and the JSON schema.
 
 A matrix of ``rows`` x ``cols`` elements of a weight format is stored row-major, so row
 ``r`` occupies the bytes ``[r * row_bytes, (r + 1) * row_bytes)`` of its buffer. The
