@@ -1,10 +1,9 @@
-// How the AMX-INT8 weight stream overlaps other work (docs/benchmarks.md, "Eleventh
-// session"): one thread walks an int8 matrix as the AMX kernel does (32-row blocks, per
-// 64-column step two A tiles straight from the rows, tileloaddt1, one B tile, two
-// tdpbssd into C tiles of one token), with W rounds of eight independent vpmulld chains
-// per step standing in for the kernel's vector work, optionally requesting (prefetcht2)
-// each line of the next block. Prints ns per step and GB/s for W = 0, 2, 4, 8, 12, 16, 24.
-// Not part of the library.
+// How the AMX-INT8 weight stream overlaps other work: one thread walks an int8 matrix as
+// the AMX kernel does (32-row blocks, per 64-column step two A tiles straight from the
+// rows, tileloaddt1, one B tile, two tdpbssd into C tiles of one token), with W rounds of
+// eight independent vpmulld chains per step standing in for the kernel's vector work,
+// optionally requesting (prefetcht2) each line of the next block. Prints ns per step and
+// GB/s for W = 0, 2, 4, 8, 12, 16, 24. Not part of the library.
 //
 //   g++ -O2 -std=c++17 -mamx-tile -mamx-int8 -mavx512f -Inative benchmarks/amx_stream_overlap.cpp
 //       native/common/cpu_features.cpp -o /tmp/amx_stream

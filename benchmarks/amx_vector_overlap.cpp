@@ -1,6 +1,5 @@
-// Whether tdpbssd and vector work run side by side (docs/benchmarks.md, "Twelfth session"):
-// one thread, no memory traffic. Per iteration: T = four tdpbssd into four C tiles (the
-// AMX-INT8 kernels' 2 x 2 block, operands already in tiles, B tiles of N tokens), and/or
+// Whether tdpbssd and vector work run side by side: one thread, no memory traffic. Per
+// iteration: T = four tdpbssd into four C tiles (the AMX-INT8 kernels' 2 x 2 block, operands already in tiles, B tiles of N tokens), and/or
 // V = V vectors of the integer kernels' fp32 epilogue (convert an int32 dot, multiply by
 // a scale product, add to an accumulator: a load and four floating-point operations,
 // sixteen accumulators). Prints ns per iteration for T alone, V alone and both; were

@@ -1,9 +1,11 @@
-// One thread, one decode-attention kernel, back to back: the kernel's own rate without
-// the driver, thread wake-ups or cache eviction (docs/benchmarks.md, "Decode
-// attention"). Not part of the library: it includes a kernel translation unit whole.
+// One thread, one decode-attention kernel, back to back: the kernel's own rate without the
+// driver, thread wake-ups or cache eviction. Not part of the library: it includes a kernel
+// translation unit whole.
 //
-//   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -I. -Inative \
-//       -DKERNEL='"native/kernels/attention_avx512.cpp"' benchmarks/attention_kernel_loop.cpp -o /tmp/attn_loop
+//   g++ -O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -I. -Inative
+//       -DKERNEL='"native/kernels/attention_avx512.cpp"' benchmarks/attention_kernel_loop.cpp
+//       native/kernels/names.cpp -o /tmp/attn_loop   (one command line; or the CMake target
+//       attention_kernel_loop, -DNUMA_MOE_BENCHMARKS=ON)
 //   /tmp/attn_loop GROUP POSITIONS     (D = 128; e.g. 8 1024: 512 KB of K and V, in L2;
 //                                       8 262144: 128 MB, from memory)
 //

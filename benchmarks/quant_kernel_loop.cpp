@@ -8,7 +8,7 @@
 //       -ffp-contract=off -falign-functions=64 -falign-loops=64 -Inative
 //       -DKERNEL='"kernels/avx512_quant.cpp"'
 //       benchmarks/quant_kernel_loop.cpp native/common/util.cpp native/common/segment.cpp
-//       native/common/cpu_features.cpp -o /tmp/quant_loop
+//       native/common/cpu_features.cpp native/kernels/names.cpp -o /tmp/quant_loop
 //   (one command line; the alignment flags keep code placement from deciding a comparison:
 //   docs/kernels.md, "Measuring kernel loops"). The AMX-INT8 kernel: add -mamx-tile -mamx-int8
 //   -DKERNEL='"kernels/amx_quant.cpp"' -DOPS=amx_integer_ops. Against the kernel of an

@@ -13,9 +13,9 @@ Floors, bottom up; a module imports only from its own floor or the floors below 
   ``dispatch.open_checkpoint`` on top
 * ``layer`` - ``kernels``, ``store`` (ExpertStore), ``pools``, ``registry``,
   ``moe_layer`` (MoELayer), ``op`` (torch.ops.numa_moe.moe_forward), ``attention``
-* ``apps`` - the commands' library code: ``run``, ``generate``, ``simulate``,
-  ``placement_report``, ``benchmarking``
 * ``integrations`` - transformers (``hf``, ``hf_attention``) and vLLM (``vllm``, ``vllm_check``)
+* ``apps`` - the commands' library code: ``run``, ``generate``, ``simulate``,
+  ``placement_report``, ``doctor`` and ``doctor_checks``, ``benchmarking``
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """The native benchmark harness (``native/bench``): streaming read, peak-FLOP loops and
-kernel-against-read loops, registered apart from the API as ``numa_moe._native.bench``."""
+kernel-against-read loops, built apart from the API as the extension ``numa_moe._native_bench``."""
 
-from numa_moe._native import bench as _harness
+from numa_moe import _native_bench as _harness
 
 stream_read = _harness.stream_read
 bench_stream_read = _harness.bench_stream_read

@@ -436,7 +436,7 @@ def test_an_expert_with_two_group_sizes_is_refused(rng):
     down = random_qm(rng, hidden, inter, "int8", 64)[1]
     x = rng.standard_normal((2, hidden)).astype(BF16)
     out = np.full((2, hidden), np.nan, np.float32)
-    with pytest.raises(ValueError, match="one group for all three, got 32, 32 and 64"):
+    with pytest.raises(ValueError, match="expert_ffn: gate, up and down must share one group, got 32, 32 and 64"):
         kernels.expert_ffn(x, gate, up, down, out=out)
     assert np.all(np.isnan(out))
     from numa_moe.placement.segments import SegmentTable

@@ -22,13 +22,24 @@ def isa_sources() -> set[str]:
     return sources
 
 
+# The library both modules link last: a build folder from before the modules shared it still
+# holds the library's objects under _native.dir, and the current ones win.
+MODULE_TARGETS = ("_native", "_native_bench", "numa_moe_core")
+
+
+def module_objects(cmake_files: Path) -> dict[str, Path]:
+    """The objects of the extension modules' targets in one build's CMakeFiles folder (the
+    modules' own files and the library both link), by source path."""
+    return {str(o.relative_to(cmake_files / f"{target}.dir"))[: -len(".o")]: o
+            for target in MODULE_TARGETS for o in (cmake_files / f"{target}.dir").glob("native/**/*.o")}
+
+
 def newest_object_dir(isa: set[str]) -> Path | None:
-    """The object folder of the most recent complete CMake build of the extension in this
-    checkout (older folders may predate the current sources, a build under way is not
+    """The CMakeFiles folder of the most recent complete CMake build of the extensions in
+    this checkout (older folders may predate the current sources, a build under way is not
     complete yet)."""
-    dirs = [d for d in (ROOT / "build").glob("**/CMakeFiles/_native.dir")
-            if all((d / f"{source}.o").exists() for source in isa)]
-    return max(dirs, key=lambda d: max(o.stat().st_mtime for o in d.glob("native/**/*.o")), default=None)
+    dirs = [d for d in (ROOT / "build").glob("**/CMakeFiles") if isa <= module_objects(d).keys()]
+    return max(dirs, key=lambda d: max(o.stat().st_mtime for o in module_objects(d).values()), default=None)
 
 
 def weak_symbols(obj: Path) -> set[str]:
@@ -50,9 +61,19 @@ def test_isa_objects_share_no_weak_symbol():
     obj_dir = newest_object_dir(isa)
     if obj_dir is None:
         pytest.skip("no complete CMake build of the extension under build/ (it was built elsewhere)")
-    objects = {str(o.relative_to(obj_dir))[: -len(".o")]: o for o in obj_dir.glob("native/**/*.o")}
+    objects = module_objects(obj_dir)
     symbols = {name: weak_symbols(path) for name, path in objects.items()}
     for name in isa:
         others = set().union(*(s for other, s in symbols.items() if other != name))
         shared = symbols[name] & others
         assert not shared, f"{obj_dir}: {name} shares weak symbols with other objects: {sorted(shared)[:5]}"
+
+
+def test_bench_loops_are_their_own_module():
+    """The benchmark harness (peak, read and kernel-against-read loops) is the extension
+    numa_moe._native_bench, built beside the API module, not a part of every user's _native."""
+    from numa_moe import _bench, _native, _native_bench
+
+    assert not hasattr(_native, "bench")
+    assert _bench.peak_flops is _native_bench.peak_flops
+    assert _bench.stream_read is _native_bench.stream_read

@@ -4,7 +4,9 @@ The independent reference throughout is a per-element node map computed straight
 the byte address of each element (``_element_nodes``), not from the table code.
 """
 
+import dataclasses
 import json
+import re
 import time
 
 import numpy as np
@@ -496,6 +498,21 @@ def test_save_load_round_trip_and_atomic(tmp_path):
     assert loaded == table and loaded.to_dict() == table.to_dict()
     table.save(path)  # overwrite in place
     assert SegmentTable.load(path) == table
+
+
+def test_check_names_an_element_covered_twice(rng):
+    """SegmentTable.check applies the kernels' partition rule (native/common/segment.hpp):
+    an element covered twice is named by its row, its columns and the second node."""
+    n_nodes = int(rng.integers(2, 5))
+    table = SegmentTable.theoretical(int(rng.integers(8, 64)), 1024 * int(rng.integers(1, 8)), "bf16",
+                                     4 * KIB, n_nodes)
+    table.check()
+    src, other = (int(n) for n in rng.choice(table.nodes, 2, replace=False))
+    s = table.segments[src][int(rng.integers(len(table.segments[src])))]
+    bad = dataclasses.replace(table, segments={**table.segments, other: table.segments[other] + (s,)})
+    expected = f"row {s.row0} columns [{s.k0}, {s.k1}) are covered twice (again by node {max(src, other)})"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        bad.check()
 
 
 @pytest.mark.parametrize("mutate,match", [

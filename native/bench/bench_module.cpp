@@ -1,8 +1,8 @@
-// The benchmark harness in native code (numa_moe._native.bench, re-exported as numa_moe._bench),
-// registered apart from the API. Loops
-// that must not pay Python overhead per call (the kernel against the read ceiling,
+// The benchmark harness in native code, its own extension module numa_moe._native_bench
+// (re-exported as numa_moe._bench), so that the API module carries none of it: loops that
+// must not pay Python overhead per call (the kernel against the read ceiling,
 // interleaved), the streaming read and the peak-FLOP loops, all on the project's process
-// pool.
+// pool (this module's own copy of it).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -17,6 +17,7 @@
 #include "bench/loops.hpp"
 #include "bindings/checks.hpp"
 #include "bindings/gil.hpp"
+#include "common/check.hpp"
 #include "common/cpu_features.hpp"
 #include "common/util.hpp"
 #include "engine/expert_ffn.hpp"
@@ -115,13 +116,12 @@ uint64_t read_spans(const std::vector<Span>& spans, int threads, Poll& poll, siz
 std::vector<Span> array_spans(const py::list& buffers, const char* what) {
     std::vector<Span> spans;
     for (const auto& item : buffers) {
-        if (!py::isinstance<py::array>(item)) throw std::invalid_argument(std::string(what) + ": buffers must be numpy arrays");
+        NUMA_MOE_CHECK(py::isinstance<py::array>(item), what, ": buffers must be numpy arrays");
         const py::array a = py::reinterpret_borrow<py::array>(item);
-        if (!(a.flags() & py::array::c_style))
-            throw std::invalid_argument(std::string(what) + ": buffers must be C-contiguous arrays");
+        NUMA_MOE_CHECK(a.flags() & py::array::c_style, what, ": buffers must be C-contiguous arrays");
         spans.push_back(Span{static_cast<const char*>(a.data()), static_cast<size_t>(a.nbytes())});
     }
-    if (spans.empty()) throw std::invalid_argument(std::string(what) + ": no buffers");
+    NUMA_MOE_CHECK(!spans.empty(), what, ": no buffers");
     return spans;
 }
 
@@ -169,12 +169,12 @@ struct BenchCalls {
 
 BenchCalls bench_calls(const py::array& x, const py::array& token_index, const py::list& experts, int threads,
                        bool out_bf16) {
-    if (experts.empty()) throw std::invalid_argument("experts: empty");
+    NUMA_MOE_CHECK(!experts.empty(), "experts: empty");
     BenchCalls result;
     for (size_t e = 0; e < experts.size(); ++e) {
         const py::tuple tuple = experts[e].cast<py::tuple>();
-        if (tuple.size() != 3 && tuple.size() != 6)
-            throw std::invalid_argument("experts: expected (w_gate, w_up, w_down) tuples, or with their three scales");
+        NUMA_MOE_CHECK(tuple.size() == 3 || tuple.size() == 6,
+                       "experts: expected (w_gate, w_up, w_down) tuples, or with their three scales");
         std::vector<py::array> arrays;
         for (const auto& item : tuple) arrays.push_back(item.cast<py::array>());
         const auto scales = [&](size_t i) { return arrays.size() == 6 ? py::object(arrays[3 + i]) : py::object(py::none()); };
@@ -184,11 +184,10 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
                                              bindings::weight_operand(arrays[1], scales(1), "w_up"),
                                              bindings::weight_operand(arrays[2], scales(2), "w_down"), threads);
         } catch (const std::invalid_argument& error) {
-            throw std::invalid_argument("experts[" + std::to_string(e) + "]: shapes do not match x [T, H] and each other (" +
-                                        error.what() + ")");
+            fail("experts[", e, "]: shapes do not match x [T, H] and each other (", error.what(), ")");
         }
-        if (e > 0 && (args.format != result.format || args.gate.group != result.group))
-            throw std::invalid_argument("experts: all in one weight format and group");
+        NUMA_MOE_CHECK(e == 0 || (args.format == result.format && args.gate.group == result.group),
+                       "experts: all in one weight format and group");
         result.format = args.format;
         result.group = args.gate.group;
         args.out_bf16 = out_bf16;
@@ -255,18 +254,16 @@ std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
 // multiply with) on `threads` threads; returns the operations executed.
 double py_peak_flops(const std::string& isa, int64_t iterations, int threads, const std::string& format) {
     kernels::Format parsed;
-    if (!kernels::parse_format(format.c_str(), &parsed))
-        throw std::invalid_argument("peak_flops: format '" + format + "' is not one of bf16, int8, int4");
+    NUMA_MOE_CHECK(kernels::parse_format(format.c_str(), &parsed), "peak_flops: format '", format,
+                   "' is not one of bf16, int8, int4");
     const kernels::KernelOps& ops = bindings::ops_for(isa, parsed);  // refuses what this CPU cannot run
     const bool integer = parsed != kernels::Format::bf16;
     double (*loop)(int64_t) = nullptr;
     if (ops.isa == kernels::Isa::avx2) loop = integer ? vpmaddubsw_loop : vfmadd231ps_loop;
     if (ops.isa == kernels::Isa::avx512) loop = integer ? vpdpbusd_loop : vdpbf16ps_loop;
     if (ops.isa == kernels::Isa::amx) loop = integer ? tdpbssd_loop : tdpbf16ps_loop;
-    if (!loop)
-        throw std::invalid_argument("peak_flops: no peak loop for isa '" + isa +
-                                    "' (avx2: vfmadd231ps / vpmaddubsw, avx512: vdpbf16ps / vpdpbusd, amx: tdpbf16ps / "
-                                    "tdpbssd)");
+    NUMA_MOE_CHECK(loop, "peak_flops: no peak loop for isa '", isa,
+                   "' (avx2: vfmadd231ps / vpmaddubsw, avx512: vdpbf16ps / vpdpbusd, amx: tdpbf16ps / tdpbssd)");
     const int n = thread_count(threads);
     std::vector<double> flops(static_cast<size_t>(n) * 8, 0.0);
     Poll poll;
@@ -285,8 +282,10 @@ double py_peak_flops(const std::string& isa, int64_t iterations, int threads, co
 
 }  // namespace
 
-void register_bench(py::module_& parent) {
-    py::module_ m = parent.def_submodule("bench");
+}  // namespace numa_moe::bench
+
+PYBIND11_MODULE(_native_bench, m) {
+    using namespace numa_moe::bench;
     m.doc() = "numa-moe benchmark harness: streaming read, peak loops, kernel-vs-read loops";
     m.def("stream_read", &py_stream_read, py::arg("buffers"), py::arg("threads") = 1,
           "Reads the buffers with the CPU's widest loads (AVX-512, AVX2 or baseline) on `threads` threads (bandwidth "
@@ -304,6 +303,7 @@ void register_bench(py::module_& parent) {
           py::arg("format") = "bf16",
           "Register-only peak loop of the ISA and weight format (avx2: vfmadd231ps / vpmaddubsw, avx512: vdpbf16ps / "
           "vpdpbusd, amx: tdpbf16ps / tdpbssd) on `threads` threads; returns the operations executed (time it).");
+    // Daemon threads inside native calls at interpreter exit (bindings/gil.hpp): this
+    // module's copy of the exit state needs the hook as much as _native's.
+    py::module_::import("atexit").attr("register")(py::cpp_function([] { numa_moe::bindings::prepare_exit(); }));
 }
-
-}  // namespace numa_moe::bench

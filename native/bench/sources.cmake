@@ -1,8 +1,7 @@
-# The benchmark harness (numa_moe._native.bench): baseline registration, ISA loops.
-list(APPEND NUMA_MOE_SOURCES
+# The benchmark harness, its own module numa_moe._native_bench: baseline registration, ISA
+# loops.
+list(APPEND NUMA_MOE_BENCH_SOURCES
   native/bench/bench_module.cpp
-)
-list(APPEND NUMA_MOE_ISA_SOURCES
   native/bench/avx2_loops.cpp
   native/bench/avx512_loops.cpp
   native/bench/amx_loops.cpp

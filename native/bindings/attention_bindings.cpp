@@ -8,8 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "bindings/attention_checks.hpp"
 #include "bindings/checks.hpp"
 #include "bindings/gil.hpp"
+#include "common/check.hpp"
 #include "engine/attention.hpp"
 #include "engine/process_pool.hpp"
 
@@ -28,17 +30,12 @@ void py_gqa_decode(const std::string& isa, const py::array& q, const py::array& 
     if (!node_segments.is_none()) {
         const py::list per_node = node_segments.cast<py::list>();
         std::vector<std::vector<Segment>> segments;
-        for (size_t n = 0; n < per_node.size(); ++n) {
-            const std::string name = "node_segments[" + std::to_string(n) + "]";
-            const py::array a = checked_array(per_node[n], name, Kind::i64, 2);
-            if (a.shape(1) != 5) throw std::invalid_argument(name + ": expected shape [n, 5], got " + shape_text(a));
-            const auto* first = static_cast<const Segment*>(a.data());
-            segments.emplace_back(first, first + a.shape(0));
-        }
+        for (size_t n = 0; n < per_node.size(); ++n)
+            segments.push_back(segment_array(per_node[n], message("node_segments[", n, "]")));
         nodes = row_nodes(segments, attention_cache_rows(k_cache), args.head_dim, "k_cache segments");
         args.row_nodes = &nodes;
     }
-    if (threads < 0) throw std::invalid_argument("threads: must be >= 0 (0 = this process's CPUs), got " + std::to_string(threads));
+    NUMA_MOE_CHECK(threads >= 0, "threads: must be >= 0 (0 = this process's CPUs), got ", threads);
     bool completed;
     {
         NoGil released;
@@ -56,9 +53,8 @@ py::array_t<float> py_merge_states(const py::array& m, const py::array& l, const
     check_array(l, "l", Kind::f32, 1);
     check_array(o, "o", Kind::f32, 2);
     const int64_t n = m.shape(0), d = o.shape(1);
-    if (l.shape(0) != n || o.shape(0) != n)
-        throw std::invalid_argument("m, l, o: one state per row expected, got shapes " + shape_text(m) + ", " +
-                                    shape_text(l) + ", " + shape_text(o));
+    NUMA_MOE_CHECK(l.shape(0) == n && o.shape(0) == n, "m, l, o: one state per row expected, got shapes ", shape_text(m),
+                   ", ", shape_text(l), ", ", shape_text(o));
     std::vector<const float*> mp, lp, op;
     for (int64_t p = 0; p < n; ++p) {
         mp.push_back(static_cast<const float*>(m.data()) + p);

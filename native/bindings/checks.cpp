@@ -1,16 +1,15 @@
 #include "bindings/checks.hpp"
 
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
+#include "common/check.hpp"
 #include "engine/expert_ffn.hpp"
+#include "engine/pipeline.hpp"
 #include "engine/process_pool.hpp"
 
 namespace numa_moe::bindings {
 namespace {
-
-[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
 
 const char* kind_name(Kind kind) {
     switch (kind) {
@@ -36,28 +35,28 @@ bool has_kind(const py::array& a, Kind kind) {
 }
 
 std::string shape_text(const py::array& a) {
-    std::string s = "(";
-    for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-    return s + (a.ndim() == 1 ? ",)" : ")");
+    std::ostringstream s;
+    s << "(";
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+    s << (a.ndim() == 1 ? ",)" : ")");
+    return s.str();
 }
 
 void check_array(const py::array& a, const std::string& name, Kind kind, int ndim, bool writable) {
-    if (!has_kind(a, kind)) fail(name + ": dtype " + dtype_text(a) + ", expected " + kind_name(kind));
-    if (a.ndim() != ndim)
-        fail(name + ": expected " + std::to_string(ndim) + "-D array, got shape " + shape_text(a));
-    if (!(a.flags() & py::array::c_style)) fail(name + ": must be C-contiguous (row-major), got strides that are not");
+    NUMA_MOE_CHECK(has_kind(a, kind), name, ": dtype ", dtype_text(a), ", expected ", kind_name(kind));
+    NUMA_MOE_CHECK(a.ndim() == ndim, name, ": expected ", ndim, "-D array, got shape ", shape_text(a));
+    NUMA_MOE_CHECK(a.flags() & py::array::c_style, name, ": must be C-contiguous (row-major), got strides that are not");
     const auto address = reinterpret_cast<uintptr_t>(a.data());
-    if (address % a.itemsize())
-        fail(name + ": data at 0x" + std::to_string(address) + " is not aligned to its " +
-             std::to_string(a.itemsize()) + "-byte elements");
-    if (writable && !a.writeable()) fail(name + ": must be writable");
+    NUMA_MOE_CHECK(address % a.itemsize() == 0, name, ": data at 0x", address, " is not aligned to its ", a.itemsize(),
+                   "-byte elements");
+    NUMA_MOE_CHECK(!writable || a.writeable(), name, ": must be writable");
 }
 
 namespace {
 
 py::array as_array(const py::object& obj, const std::string& name) {
-    if (!py::isinstance<py::array>(obj))
-        fail(name + ": expected a numpy array, got " + py::str(py::type::of(obj)).cast<std::string>());
+    NUMA_MOE_CHECK(py::isinstance<py::array>(obj), name, ": expected a numpy array, got ",
+                   py::str(py::type::of(obj)).cast<std::string>());
     return py::reinterpret_borrow<py::array>(obj);
 }
 
@@ -71,82 +70,81 @@ py::array checked_array(const py::object& obj, const std::string& name, Kind kin
 
 py::array checked_layout(const py::object& obj, const std::string& name, int ndim) {
     py::array a = as_array(obj, name);
-    if (a.ndim() != ndim) fail(name + ": expected " + std::to_string(ndim) + "-D array, got shape " + shape_text(a));
-    if (!(a.flags() & py::array::c_style)) fail(name + ": must be C-contiguous (row-major)");
-    if (reinterpret_cast<uintptr_t>(a.data()) % a.itemsize()) fail(name + ": data is not aligned to its elements");
+    NUMA_MOE_CHECK(a.ndim() == ndim, name, ": expected ", ndim, "-D array, got shape ", shape_text(a));
+    NUMA_MOE_CHECK(a.flags() & py::array::c_style, name, ": must be C-contiguous (row-major)");
+    NUMA_MOE_CHECK(reinterpret_cast<uintptr_t>(a.data()) % a.itemsize() == 0, name, ": data is not aligned to its elements");
     return a;
 }
 
 bool check_output(const py::array& out, const std::string& name, int64_t rows, int64_t cols) {
     const bool bf16 = has_kind(out, Kind::bf16);
     check_array(out, name, bf16 ? Kind::bf16 : Kind::f32, 2, true);
-    if (out.shape(0) != rows || out.shape(1) != cols)
-        fail(name + ": shape " + shape_text(out) + ", expected (" + std::to_string(rows) + ", " + std::to_string(cols) + ")");
+    NUMA_MOE_CHECK(out.shape(0) == rows && out.shape(1) == cols, name, ": shape ", shape_text(out), ", expected (", rows,
+                   ", ", cols, ")");
     return bf16;
 }
 
 kernels::Format weight_format_named(const std::string& name) {
     kernels::Format format;
-    if (!kernels::parse_format(name.c_str(), &format)) fail("format '" + name + "' is not one of bf16, int8, int4");
+    NUMA_MOE_CHECK(kernels::parse_format(name.c_str(), &format), "format '", name, "' is not one of bf16, int8, int4");
     return format;
 }
 
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format, int64_t group) {
     kernels::Isa parsed;
-    if (!kernels::parse_isa(isa.c_str(), &parsed))
-        fail("unknown ISA '" + isa + "': not one of " + kernels::isa_names());
+    NUMA_MOE_CHECK(kernels::parse_isa(isa.c_str(), &parsed), "unknown ISA '", isa, "': not one of ", kernels::isa_names());
     const kernels::KernelOps* ops = kernels::kernel_ops(parsed, format, group);
-    if (!ops)
-        fail("isa '" + isa + "' is not available" +
-             (format == kernels::Format::bf16 ? "" : std::string(" for ") + kernels::format_name(format) + " weights") +
-             ": " + kernels::unavailable_reason(parsed, format));
+    NUMA_MOE_CHECK(ops, "isa '", isa, "' is not available",
+                   format == kernels::Format::bf16 ? "" : message(" for ", kernels::format_name(format), " weights"), ": ",
+                   kernels::unavailable_reason(parsed, format));
     return *ops;
+}
+
+std::vector<Segment> segment_array(const py::object& obj, const std::string& name) {
+    const py::array a = checked_array(obj, name, Kind::i64, 2);
+    NUMA_MOE_CHECK(a.shape(1) == 5, name, ": expected shape [n, 5], got ", shape_text(a));
+    const auto* first = static_cast<const Segment*>(a.data());
+    return std::vector<Segment>(first, first + a.shape(0));
 }
 
 std::vector<Segment> read_segments(const py::object& obj, const std::string& name, int64_t rows, int64_t cols) {
     if (obj.is_none()) return {};
-    const py::array a = checked_array(obj, name, Kind::i64, 2);
-    if (a.shape(1) != 5) fail(name + ": expected shape [n, 5], got " + shape_text(a));
-    const auto* first = static_cast<const Segment*>(a.data());
-    check_segments(first, a.shape(0), rows, cols, name);
-    return std::vector<Segment>(first, first + a.shape(0));
+    std::vector<Segment> segments = segment_array(obj, name);
+    check_segments(segments.data(), static_cast<int64_t>(segments.size()), rows, cols, name);
+    return segments;
 }
 
 void check_index(const py::array& index, const std::string& name, int64_t n_rows) {
     check_array(index, name, Kind::i64, 1);
     const auto* idx = static_cast<const int64_t*>(index.data());
     for (py::ssize_t t = 0; t < index.shape(0); ++t)
-        if (idx[t] < 0 || idx[t] >= n_rows)
-            fail(name + "[" + std::to_string(t) + "] = " + std::to_string(idx[t]) + " is outside [0, " +
-                 std::to_string(n_rows) + ")");
+        NUMA_MOE_CHECK(idx[t] >= 0 && idx[t] < n_rows, name, "[", t, "] = ", idx[t], " is outside [0, ", n_rows, ")");
 }
 
 Bf16Rows bf16_rows(const py::array& a, const std::string& name) {
-    if (!has_kind(a, Kind::bf16)) fail(name + ": dtype " + dtype_text(a) + ", expected " + kind_name(Kind::bf16));
-    if (a.ndim() != 2) fail(name + ": expected a 2-D array, got " + std::to_string(a.ndim()) + "-D");
+    NUMA_MOE_CHECK(has_kind(a, Kind::bf16), name, ": dtype ", dtype_text(a), ", expected ", kind_name(Kind::bf16));
+    NUMA_MOE_CHECK(a.ndim() == 2, name, ": expected a 2-D array, got ", a.ndim(), "-D");
     // An empty array has no bytes to lay out (numpy may report zero strides for it).
     const bool empty = a.shape(0) == 0 || a.shape(1) == 0;
-    if (!empty && (a.strides(1) != 2 || a.strides(0) % 2 != 0 || (a.shape(0) > 1 && a.strides(0) < 2 * a.shape(1))))
-        fail(name + ": rows must be contiguous (strides " + std::to_string(a.strides(0)) + ", " +
-             std::to_string(a.strides(1)) + " bytes)");
-    if (reinterpret_cast<uintptr_t>(a.data()) % 2) fail(name + ": data is not aligned to its 2-byte elements");
+    NUMA_MOE_CHECK(empty || (a.strides(1) == 2 && a.strides(0) % 2 == 0 && (a.shape(0) <= 1 || a.strides(0) >= 2 * a.shape(1))),
+                   name, ": rows must be contiguous (strides ", a.strides(0), ", ", a.strides(1), " bytes)");
+    NUMA_MOE_CHECK(reinterpret_cast<uintptr_t>(a.data()) % 2 == 0, name, ": data is not aligned to its 2-byte elements");
     const int64_t ld = a.shape(0) > 1 && !empty ? a.strides(0) / 2 : a.shape(1);
     return Bf16Rows{static_cast<const bf16*>(a.data()), a.shape(0), a.shape(1), ld};
 }
 
 PartList part_list(const py::list& parts, const std::string& name) {
-    if (parts.empty()) fail(name + ": needs at least one partial array");
+    NUMA_MOE_CHECK(!parts.empty(), name, ": needs at least one partial array");
     PartList list{0, 0, {}};
     for (size_t p = 0; p < parts.size(); ++p) {
-        const std::string label = name + "[" + std::to_string(p) + "]";
+        const std::string label = message(name, "[", p, "]");
         const py::array a = checked_array(parts[p], label, Kind::f32, 2);
         if (p == 0) {
             list.rows = a.shape(0);
             list.cols = a.shape(1);
-        } else if (a.shape(0) != list.rows || a.shape(1) != list.cols) {
-            fail(label + ": shape " + shape_text(a) + ", expected [" + std::to_string(list.rows) + ", " +
-                 std::to_string(list.cols) + "] like " + name + "[0]");
         }
+        NUMA_MOE_CHECK(a.shape(0) == list.rows && a.shape(1) == list.cols, label, ": shape ", shape_text(a), ", expected [",
+                       list.rows, ", ", list.cols, "] like ", name, "[0]");
         list.pointers.push_back(static_cast<const float*>(a.data()));
     }
     return list;
@@ -154,9 +152,8 @@ PartList part_list(const py::list& parts, const std::string& name) {
 
 void check_range(int64_t begin, int64_t end, int64_t size, int64_t align, const std::string& what) {
     const bool aligned = align <= 1 || (begin % align == 0 && (end % align == 0 || end == size));
-    if (begin < 0 || end > size || begin > end || !aligned)
-        fail(what + " = [" + std::to_string(begin) + ", " + std::to_string(end) + ") must lie in [0, " +
-             std::to_string(size) + ")" + (align > 1 ? " with multiples of " + std::to_string(align) + " (except the end)" : ""));
+    NUMA_MOE_CHECK(begin >= 0 && end <= size && begin <= end && aligned, what, " = [", begin, ", ", end,
+                   ") must lie in [0, ", size, ")", align > 1 ? message(" with multiples of ", align, " (except the end)") : "");
 }
 
 namespace {
@@ -166,7 +163,7 @@ kernels::ScaleType scale_type_of(const py::array& scales, const std::string& nam
     if (dt.kind() == 'f' && dt.itemsize() == 4) return kernels::ScaleType::fp32;
     if (dt.kind() == 'f' && dt.itemsize() == 2) return kernels::ScaleType::fp16;
     if (dtype_text(scales) == "bfloat16") return kernels::ScaleType::bf16;
-    fail(name + ": dtype " + dtype_text(scales) + ", expected float32, float16 or bfloat16");
+    fail(name, ": dtype ", dtype_text(scales), ", expected float32, float16 or bfloat16");
 }
 
 // Whether a scale's bits are NaN, infinite or (signed) zero, per scale type: bit tests only,
@@ -209,15 +206,14 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
         return arg;
     }
     const py::dtype dt = values.dtype();
-    if (dt.itemsize() != 1 || (dt.kind() != 'i' && dt.kind() != 'u'))
-        fail(name + ": dtype " + dtype_text(values) + ", expected int8 (int8 weights) or uint8 (int4, two per byte) "
-             "since scales are given");
+    NUMA_MOE_CHECK(dt.itemsize() == 1 && (dt.kind() == 'i' || dt.kind() == 'u'), name, ": dtype ", dtype_text(values),
+                   ", expected int8 (int8 weights) or uint8 (int4, two per byte) since scales are given");
     arg.format = dt.kind() == 'i' ? kernels::Format::int8 : kernels::Format::int4;
     const int per_byte = arg.format == kernels::Format::int4 ? 2 : 1;
-    if (values.ndim() != 2) fail(name + ": expected a 2-D array, got shape " + shape_text(values));
-    if (values.shape(1) > 1 && values.strides(1) != 1) fail(name + ": rows must be contiguous");
+    NUMA_MOE_CHECK(values.ndim() == 2, name, ": expected a 2-D array, got shape ", shape_text(values));
+    NUMA_MOE_CHECK(values.shape(1) <= 1 || values.strides(1) == 1, name, ": rows must be contiguous");
     const int64_t row_bytes = values.shape(0) > 1 ? values.strides(0) : values.shape(1);
-    if (row_bytes < values.shape(1)) fail(name + ": rows overlap (row stride below the row length)");
+    NUMA_MOE_CHECK(row_bytes >= values.shape(1), name, ": rows overlap (row stride below the row length)");
     arg.rows = values.shape(0);
     arg.cols = values.shape(1) * per_byte;
     arg.weights.data = values.data();
@@ -225,20 +221,19 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     const std::string scales_name = name + "_scales";
     const py::array scales = checked_layout(scales_obj, scales_name, 2);
     arg.weights.scale_type = scale_type_of(scales, scales_name);
-    if (scales.shape(0) != arg.rows || scales.shape(1) < 1 || arg.cols % scales.shape(1))
-        fail(scales_name + ": shape " + shape_text(scales) + " does not give a group for a " + std::to_string(arg.rows) +
-             " x " + std::to_string(arg.cols) + " matrix ([rows, cols / group])");
+    NUMA_MOE_CHECK(scales.shape(0) == arg.rows && scales.shape(1) >= 1 && arg.cols % scales.shape(1) == 0, scales_name,
+                   ": shape ", shape_text(scales), " does not give a group for a ", arg.rows, " x ", arg.cols,
+                   " matrix ([rows, cols / group])");
     arg.weights.group = arg.cols / scales.shape(1);
-    if (!kernels::is_integer_group(arg.weights.group))
-        fail(scales_name + ": group " + std::to_string(arg.weights.group) + " (cols / scale columns) is not one of 32, 64, 128");
+    NUMA_MOE_CHECK(kernels::is_integer_group(arg.weights.group), scales_name, ": group ", arg.weights.group,
+                   " (cols / scale columns) is not one of 32, 64, 128");
     arg.weights.scales = scales.data();
     arg.weights.scales_ld = scales.shape(1);
     const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_type);
     if (bad >= 0) {
         const py::object value = scales.attr("reshape")(-1).attr("__getitem__")(bad).attr("item")();
         const bool zero = value.cast<double>() == 0.0;
-        fail(scales_name + ": entry " + std::to_string(bad) + " is " + (zero ? "zero" : "not finite") +
-             " (scales must be finite and non-zero)");
+        fail(scales_name, ": entry ", bad, " is ", zero ? "zero" : "not finite", " (scales must be finite and non-zero)");
     }
     return arg;
 }
@@ -247,24 +242,15 @@ engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token
                                       const WeightArg& up, const WeightArg& down, int threads) {
     check_array(x, "x", Kind::bf16, 2);
     const int64_t hidden = x.shape(1), inter = gate.rows;
-    if (gate.cols != hidden)
-        fail("w_gate: shape [" + std::to_string(gate.rows) + ", " + std::to_string(gate.cols) +
-             "], expected [I, H] with H = " + std::to_string(hidden));
-    if (up.rows != inter || up.cols != hidden)
-        fail("w_up: shape [" + std::to_string(up.rows) + ", " + std::to_string(up.cols) + "], expected [" +
-             std::to_string(inter) + ", " + std::to_string(hidden) + "]");
-    if (down.rows != hidden || down.cols != inter)
-        fail("w_down: shape [" + std::to_string(down.rows) + ", " + std::to_string(down.cols) + "], expected [" +
-             std::to_string(hidden) + ", " + std::to_string(inter) + "]");
-    if (up.format != gate.format || down.format != gate.format)
-        fail(std::string("w_gate, w_up, w_down: one weight format for all three, got ") +
-             kernels::format_name(gate.format) + ", " + kernels::format_name(up.format) + ", " +
-             kernels::format_name(down.format));
-    if (up.weights.group != gate.weights.group || down.weights.group != gate.weights.group)
-        fail("w_gate, w_up, w_down: one group for all three, got " + std::to_string(gate.weights.group) + ", " +
-             std::to_string(up.weights.group) + " and " + std::to_string(down.weights.group));
+    NUMA_MOE_CHECK(gate.cols == hidden, "w_gate: shape [", gate.rows, ", ", gate.cols, "], expected [I, H] with H = ", hidden);
+    NUMA_MOE_CHECK(up.rows == inter && up.cols == hidden, "w_up: shape [", up.rows, ", ", up.cols, "], expected [", inter,
+                   ", ", hidden, "]");
+    NUMA_MOE_CHECK(down.rows == hidden && down.cols == inter, "w_down: shape [", down.rows, ", ", down.cols,
+                   "], expected [", hidden, ", ", inter, "]");
+    engine::check_one_format("expert_ffn", {gate.format, up.format, down.format},
+                             {gate.weights.group, up.weights.group, down.weights.group});
     check_index(token_index, "token_index", x.shape(0));
-    if (threads < 0) fail("threads: must be >= 1 (or 0 for the CPUs of this process)");
+    NUMA_MOE_CHECK(threads >= 0, "threads: must be >= 1 (or 0 for the CPUs of this process)");
     engine::ExpertFfnArgs args;
     args.x = static_cast<const bf16*>(x.data());
     args.ldx = hidden;
@@ -278,95 +264,6 @@ engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token
     args.format = gate.format;
     args.threads = threads == 0 ? engine::affinity_cpu_count() : threads;
     return args;
-}
-
-}  // namespace numa_moe::bindings
-
-#include "engine/attention.hpp"
-
-namespace numa_moe::bindings {
-
-int64_t attention_cache_rows(const py::array& k_cache) {
-    return k_cache.shape(0) * k_cache.shape(1) * k_cache.shape(2);
-}
-
-const kernels::AttentionOps& attention_ops_for(const std::string& isa) {
-    kernels::Isa parsed;
-    if (!kernels::parse_isa(isa.c_str(), &parsed))
-        fail("unknown ISA '" + isa + "': not one of " + kernels::isa_names());
-    const kernels::AttentionOps* ops = kernels::attention_ops(parsed);
-    if (!ops) fail("isa '" + isa + "' is not available for attention: " + kernels::attention_unavailable_reason(parsed));
-    return *ops;
-}
-
-engine::DecodeAttentionArgs attention_args(const py::array& q, const py::array& k_cache, const py::array& v_cache,
-                                           const py::array& lengths, const py::object& block_table,
-                                           py::array& out, int64_t window, double scale) {
-    check_array(q, "q", Kind::bf16, 3);
-    check_array(k_cache, "k_cache", Kind::bf16, 4);
-    check_array(v_cache, "v_cache", Kind::bf16, 4);
-    for (int i = 0; i < 4; ++i)
-        if (v_cache.shape(i) != k_cache.shape(i))
-            fail("v_cache: shape " + shape_text(v_cache) + " differs from k_cache's " + shape_text(k_cache));
-    engine::DecodeAttentionArgs a;
-    a.batch = q.shape(0);
-    a.q_heads = q.shape(1);
-    a.head_dim = q.shape(2);
-    a.kv_heads = k_cache.shape(1);
-    if (k_cache.shape(3) != a.head_dim)
-        fail("k_cache: head size " + std::to_string(k_cache.shape(3)) + " (shape " + shape_text(k_cache) +
-             "), q has " + std::to_string(a.head_dim));
-    if (!kernels::attention_head_dim_supported(a.head_dim))
-        fail("q: head size " + std::to_string(a.head_dim) + " has no kernels (64, 128 or 256)");
-    if (a.kv_heads < 1 || a.q_heads % a.kv_heads)
-        fail("q: " + std::to_string(a.q_heads) + " query heads are not a multiple of the cache's " +
-             std::to_string(a.kv_heads) + " KV heads (group size must divide)");
-    check_array(lengths, "lengths", Kind::i64, 1);
-    if (lengths.shape(0) != a.batch)
-        fail("lengths: shape " + shape_text(lengths) + ", expected (" + std::to_string(a.batch) + ",) (one per sequence)");
-    a.lengths = static_cast<const int64_t*>(lengths.data());
-    int64_t capacity;
-    if (block_table.is_none()) {
-        if (k_cache.shape(0) != a.batch)
-            fail("k_cache: shape " + shape_text(k_cache) + ", expected [" + std::to_string(a.batch) +
-                 ", kv_heads, T, D] (one cache per sequence of q)");
-        a.capacity = capacity = k_cache.shape(2);
-    } else {
-        const py::array table = checked_array(block_table, "block_table", Kind::i64, 2);
-        if (table.shape(0) != a.batch)
-            fail("block_table: shape " + shape_text(table) + ", expected [" + std::to_string(a.batch) + ", max_blocks]");
-        a.block_table = static_cast<const int64_t*>(table.data());
-        a.blocks_per_seq = table.shape(1);
-        a.block_size = k_cache.shape(2);
-        capacity = a.blocks_per_seq * a.block_size;
-    }
-    for (int64_t b = 0; b < a.batch; ++b) {
-        if (a.lengths[b] < 0 || a.lengths[b] > capacity)
-            fail("lengths[" + std::to_string(b) + "] = " + std::to_string(a.lengths[b]) + " is outside the cache's [0, " +
-                 std::to_string(capacity) + "] positions");
-        if (!a.block_table) continue;
-        const int64_t used = (a.lengths[b] + a.block_size - 1) / a.block_size;
-        for (int64_t j = 0; j < used; ++j) {
-            const int64_t block = a.block_table[b * a.blocks_per_seq + j];
-            if (block < 0 || block >= k_cache.shape(0))
-                fail("block_table[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(block) +
-                     " is outside the cache's [0, " + std::to_string(k_cache.shape(0)) + ") blocks");
-        }
-    }
-    if (window < 0) fail("window: must be >= 0 (0 = no sliding window), got " + std::to_string(window));
-    if (!std::isfinite(scale)) fail("scale: must be finite, got " + std::to_string(scale));
-    a.window = window;
-    a.scale = static_cast<float>(scale);
-    const bool out_bf16 = has_kind(out, Kind::bf16);
-    check_array(out, "out", out_bf16 ? Kind::bf16 : Kind::f32, 3, true);
-    if (out.shape(0) != a.batch || out.shape(1) != a.q_heads || out.shape(2) != a.head_dim)
-        fail("out: shape " + shape_text(out) + ", expected " + shape_text(q));
-    a.q = static_cast<const kernels::bf16*>(q.data());
-    a.k = static_cast<const kernels::bf16*>(k_cache.data());
-    a.v = static_cast<const kernels::bf16*>(v_cache.data());
-    a.out = out.mutable_data();
-    a.out_bf16 = out_bf16;
-    return a;
 }
 
 }  // namespace numa_moe::bindings

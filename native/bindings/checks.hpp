@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "common/segment.hpp"
-#include "kernels/attention_api.hpp"
 #include "kernels/kernel_api.hpp"
 
 namespace numa_moe::bindings {
@@ -49,6 +48,9 @@ kernels::Format weight_format_named(const std::string& name);
 // refused.
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16,
                                   int64_t group = kernels::kDefaultGroup);
+
+// An int64 [n, 5] array as segments, not yet checked against a matrix.
+std::vector<Segment> segment_array(const py::object& obj, const std::string& name);
 
 // An int64 [n, 5] segment array (None: empty list) whose segments lie in rows x cols.
 std::vector<Segment> read_segments(const py::object& obj, const std::string& name, int64_t rows, int64_t cols);
@@ -98,21 +100,3 @@ engine::ExpertFfnArgs expert_ffn_args(const py::array& x, const py::array& token
                                       const WeightArg& up, const WeightArg& down, int threads);
 }  // namespace numa_moe::bindings
 
-namespace numa_moe::engine {
-struct DecodeAttentionArgs;
-}
-namespace numa_moe::bindings {
-// The checked operands of one gqa_decode call: q [B, Hq, D] bf16; k_cache, v_cache
-// [B, Hkv, T, D] (block_table None) or paged [n_blocks, Hkv, block_size, D] with
-// block_table int64 [B, max_blocks] (every block a sequence's length reaches in
-// [0, n_blocks)); Hq a multiple of Hkv, D in {64, 128, 256}; lengths int64 [B] within the
-// cache; window >= 0; scale finite; out bf16 or float32 [B, Hq, D]. All C-contiguous.
-// row_nodes not set.
-engine::DecodeAttentionArgs attention_args(const py::array& q, const py::array& k_cache, const py::array& v_cache,
-                                           const py::array& lengths, const py::object& block_table,
-                                           py::array& out, int64_t window, double scale);
-// The rows of the cache operand (the matrix the segment tables describe): rows x D.
-int64_t attention_cache_rows(const py::array& k_cache);
-// The attention ISA of a name; unknown names and ISAs without attention kernels refused.
-const kernels::AttentionOps& attention_ops_for(const std::string& isa);
-}  // namespace numa_moe::bindings

@@ -12,6 +12,7 @@
 
 #include "bindings/checks.hpp"
 #include "bindings/gil.hpp"
+#include "common/check.hpp"
 #include "common/openmp_team.hpp"
 #include "common/worker_pool.hpp"
 #include "engine/moe_layer.hpp"
@@ -27,13 +28,8 @@ using engine::MoELayerCore;
 // One int64 [n, 5] segment array per pool node (checked against the matrix later).
 std::vector<std::vector<Segment>> node_segments(const py::list& per_node, const std::string& what) {
     std::vector<std::vector<Segment>> result;
-    for (size_t n = 0; n < per_node.size(); ++n) {
-        const std::string name = what + " segments of node " + std::to_string(n);
-        const py::array a = checked_array(per_node[n], name, Kind::i64, 2);
-        if (a.shape(1) != 5) throw std::invalid_argument(name + ": expected shape [n, 5], got " + shape_text(a));
-        const auto* first = static_cast<const Segment*>(a.data());
-        result.emplace_back(first, first + a.shape(0));
-    }
+    for (size_t n = 0; n < per_node.size(); ++n)
+        result.push_back(segment_array(per_node[n], message(what, " segments of node ", n)));
     return result;
 }
 
@@ -57,31 +53,27 @@ struct PyLayer {
 
 // The matrix `kind` ("gate", "up", "down") of an expert, with errors for a bad index or kind.
 const MatrixPart& layer_matrix(const PyLayer& l, int64_t expert, const std::string& kind) {
-    if (expert < 0 || expert >= l.core->n_experts())
-        throw std::invalid_argument("expert " + std::to_string(expert) + " is out of range (the layer has " +
-                                    std::to_string(l.core->n_experts()) + " expert(s))");
+    NUMA_MOE_CHECK(expert >= 0 && expert < l.core->n_experts(), "expert ", expert, " is out of range (the layer has ",
+                   l.core->n_experts(), " expert(s))");
     const ExpertParts& p = l.core->expert(expert);
     if (kind == "gate") return p.gate;
     if (kind == "up") return p.up;
     if (kind == "down") return p.down;
-    throw std::invalid_argument("unknown matrix kind '" + kind + "' (gate, up, down)");
+    fail("unknown matrix kind '", kind, "' (gate, up, down)");
 }
 
 void layer_forward(PyLayer& l, const py::array& hidden, const py::array& topk_ids, const py::array& topk_weights,
                    py::array& out) {
     const Bf16Rows x = bf16_rows(hidden, "hidden");
-    if (x.cols != l.core->hidden())
-        throw std::invalid_argument("hidden: " + std::to_string(x.cols) + " columns, the layer's hidden size is " +
-                                    std::to_string(l.core->hidden()));
+    NUMA_MOE_CHECK(x.cols == l.core->hidden(), "hidden: ", x.cols, " columns, the layer's hidden size is ",
+                   l.core->hidden());
     check_array(topk_ids, "topk_ids", Kind::i64, 2);
-    if (topk_ids.shape(0) != x.rows)
-        throw std::invalid_argument("topk_ids: shape " + shape_text(topk_ids) + ", expected [" + std::to_string(x.rows) +
-                                    ", k] (one row per token)");
+    NUMA_MOE_CHECK(topk_ids.shape(0) == x.rows, "topk_ids: shape ", shape_text(topk_ids), ", expected [", x.rows,
+                   ", k] (one row per token)");
     const int64_t k = topk_ids.shape(1);
     check_array(topk_weights, "topk_weights", Kind::f32, 2);
-    if (topk_weights.shape(0) != x.rows || topk_weights.shape(1) != k)
-        throw std::invalid_argument("topk_weights: shape " + shape_text(topk_weights) + ", expected [" +
-                                    std::to_string(x.rows) + ", " + std::to_string(k) + "]");
+    NUMA_MOE_CHECK(topk_weights.shape(0) == x.rows && topk_weights.shape(1) == k, "topk_weights: shape ",
+                   shape_text(topk_weights), ", expected [", x.rows, ", ", k, "]");
     const bool out_bf16 = check_output(out, "out", x.rows, x.cols);
     bool completed;
     {
@@ -110,9 +102,7 @@ node_cpus[n] lists node n's CPUs (one thread per CPU). Threads start on first us
         .def_property_readonly("started", &WorkerPool::started)
         .def_property_readonly("start_count", &WorkerPool::start_count)
         .def("threads_of", [](const WorkerPool& p, int node) {
-            if (node < 0 || node >= p.n_nodes())
-                throw std::invalid_argument("node " + std::to_string(node) + " is not in the pool (" +
-                                            std::to_string(p.n_nodes()) + " nodes)");
+            NUMA_MOE_CHECK(node >= 0 && node < p.n_nodes(), "node ", node, " is not in the pool (", p.n_nodes(), " nodes)");
             return p.threads_of(node);
         }, py::arg("node"))
         .def("start", &WorkerPool::start, py::call_guard<NoGil>())
@@ -150,7 +140,7 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              [](PyLayer& l, py::array gate, py::array up, py::array down, py::list gate_segments,
                 py::list up_segments, py::list down_segments, bool verify_partition, py::object gate_scales,
                 py::object up_scales, py::object down_scales) {
-                 const std::string name = "expert " + std::to_string(l.core->n_experts());
+                 const std::string name = message("expert ", l.core->n_experts());
                  ExpertParts parts{matrix_part(gate, gate_scales, gate_segments, name + " gate"),
                                    matrix_part(up, up_scales, up_segments, name + " up"),
                                    matrix_part(down, down_scales, down_segments, name + " down")};
@@ -172,13 +162,11 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              },
              py::arg("isa"), "Force one ISA for every expert, or None for the per-expert rule.")
         .def("set_amx_min_tokens", [](PyLayer& l, int64_t m) {
-            if (m < 0)
-                throw std::invalid_argument("amx_min_tokens must be >= 1 (or 0 for the format's default), got " +
-                                            std::to_string(m));
+            NUMA_MOE_CHECK(m >= 0, "amx_min_tokens must be >= 1 (or 0 for the format's default), got ", m);
             l.core->set_amx_min_tokens(m);
         }, py::arg("m"), "AMX from m tokens; 0: each weight format's default (engine::default_amx_min_tokens).")
         .def("set_group_budget_bytes", [](PyLayer& l, int64_t b) {
-            if (b < 0) throw std::invalid_argument("group budget must be >= 0 bytes, got " + std::to_string(b));
+            NUMA_MOE_CHECK(b >= 0, "group budget must be >= 0 bytes, got ", b);
             l.core->set_group_budget_bytes(b);
         })
         .def("isa_for_tokens", [](const PyLayer& l, int64_t m, const std::string& format) {

@@ -10,8 +10,10 @@
 
 #include "bindings/checks.hpp"
 #include "bindings/gil.hpp"
+#include "common/check.hpp"
 #include "common/util.hpp"
 #include "engine/expert_ffn.hpp"
+#include "engine/kernel_choice.hpp"
 #include "engine/pipeline.hpp"
 #include "engine/process_pool.hpp"
 #include "kernels/kernel_api.hpp"
@@ -33,12 +35,10 @@ void py_matmul_segments(const std::string& isa, const py::array& weight, const p
     check_array(tokens, "tokens", Kind::bf16, 2);
     check_array(out, "out", Kind::f32, 2, true);
     const int64_t rows = w.rows, k = w.cols, m = tokens.shape(0);
-    if (tokens.shape(1) != k)
-        throw std::invalid_argument("tokens: " + std::to_string(tokens.shape(1)) + " columns, weight has " + std::to_string(k));
-    if (out.shape(0) != rows || out.shape(1) < m)
-        throw std::invalid_argument("out: shape " + shape_text(out) + ", expected [" + std::to_string(rows) + ", >= " +
-                                    std::to_string(m) + "]");
-    if (segments.is_none()) throw std::invalid_argument("segments: required (int64 [n, 5])");
+    NUMA_MOE_CHECK(tokens.shape(1) == k, "tokens: ", tokens.shape(1), " columns, weight has ", k);
+    NUMA_MOE_CHECK(out.shape(0) == rows && out.shape(1) >= m, "out: shape ", shape_text(out), ", expected [", rows, ", >= ",
+                   m, "]");
+    NUMA_MOE_CHECK(!segments.is_none(), "segments: required (int64 [n, 5])");
     const std::vector<Segment> segs = read_segments(segments, "segments", rows, k);
     if (w.format != kernels::Format::bf16)
         check_block_edges(segs.data(), static_cast<int64_t>(segs.size()), k, w.weights.group, "segments");
@@ -63,8 +63,8 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
     const KernelOps& ops = ops_for(isa);
     const PartList gate = part_list(gate_parts, "gate_parts");
     const PartList up = part_list(up_parts, "up_parts");
-    if (up.rows != gate.rows || up.cols != gate.cols || up.pointers.size() != gate.pointers.size())
-        throw std::invalid_argument("up_parts: must match gate_parts in number and shape [I, m]");
+    NUMA_MOE_CHECK(up.rows == gate.rows && up.cols == gate.cols && up.pointers.size() == gate.pointers.size(),
+                   "up_parts: must match gate_parts in number and shape [I, m]");
     const int64_t inter = gate.rows, m = gate.cols;
     check_range(i_begin, i_end, inter, 32, "[i_begin, i_end)");
     py::array_t<uint16_t> result({m, inter});
@@ -90,13 +90,11 @@ void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_be
     const PartList down = part_list(parts, "parts");
     const int64_t hidden = down.rows, m = down.cols;
     check_array(y, "y", Kind::f32, 2, true);
-    if (y.shape(1) != hidden) throw std::invalid_argument("y: shape " + shape_text(y) + ", expected [T, " + std::to_string(hidden) + "]");
+    NUMA_MOE_CHECK(y.shape(1) == hidden, "y: shape ", shape_text(y), ", expected [T, ", hidden, "]");
     check_index(token_index, "token_index", y.shape(0));
-    if (token_index.shape(0) != m)
-        throw std::invalid_argument("token_index: length " + std::to_string(token_index.shape(0)) + " != m = " + std::to_string(m));
+    NUMA_MOE_CHECK(token_index.shape(0) == m, "token_index: length ", token_index.shape(0), " != m = ", m);
     check_array(token_weight, "token_weight", Kind::f32, 1);
-    if (token_weight.shape(0) != m)
-        throw std::invalid_argument("token_weight: length " + std::to_string(token_weight.shape(0)) + " != m");
+    NUMA_MOE_CHECK(token_weight.shape(0) == m, "token_weight: length ", token_weight.shape(0), " != m");
     check_range(h_begin, h_end, hidden, 1, "[h_begin, h_end)");
     const auto* idx = static_cast<const int64_t*>(token_index.data());
     const auto* tw = static_cast<const float*>(token_weight.data());
@@ -155,7 +153,7 @@ void register_kernels(py::module_& m) {
           "The fastest ISA with kernels for a weight format here (amx > avx512 > avx2 > ref; never amx_model), "
           "NUMA_MOE_ISA not consulted.");
     m.def("kernel_isa_for_tokens", [](int64_t m, const std::string& format) {
-        if (m < 1) throw std::invalid_argument("tokens must be >= 1, got " + std::to_string(m));
+        NUMA_MOE_CHECK(m >= 1, "tokens must be >= 1, got ", m);
         return std::string(engine::kernels_for_tokens(m, weight_format_named(format), kernels::kDefaultGroup, 0)->name);
     }, py::arg("m"), py::arg("format") = "bf16",
           "The ISA an MoE layer with the default amx_min_tokens runs an expert of m tokens with (AMX from the "

@@ -1,6 +1,7 @@
 // The numa_moe._native extension: the public API of each layer, registered by that
-// layer's binding file; the benchmark harness as the submodule `bench` (numa_moe._bench),
-// and, in test builds only (NUMA_MOE_TEST_HOOKS), the test hooks as `testing`.
+// layer's binding file, and, in test builds only (NUMA_MOE_TEST_HOOKS), the test hooks as
+// `testing`. The benchmark harness is its own module, numa_moe._native_bench
+// (bench/bench_module.cpp).
 #include <pybind11/pybind11.h>
 
 #include "bindings/gil.hpp"
@@ -11,9 +12,6 @@ void register_kernels(pybind11::module_& m);
 void register_engine(pybind11::module_& m);
 void register_attention(pybind11::module_& m);
 }  // namespace numa_moe::bindings
-namespace numa_moe::bench {
-void register_bench(pybind11::module_& m);
-}
 #ifdef NUMA_MOE_TEST_HOOKS
 namespace numa_moe::testing {
 void register_testing(pybind11::module_& m);
@@ -26,7 +24,6 @@ PYBIND11_MODULE(_native, m) {
     numa_moe::bindings::register_kernels(m);
     numa_moe::bindings::register_engine(m);
     numa_moe::bindings::register_attention(m);
-    numa_moe::bench::register_bench(m);
     // Daemon threads inside native calls at interpreter exit (bindings/gil.hpp).
     pybind11::module_::import("atexit").attr("register")(
         pybind11::cpp_function([] { numa_moe::bindings::prepare_exit(); }));

@@ -6,11 +6,15 @@
 #include <pybind11/stl.h>
 
 #include <cerrno>
+#include <string>
 #include <thread>
 #include <utility>
 
+#include "bindings/checks.hpp"
 #include "bindings/gil.hpp"
+#include "common/check.hpp"
 #include "common/cpu_features.hpp"
+#include "common/segment.hpp"
 #include "placement/syscalls.hpp"
 
 namespace py = pybind11;
@@ -33,6 +37,12 @@ void raise_syscall_error(const SyscallError& e) {
     Py_DECREF(instance);
 }
 
+// ValueError unless [address, address + nbytes) stays below the end of the address space.
+void check_address_range(std::uintptr_t address, std::size_t nbytes) {
+    NUMA_MOE_CHECK(address + nbytes >= address, "the range [", address, ", +", nbytes,
+                   " bytes) wraps around the end of the address space");
+}
+
 // Pages covering [address, address + nbytes): the base-page-aligned address of each.
 std::vector<std::uintptr_t> pages_of(std::uintptr_t address, std::size_t nbytes) {
     const std::size_t page = placement::base_page_bytes();
@@ -40,9 +50,7 @@ std::vector<std::uintptr_t> pages_of(std::uintptr_t address, std::size_t nbytes)
     std::vector<std::uintptr_t> pages;
     if (nbytes == 0) return pages;  // zero bytes cover no page (as resident_pages says)
     const std::uintptr_t end = address + nbytes;
-    if (end < address)
-        throw py::value_error("the range [" + std::to_string(address) + ", +" + std::to_string(nbytes) +
-                              " bytes) wraps around the end of the address space");
+    check_address_range(address, nbytes);
     // counted, not `p += page` until end: near the top of the address space p would wrap
     const std::size_t n_pages = (end - 1 - first) / page + 1;
     pages.reserve(n_pages);
@@ -149,9 +157,7 @@ void register_page_calls(py::module_& m) {
         "resident_pages",
         [](std::uintptr_t address, std::size_t nbytes) {
             const std::size_t page = placement::base_page_bytes();
-            if (address + nbytes < address)
-                throw py::value_error("the range [" + std::to_string(address) + ", +" + std::to_string(nbytes) +
-                                      " bytes) wraps around the end of the address space");
+            check_address_range(address, nbytes);
             const std::uintptr_t first = address & ~(static_cast<std::uintptr_t>(page) - 1);
             const std::size_t length = nbytes == 0 ? 0 : address + nbytes - first;
             py::array_t<uint8_t> resident(static_cast<py::ssize_t>((length + page - 1) / page));
@@ -169,11 +175,9 @@ void register_page_calls(py::module_& m) {
         "move_pages",
         [](std::uintptr_t address, std::size_t nbytes, py::array_t<int32_t, py::array::c_style | py::array::forcecast> targets) {
             std::vector<std::uintptr_t> pages = pages_of(address, nbytes);
-            if (targets.ndim() != 1 || static_cast<std::size_t>(targets.shape(0)) != pages.size()) {
-                throw py::value_error("move_pages: targets must be 1-D with one node per page (" +
-                                      std::to_string(pages.size()) + " pages), got shape " +
-                                      std::to_string(targets.ndim() == 1 ? targets.shape(0) : -1));
-            }
+            NUMA_MOE_CHECK(targets.ndim() == 1 && static_cast<std::size_t>(targets.shape(0)) == pages.size(),
+                           "move_pages: targets must be 1-D with one node per page (", pages.size(),
+                           " pages), got shape ", targets.ndim() == 1 ? targets.shape(0) : -1);
             py::array_t<int32_t> status(static_cast<py::ssize_t>(pages.size()));
             int* out = status.mutable_data();
             const int* target_nodes = targets.data();
@@ -204,12 +208,29 @@ void register_page_calls(py::module_& m) {
     m.def("hardware_threads", [] { return std::thread::hardware_concurrency(); });
 }
 
+// The partition rule of common/segment.hpp for numa_moe.segments, which has no rule of its
+// own: node n's segments are node_segments[n] (an int64 [k, 5] array, or None for none).
+void register_segment_checks(py::module_& m) {
+    m.def(
+        "check_partition",
+        [](const py::list& node_segments, int64_t rows, int64_t cols, const std::string& what) {
+            std::vector<std::vector<Segment>> segments;
+            for (size_t n = 0; n < node_segments.size(); ++n)
+                segments.push_back(read_segments(node_segments[n], message(what, " of node ", n), rows, cols));
+            check_partition(segments, rows, cols, what);
+        },
+        py::arg("node_segments"), py::arg("rows"), py::arg("cols"), py::arg("what") = "segments",
+        "ValueError unless every segment lies in the rows x cols matrix and the nodes' segments "
+        "together cover each element exactly once.");
+}
+
 }  // namespace
 
 void register_placement(py::module_& m) {
     register_constants_and_errors(m);
     register_mapping(m);
     register_page_calls(m);
+    register_segment_checks(m);
 }
 
 }  // namespace numa_moe::bindings

@@ -39,8 +39,8 @@ unsigned long long objects_loaded() {
 // Looks the runtime up once it is loaded; until then every call looks again (a dlopen
 // with RTLD_NOLOAD finds only what is already there, and loads nothing), but only when
 // something was loaded since the last look: a failing dlopen searches the file system
-// (ld.so.cache, the library's path), and its munmap interrupts the other CPUs, a cost a
-// program without torch paid on every call (docs/benchmarks.md, "Eleventh session").
+// (ld.so.cache, the library's path), and its munmap interrupts the other CPUs: a program
+// without torch would pay that on every call.
 const OpenMpRuntime* find_runtime() {
     static std::mutex mutex;
     static OpenMpRuntime runtime;

@@ -4,11 +4,12 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "common/check.hpp"
+
 namespace numa_moe {
 
 std::string segment_text(const Segment& s) {
-    return "(row0=" + std::to_string(s.row0) + ", row_stride=" + std::to_string(s.row_stride) +
-           ", nrows=" + std::to_string(s.nrows) + ", k0=" + std::to_string(s.k0) + ", k1=" + std::to_string(s.k1) + ")";
+    return message("(row0=", s.row0, ", row_stride=", s.row_stride, ", nrows=", s.nrows, ", k0=", s.k0, ", k1=", s.k1, ")");
 }
 
 namespace {
@@ -19,8 +20,8 @@ std::string segment_fault(const Segment& s, int64_t rows, int64_t cols) {
     if (s.row_stride < 1) return "row_stride must be >= 1";
     // last row = row0 + (nrows - 1) * row_stride < rows, written so that it cannot overflow
     if (s.nrows > 0 && (s.row0 < 0 || s.row0 >= rows || s.nrows - 1 > (rows - 1 - s.row0) / s.row_stride))
-        return "rows outside [0, " + std::to_string(rows) + ")";
-    if (s.k0 < 0 || s.k1 < s.k0 || s.k1 > cols) return "columns outside 0 <= k0 <= k1 <= " + std::to_string(cols);
+        return message("rows outside [0, ", rows, ")");
+    if (s.k0 < 0 || s.k1 < s.k0 || s.k1 > cols) return message("columns outside 0 <= k0 <= k1 <= ", cols);
     return "";
 }
 
@@ -29,10 +30,8 @@ std::string segment_fault(const Segment& s, int64_t rows, int64_t cols) {
 void check_segments(const Segment* segments, int64_t n_segments, int64_t rows, int64_t cols, const std::string& what) {
     for (int64_t i = 0; i < n_segments; ++i) {
         const std::string fault = segment_fault(segments[i], rows, cols);
-        if (!fault.empty())
-            throw std::invalid_argument(what + "[" + std::to_string(i) + "] = " + segment_text(segments[i]) +
-                                        " lies outside the " + std::to_string(rows) + " x " + std::to_string(cols) +
-                                        " matrix: " + fault);
+        NUMA_MOE_CHECK(fault.empty(), what, "[", i, "] = ", segment_text(segments[i]), " lies outside the ", rows, " x ",
+                       cols, " matrix: ", fault);
     }
 }
 
@@ -51,10 +50,8 @@ void check_block_edges(const Segment* segments, int64_t n_segments, int64_t cols
                        const std::string& what) {
     for (int64_t i = 0; i < n_segments; ++i) {
         const Segment& s = segments[i];
-        if (s.k0 % block || (s.k1 % block && s.k1 != cols))
-            throw std::invalid_argument(what + "[" + std::to_string(i) + "] = " + segment_text(s) + " cuts a " +
-                                        std::to_string(block) + "-column block of integer weights (k0 and k1 must "
-                                        "be multiples of " + std::to_string(block) + ")");
+        NUMA_MOE_CHECK(s.k0 % block == 0 && (s.k1 % block == 0 || s.k1 == cols), what, "[", i, "] = ", segment_text(s),
+                       " cuts a ", block, "-column block of integer weights (k0 and k1 must be multiples of ", block, ")");
     }
 }
 
@@ -75,16 +72,11 @@ void check_partition(const std::vector<std::vector<Segment>>& node_segments, int
         for (; i < pieces.size() && std::get<0>(pieces[i]) == row; ++i) {
             const auto& [r, k0, k1, node] = pieces[i];
             (void)r;
-            if (k0 != covered)
-                throw std::invalid_argument(
-                    prefix + std::to_string(row) + " columns [" + std::to_string(std::min(k0, covered)) + ", " +
-                    std::to_string(std::max(k0, covered)) + ") are " +
-                    (k0 < covered ? "covered twice (again by node " + std::to_string(node) + ")" : "not covered"));
+            NUMA_MOE_CHECK(k0 == covered, prefix, row, " columns [", std::min(k0, covered), ", ", std::max(k0, covered),
+                           ") are ", k0 < covered ? message("covered twice (again by node ", node, ")") : "not covered");
             covered = k1;
         }
-        if (covered != cols)
-            throw std::invalid_argument(prefix + std::to_string(row) + " columns [" + std::to_string(covered) + ", " +
-                                        std::to_string(cols) + ") are not covered");
+        NUMA_MOE_CHECK(covered == cols, prefix, row, " columns [", covered, ", ", cols, ") are not covered");
     }
 }
 
@@ -97,20 +89,17 @@ RowNodes row_nodes(const std::vector<std::vector<Segment>>& node_segments, int64
     RowNodes result;
     result.period = rows;
     for (size_t n = 0; n < node_segments.size(); ++n) {
-        const std::string name = what + " of node " + std::to_string(n);
+        const std::string name = message(what, " of node ", n);
         check_segments(node_segments[n].data(), static_cast<int64_t>(node_segments[n].size()), rows, cols, name);
         for (size_t i = 0; i < node_segments[n].size(); ++i) {
             const Segment& s = node_segments[n][i];
-            const std::string at = name + "[" + std::to_string(i) + "] = " + segment_text(s);
-            if (s.nrows > 0 && (s.k0 != 0 || s.k1 != cols))
-                throw std::invalid_argument(at + " covers part of a row: every cache row (one position of one head) "
-                                                 "must lie whole on one node (columns [0, " + std::to_string(cols) +
-                                            "))");
+            const std::string at = message(name, "[", i, "] = ", segment_text(s));
+            NUMA_MOE_CHECK(s.nrows <= 0 || (s.k0 == 0 && s.k1 == cols), at,
+                           " covers part of a row: every cache row (one position of one head) must lie whole on one "
+                           "node (columns [0, ", cols, "))");
             if (s.nrows > 1 && result.period == rows) result.period = s.row_stride;
-            if (s.nrows > 1 && s.row_stride != result.period)
-                throw std::invalid_argument(at + " repeats every " + std::to_string(s.row_stride) +
-                                            " rows, another segment every " + std::to_string(result.period) +
-                                            ": not one periodic table");
+            NUMA_MOE_CHECK(s.nrows <= 1 || s.row_stride == result.period, at, " repeats every ", s.row_stride,
+                           " rows, another segment every ", result.period, ": not one periodic table");
         }
     }
     const int64_t period = result.period;
@@ -119,21 +108,17 @@ RowNodes row_nodes(const std::vector<std::vector<Segment>>& node_segments, int64
         for (size_t i = 0; i < node_segments[n].size(); ++i) {
             const Segment& s = node_segments[n][i];
             if (s.nrows == 0) continue;
-            const std::string at = what + " of node " + std::to_string(n) + "[" + std::to_string(i) + "] = " +
-                                   segment_text(s);
+            const std::string at = message(what, " of node ", n, "[", i, "] = ", segment_text(s));
             const int64_t class_rows = (rows - s.row0 + period - 1) / period;
-            if (s.row0 >= period || s.nrows != class_rows)
-                throw std::invalid_argument(at + " does not cover every row of its class modulo the period " +
-                                            std::to_string(period));
-            if (result.node_of_class[s.row0] >= 0)
-                throw std::invalid_argument(at + ": row " + std::to_string(s.row0) + " is covered twice (also by node " +
-                                            std::to_string(result.node_of_class[s.row0]) + ")");
+            NUMA_MOE_CHECK(s.row0 < period && s.nrows == class_rows, at,
+                           " does not cover every row of its class modulo the period ", period);
+            NUMA_MOE_CHECK(result.node_of_class[s.row0] < 0, at, ": row ", s.row0, " is covered twice (also by node ",
+                           result.node_of_class[s.row0], ")");
             result.node_of_class[s.row0] = static_cast<int>(n);
         }
     }
     for (int64_t c = 0; c < period; ++c)
-        if (result.node_of_class[c] < 0)
-            throw std::invalid_argument(what + ": row " + std::to_string(c) + " is not covered by any node");
+        NUMA_MOE_CHECK(result.node_of_class[c] >= 0, what, ": row ", c, " is not covered by any node");
     result.run.assign(static_cast<size_t>(period), 1);
     for (int64_t c = period - 2; c >= 0; --c)
         if (result.node_of_class[c] == result.node_of_class[c + 1]) result.run[c] = result.run[c + 1] + 1;

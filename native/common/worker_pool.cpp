@@ -2,6 +2,7 @@
 // pthread_setaffinity_np, pthread_atfork.
 #include "common/worker_pool.hpp"
 
+#include "common/check.hpp"
 #include "common/openmp_team.hpp"
 #include "common/util.hpp"
 
@@ -158,17 +159,14 @@ struct ThreadArg {
 
 WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_t spin_us, int caller_cpu)
     : node_cpus_(std::move(node_cpus)), pin_(pin), spin_ns_(spin_us * 1000), caller_cpu_(caller_cpu) {
-    if (caller_cpu_ >= CPU_SETSIZE) throw std::invalid_argument("WorkerPool: invalid caller CPU " + std::to_string(caller_cpu_));
-    if (node_cpus_.empty()) throw std::invalid_argument("WorkerPool needs at least one node");
+    NUMA_MOE_CHECK(caller_cpu_ < CPU_SETSIZE, "WorkerPool: invalid caller CPU ", caller_cpu_);
+    NUMA_MOE_CHECK(!node_cpus_.empty(), "WorkerPool needs at least one node");
     std::set<int> distinct;
     for (size_t n = 0; n < node_cpus_.size(); ++n) {
-        if (node_cpus_[n].empty())
-            throw std::invalid_argument("WorkerPool: node " + std::to_string(n) + " has no CPUs");
+        NUMA_MOE_CHECK(!node_cpus_[n].empty(), "WorkerPool: node ", n, " has no CPUs");
         for (size_t l = 0; l < node_cpus_[n].size(); ++l) {
             const int cpu = node_cpus_[n][l];
-            if (cpu < 0 || cpu >= CPU_SETSIZE)
-                throw std::invalid_argument("WorkerPool: node " + std::to_string(n) + " lists invalid CPU " +
-                                            std::to_string(cpu));
+            NUMA_MOE_CHECK(cpu >= 0 && cpu < CPU_SETSIZE, "WorkerPool: node ", n, " lists invalid CPU ", cpu);
             distinct.insert(cpu);
             infos_.push_back(ThreadInfo{static_cast<int>(n), static_cast<int>(l), static_cast<int>(infos_.size()),
                                         pin_ ? cpu : -1});
@@ -185,10 +183,9 @@ WorkerPool::WorkerPool(std::vector<std::vector<int>> node_cpus, bool pin, int64_
         std::string outside;
         for (const int cpu : listed)
             if (!CPU_ISSET(cpu, &allowed)) outside += (outside.empty() ? "" : ", ") + std::to_string(cpu);
-        if (!outside.empty())
-            throw std::invalid_argument("WorkerPool: CPU(s) " + outside +
-                                        " not in this process's allowed set (os.sched_getaffinity of its threads: " +
-                                        cpu_set_text(allowed) + ")");
+        NUMA_MOE_CHECK(outside.empty(), "WorkerPool: CPU(s) ", outside,
+                       " not in this process's allowed set (os.sched_getaffinity of its threads: ", cpu_set_text(allowed),
+                       ")");
     }
     const unsigned hw = std::thread::hardware_concurrency();
     // More threads than CPUs (virtual nodes sharing CPUs): a spinning waiter would only
@@ -501,7 +498,7 @@ bool WorkerPool::run(int n_phases, const Job& job, const std::function<bool()>& 
     state.job_generation.fetch_add(1, std::memory_order_seq_cst);
     if (state.job_sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(&state.job_generation);
     if (caller_cpu_ >= 0) {
-        // Moving the caller costs two affinity syscalls (~10 us in a VM), so only when it
+        // Moving the caller costs two affinity syscalls (more in a VM), so only when it
         // sits on a worker's CPU.
         const int cpu = sched_getcpu();
         std::optional<ScopedPin> pin;

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/check.hpp"
 #include "common/util.hpp"
 #include "engine/pipeline.hpp"
 #include "kernels/bf16.hpp"
@@ -273,9 +274,8 @@ bool gqa_decode(WorkerPool* pool, const AttentionOps& ops, const DecodeAttention
     if (args.row_nodes) {
         int max_node = 0;
         for (int n : args.row_nodes->node_of_class) max_node = n > max_node ? n : max_node;
-        if (max_node >= team.n_nodes())
-            throw std::invalid_argument("the cache's segments name node " + std::to_string(max_node) +
-                                        " but the worker pool has " + std::to_string(team.n_nodes()) + " node(s)");
+        NUMA_MOE_CHECK(max_node < team.n_nodes(), "the cache's segments name node ", max_node, " but the worker pool has ",
+                       team.n_nodes(), " node(s)");
     }
     thread_local AttentionArena arena;
     DecodeRun run(team, ops, args, arena);

@@ -2,6 +2,7 @@
 
 #include <memory>
 
+#include "common/check.hpp"
 #include "engine/pipeline.hpp"
 #include "engine/process_pool.hpp"
 
@@ -25,13 +26,11 @@ bool expert_ffn(const kernels::KernelOps& ops, const ExpertFfnArgs& a, const std
     if (a.m == 0) return true;
     const std::shared_ptr<WorkerPool> pool = a.threads > 1 ? process_pool(a.threads) : nullptr;
     Team team(pool.get());
-    if (ops.format != a.format)
-        throw std::invalid_argument(std::string("expert_ffn: ") + kernels::format_name(a.format) +
-                                    " weights handed to " + kernels::format_name(ops.format) + " kernels");
-    for (const kernels::Weights* w : {&a.gate, &a.up, &a.down})
-        if (a.format != kernels::Format::bf16 && w->group != ops.group)
-            throw std::invalid_argument("expert_ffn: weights of group " + std::to_string(w->group) +
-                                        " handed to kernels of group " + std::to_string(ops.group));
+    check_one_format("expert_ffn", {a.format, a.format, a.format}, {a.gate.group, a.up.group, a.down.group});
+    NUMA_MOE_CHECK(ops.format == a.format, "expert_ffn: ", kernels::format_name(a.format), " weights handed to ",
+                   kernels::format_name(ops.format), " kernels");
+    NUMA_MOE_CHECK(a.format == kernels::Format::bf16 || a.gate.group == ops.group, "expert_ffn: weights of group ",
+                   a.gate.group, " handed to kernels of group ", ops.group);
     ExpertParts parts{whole_or_segments(a.gate, a.format, a.intermediate, a.hidden, a.gate_segments),
                       whole_or_segments(a.up, a.format, a.intermediate, a.hidden, a.up_segments),
                       whole_or_segments(a.down, a.format, a.hidden, a.intermediate, a.down_segments)};

@@ -3,47 +3,38 @@
 
 #include <stdexcept>
 
+#include "common/check.hpp"
+#include "engine/kernel_choice.hpp"
+
 namespace numa_moe::engine {
 
 MoELayerCore::MoELayerCore(std::shared_ptr<WorkerPool> pool, int64_t hidden, int64_t intermediate)
     : pool_(std::move(pool)), team_(pool_.get()), hidden_(hidden), intermediate_(intermediate) {
-    if (!pool_) throw std::invalid_argument("MoELayerCore needs a worker pool");
-    if (hidden <= 0 || intermediate <= 0 || hidden % 2 || intermediate % 2)
-        throw std::invalid_argument("MoELayerCore: hidden and intermediate sizes must be positive and even, got " +
-                                    std::to_string(hidden) + " and " + std::to_string(intermediate));
+    NUMA_MOE_CHECK(pool_, "MoELayerCore needs a worker pool");
+    NUMA_MOE_CHECK(hidden > 0 && intermediate > 0 && hidden % 2 == 0 && intermediate % 2 == 0,
+                   "MoELayerCore: hidden and intermediate sizes must be positive and even, got ", hidden, " and ",
+                   intermediate);
 }
 
 namespace {
 
 void check_shape(const MatrixPart& m, int64_t rows, int64_t cols, const std::string& what) {
-    if (m.rows != rows || m.cols != cols)
-        throw std::invalid_argument(what + ": shape [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) +
-                                    "], expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
-    if (!m.weights.data || m.weights.ld < m.cols)
-        throw std::invalid_argument(what + ": null weights or row stride below the row length");
-    if (m.format != kernels::Format::bf16 && (!m.weights.scales || !kernels::is_integer_group(m.weights.group)))
-        throw std::invalid_argument(what + ": " + kernels::format_name(m.format) +
-                                    " weights need scales and a group of 32, 64 or 128 columns");
+    NUMA_MOE_CHECK(m.rows == rows && m.cols == cols, what, ": shape [", m.rows, ", ", m.cols, "], expected [", rows, ", ",
+                   cols, "]");
+    NUMA_MOE_CHECK(m.weights.data && m.weights.ld >= m.cols, what, ": null weights or row stride below the row length");
+    NUMA_MOE_CHECK(m.format == kernels::Format::bf16 || (m.weights.scales && kernels::is_integer_group(m.weights.group)),
+                   what, ": ", kernels::format_name(m.format), " weights need scales and a group of 32, 64 or 128 columns");
 }
 
 }  // namespace
 
 void MoELayerCore::add_expert(ExpertParts parts, bool verify_partition) {
-    const std::string name = "expert " + std::to_string(experts_.size());
+    const std::string name = message("expert ", experts_.size());
     check_shape(parts.gate, intermediate_, hidden_, name + " gate");
     check_shape(parts.up, intermediate_, hidden_, name + " up");
     check_shape(parts.down, hidden_, intermediate_, name + " down");
-    if (parts.up.format != parts.gate.format || parts.down.format != parts.gate.format)
-        throw std::invalid_argument(name + ": gate, up and down must share one weight format, got " +
-                                    kernels::format_name(parts.gate.format) + ", " +
-                                    kernels::format_name(parts.up.format) + " and " +
-                                    kernels::format_name(parts.down.format));
-    if (parts.gate.format != kernels::Format::bf16 &&
-        (parts.up.weights.group != parts.gate.weights.group || parts.down.weights.group != parts.gate.weights.group))
-        throw std::invalid_argument(name + ": gate, up and down must share one group, got " +
-                                    std::to_string(parts.gate.weights.group) + ", " +
-                                    std::to_string(parts.up.weights.group) + " and " +
-                                    std::to_string(parts.down.weights.group));
+    check_one_format(name, {parts.gate.format, parts.up.format, parts.down.format},
+                     {parts.gate.weights.group, parts.up.weights.group, parts.down.weights.group});
     prepare_matrix(parts.gate, team_.node_participants(), name + " gate", verify_partition);
     prepare_matrix(parts.up, team_.node_participants(), name + " up", verify_partition);
     prepare_matrix(parts.down, team_.node_participants(), name + " down", verify_partition);
@@ -51,8 +42,7 @@ void MoELayerCore::add_expert(ExpertParts parts, bool verify_partition) {
 }
 
 void MoELayerCore::set_isa(bool forced, Isa isa) {
-    if (forced && !kernels::kernel_ops(isa))
-        throw std::invalid_argument(std::string("ISA ") + kernels::isa_name(isa) + " is not available on this CPU");
+    NUMA_MOE_CHECK(!forced || kernels::kernel_ops(isa), "ISA ", kernels::isa_name(isa), " is not available on this CPU");
     isa_forced_ = forced;
     forced_isa_ = isa;
 }
@@ -65,9 +55,8 @@ const KernelOps* MoELayerCore::ops_for(int64_t m, const MatrixPart& matrix) cons
     const kernels::Format format = matrix.format;
     if (!isa_forced_) return isa_for_tokens(m, format, matrix.weights.group);
     if (const KernelOps* ops = kernels::kernel_ops(forced_isa_, format, matrix.weights.group)) return ops;
-    throw std::invalid_argument(std::string("ISA ") + kernels::isa_name(forced_isa_) + " cannot run " +
-                                kernels::format_name(format) + " experts: " +
-                                kernels::unavailable_reason(forced_isa_, format));
+    fail("ISA ", kernels::isa_name(forced_isa_), " cannot run ", kernels::format_name(format), " experts: ",
+         kernels::unavailable_reason(forced_isa_, format));
 }
 
 // One task per active expert, ascending id.
@@ -98,7 +87,7 @@ void MoELayerCore::record_stats() {
 bool MoELayerCore::forward(const bf16* x, int64_t ldx, int64_t n_tokens, const int64_t* ids, const float* weights,
                            int64_t top_k, void* out, bool out_bf16, const std::function<bool()>& keep_going) {
     const int64_t start = now_ns();
-    if (experts_.empty()) throw std::invalid_argument("MoELayerCore.forward: the layer has no experts");
+    NUMA_MOE_CHECK(!experts_.empty(), "MoELayerCore.forward: the layer has no experts");
     route(ids, weights, n_tokens, top_k, n_experts(), routing_);
     plan_tasks();
     record_stats();

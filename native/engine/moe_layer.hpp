@@ -53,14 +53,14 @@ public:
     // forced: run every expert with this ISA (std::invalid_argument when this CPU cannot);
     // otherwise the rule in isa_for_tokens.
     void set_isa(bool forced, Isa isa);
-    // 0: each weight format's default (default_amx_min_tokens, pipeline.hpp).
+    // 0: each weight format's default (default_amx_min_tokens, kernel_choice.hpp).
     void set_amx_min_tokens(int64_t m) { amx_min_tokens_ = m; }
     // Per-node fp32 partial memory a group of experts may use before the step is split
     // into several pool runs.
     void set_group_budget_bytes(int64_t bytes) { group_budget_bytes_ = bytes; }
 
     // The kernels an expert with m tokens of a weight format runs with (not forced):
-    // kernels_for_tokens (pipeline.hpp) with this layer's amx_min_tokens.
+    // kernels_for_tokens (kernel_choice.hpp) with this layer's amx_min_tokens.
     const KernelOps* isa_for_tokens(int64_t m, kernels::Format format = kernels::Format::bf16,
                                     int64_t group = kernels::kDefaultGroup) const;
 

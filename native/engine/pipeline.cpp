@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "common/check.hpp"
 #include "kernels/bf16.hpp"
 
 namespace numa_moe::engine {
@@ -30,8 +31,6 @@ bool is_whole_matrix(const std::vector<Segment>& segments, int64_t rows, int64_t
     return segments.size() == 1 && segments[0].row0 == 0 && segments[0].row_stride == 1 &&
            segments[0].nrows == rows && segments[0].k0 == 0 && segments[0].k1 == cols;
 }
-
-constexpr int64_t kRowAlign = 32;
 
 // Row chunks per participant that a node's threads claim in turn. Several, so that a thread
 // the machine slows down (another tenant, an interrupt) leaves the rest of its share to the
@@ -57,16 +56,12 @@ std::vector<Range> split_node_rows(const std::vector<Segment>& segments, int64_t
 
 // The silu rows of a step: whole groups of the widest integer group among its experts.
 int64_t step_row_align(const std::vector<ExpertTask>& tasks) {
-    int64_t align = kRowAlign;
+    int64_t align = kernels::kRowAlign;
     for (const ExpertTask& t : tasks) align = std::max(align, kernels::row_align(*t.ops));
     return align;
 }
 
 }  // namespace
-
-int64_t row_align(const MatrixPart& part) {
-    return part.format == kernels::Format::bf16 ? kRowAlign : std::max(kRowAlign, part.weights.group);
-}
 
 int64_t weight_bytes(const MatrixPart& part, int64_t elements) {
     switch (part.format) {
@@ -81,14 +76,22 @@ int64_t weight_bytes(const MatrixPart& part, int64_t elements) {
     return 0;
 }
 
+void check_one_format(const std::string& what, const std::array<kernels::Format, 3>& formats,
+                      const std::array<int64_t, 3>& groups) {
+    NUMA_MOE_CHECK(formats[1] == formats[0] && formats[2] == formats[0], what,
+                   ": gate, up and down must share one weight format, got ", kernels::format_name(formats[0]), ", ",
+                   kernels::format_name(formats[1]), " and ", kernels::format_name(formats[2]));
+    NUMA_MOE_CHECK(formats[0] == kernels::Format::bf16 || (groups[1] == groups[0] && groups[2] == groups[0]), what,
+                   ": gate, up and down must share one group, got ", groups[0], ", ", groups[1], " and ", groups[2]);
+}
+
 void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants, const std::string& what,
                     bool verify_partition) {
     const size_t n_nodes = node_participants.size();
-    if (part.node_segments.size() != n_nodes)
-        throw std::invalid_argument(what + ": segments given for " + std::to_string(part.node_segments.size()) +
-                                    " nodes, the worker pool has " + std::to_string(n_nodes));
+    NUMA_MOE_CHECK(part.node_segments.size() == n_nodes, what, ": segments given for ", part.node_segments.size(),
+                   " nodes, the worker pool has ", n_nodes);
     for (size_t n = 0; n < n_nodes; ++n) {
-        const std::string name = what + " segments of node " + std::to_string(n);
+        const std::string name = message(what, " segments of node ", n);
         check_segments(part.node_segments[n].data(), static_cast<int64_t>(part.node_segments[n].size()), part.rows,
                        part.cols, name);
         if (part.format != kernels::Format::bf16)
@@ -96,31 +99,22 @@ void prepare_matrix(MatrixPart& part, const std::vector<int>& node_participants,
                               part.cols, part.weights.group, name);
     }
     if (verify_partition) check_partition(part.node_segments, part.rows, part.cols, what);
+    const int64_t align = kernels::row_align(part.format, part.weights.group);
     part.thread_rows.assign(n_nodes, {});
     part.node_chunks.assign(n_nodes, {});
     part.node_bytes.assign(n_nodes, 0);
     for (size_t n = 0; n < n_nodes; ++n) {
         int64_t elements = 0;
         part.thread_rows[n] = split_node_rows(part.node_segments[n], part.rows, part.cols, node_participants[n],
-                                              row_align(part), &elements);
+                                              align, &elements);
         part.node_bytes[n] = weight_bytes(part, elements);
         for (const Range& chunk : split_node_rows(part.node_segments[n], part.rows, part.cols,
-                                                  node_participants[n] * kChunksPerParticipant, row_align(part),
+                                                  node_participants[n] * kChunksPerParticipant, align,
                                                   &elements))
             if (!chunk.empty()) part.node_chunks[n].push_back(chunk);
     }
     part.even_split =
-        n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], row_align(part));
-}
-
-const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens) {
-    using kernels::Isa;
-    if (amx_min_tokens <= 0) amx_min_tokens = default_amx_min_tokens(format);
-    if (m >= amx_min_tokens)
-        if (const KernelOps* ops = kernels::kernel_ops(Isa::amx, format, group)) return ops;
-    for (Isa isa : {Isa::avx512, Isa::avx2, Isa::ref})
-        if (const KernelOps* ops = kernels::kernel_ops(isa, format, group)) return ops;
-    throw std::logic_error("no kernels for weight format " + std::string(kernels::format_name(format)));
+        n_nodes == 1 && part.thread_rows[0] == split_even(part.rows, node_participants[0], align);
 }
 
 int64_t token_split_block(int64_t m, int participants, bool one_node) {
@@ -164,7 +158,7 @@ public:
         : team_(team), tasks_(tasks), shape_(shape), output_(output), arena_(arena), times_(times),
           n_nodes_(team.n_nodes()),
           silu_ranges_(split_even(shape.intermediate, team.participants(), step_row_align(tasks))),
-          h_ranges_(split_even(shape.hidden, team.participants(), kRowAlign)),
+          h_ranges_(split_even(shape.hidden, team.participants(), kernels::kRowAlign)),
           y_ld_(static_cast<int64_t>(spread_row_bytes(sizeof(float) * shape.hidden) / sizeof(float))) {}
 
     bool run(const std::function<bool()>& keep_going);
@@ -209,7 +203,7 @@ private:
                      const void* tokens, int64_t m, int64_t k, float* out, int64_t ldo) const;
     void token_block(size_t a, Range tokens, const ThreadInfo& ti);
     void gate_up(const Group& g, const ThreadInfo& ti);
-    void silu(const Group& g, Range rows, size_t a) const;
+    void silu(Range rows, size_t a) const;
     void down(const Group& g, const ThreadInfo& ti);
     void epilogue(const Group& g, Range h) const;
     void clear_y(Range h) const;
@@ -398,7 +392,7 @@ void StepRun::gate_up(const Group& g, const ThreadInfo& ti) {
         if (u.kind != UnitKind::gate)
             matmul_rows(t, p.up, p.up.node_segments[ti.node], u.rows, tokens, t.m, shape_.hidden,
                         partial(ti.node, u.a, 1), t.m);
-        if (u.kind == UnitKind::gate_up_silu && !team_.aborted()) silu(g, u.rows, u.a);
+        if (u.kind == UnitKind::gate_up_silu && !team_.aborted()) silu(u.rows, u.a);
     });
 }
 
@@ -442,7 +436,7 @@ void StepRun::claim(ClaimedPhase phase, const ThreadInfo& ti, Fn&& fn) {
         fn(units_[phase][begin + static_cast<size_t>(i)]);
 }
 
-void StepRun::silu(const Group&, Range rows, size_t a) const {
+void StepRun::silu(Range rows, size_t a) const {
     if (rows.empty()) return;
     const ExpertTask& t = tasks_[a];
     t.ops->silu_mul_pack(partial_ptrs(a, 0), partial_ptrs(a, 1), n_nodes_, t.m, rows.begin, rows.end, t.m,
@@ -550,7 +544,7 @@ bool StepRun::run_group(const Group& g, const std::function<bool()>& keep_going)
             case kGateUp: gate_up(g, ti); break;
             case kSilu:
                 for (size_t a = g.begin; a < g.end; ++a)
-                    if (placed_[a].token_block == 0) silu(g, silu_ranges_[ti.global], a);
+                    if (placed_[a].token_block == 0) silu(silu_ranges_[ti.global], a);
                 break;
             case kDown: down(g, ti); break;
             case kEpilogue: epilogue(g, h_ranges_[ti.global]); break;

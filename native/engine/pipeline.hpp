@@ -25,6 +25,7 @@
 //   out      out[t * H + h], n_tokens x H, bf16 or fp32
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -49,23 +50,26 @@ struct MatrixPart {
     // Filled by prepare_matrix:
     std::vector<std::vector<Range>> thread_rows;  // [node][local participant]
     // The units a node's participants claim in turn (row-split experts): its rows cut into
-    // kChunksPerParticipant x participants ranges by weight bytes, row_align(*this) apart.
+    // kChunksPerParticipant x participants ranges by weight bytes, row_align(format,
+    // weights.group) apart (kernel_api.hpp).
     std::vector<std::vector<Range>> node_chunks;  // [node][chunk]
     std::vector<int64_t> node_bytes;              // weight (and scale) bytes per node
-    bool even_split = false;  // one node, rows split as split_even(rows, participants, row_align(*this))
+    bool even_split = false;  // one node, rows split evenly in row_align units
 };
 
 struct ExpertParts {
-    MatrixPart gate, up, down;  // all three in one format
+    MatrixPart gate, up, down;  // all three in one format (check_one_format)
 };
+
+// Gate, up and down of an expert in one weight format and, for integer formats, one group:
+// the down projection's tokens come out of gate/up's epilogue, quantized in that group.
+// std::invalid_argument names `what`. The one place this rule is checked (the MoE layer,
+// expert_ffn and the bindings' expert_ffn arguments call it).
+void check_one_format(const std::string& what, const std::array<kernels::Format, 3>& formats,
+                      const std::array<int64_t, 3>& groups);
 
 // Bytes of `elements` weights of a matrix in its format, scales included.
 int64_t weight_bytes(const MatrixPart& part, int64_t elements);
-
-// Row ranges handed to threads are multiples of this: 32 (the epilogues' register tiles),
-// and for integer formats whole groups, which silu_mul_pack quantizes together
-// (kernels::row_align of the matrix's tables).
-int64_t row_align(const MatrixPart& part);
 
 // Checks the matrix's segments (each inside the matrix, integer formats on whole
 // groups; with verify_partition, all nodes' segments together cover it exactly
@@ -140,31 +144,8 @@ struct StepShape {
     int64_t group_budget_bytes = int64_t(256) << 20;
 };
 
-// The rule that picks, from an expert's real token count m, how it runs (docs/kernels.md,
-// "The per-expert rule"); the MoE layer and expert_ffn both go through it.
-//
-// Kernels (not forced by the caller): AMX (real, when this CPU and OS allow it) from
-// amx_min_tokens tokens (0: the format's default below), else AVX-512, else AVX2, else
-// ref, the first with kernels for the format (and group). Within the table, the token
-// layout and k blocking follow from m (KernelOps.token_layout, the kernel files).
-const KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens);
-// AMX from one token for bf16 (the AMX-BF16 kernel reads at the memory's rate from one
-// token); int8 and int4 from 5 tokens: below those the AVX-512-VNNI kernels read
-// faster than AMX-INT8 on the Intel Xeon measured, and both give the same bits
-// (docs/kernels.md, "The per-expert rule").
-constexpr int64_t kAmxMinTokensBf16 = 1;
-constexpr int64_t kAmxMinTokensInt8 = 5;
-constexpr int64_t kAmxMinTokensInt4 = 5;
-inline int64_t default_amx_min_tokens(kernels::Format format) {
-    switch (format) {
-        case kernels::Format::int8: return kAmxMinTokensInt8;
-        case kernels::Format::int4: return kAmxMinTokensInt4;
-        case kernels::Format::bf16: break;
-    }
-    return kAmxMinTokensBf16;
-}
-//
-// Blocking: below token_split_min_tokens(participants) tokens, and always on several nodes
+// The blocking half of the per-expert rule (docs/kernels.md, "The per-expert rule"; the
+// kernel choice is in kernel_choice.hpp): below token_split_min_tokens(participants) tokens, and always on several nodes
 // (where a node may only touch its own segments), the expert's rows are split over the
 // threads and every thread multiplies all m tokens. From there on, on one node, its tokens
 // are cut into token_blocks(m, kTokenBlock), the blocks of all such experts of a step are

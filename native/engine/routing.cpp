@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/check.hpp"
+
 namespace numa_moe::engine {
 namespace {
 
@@ -23,14 +25,10 @@ void route(const int64_t* ids, const float* weights, int64_t n_tokens, int64_t t
     for (int64_t t = 0; t < n_tokens; ++t) {
         const int64_t* row = ids + t * top_k;
         for (int64_t j = 0; j < top_k; ++j) {
-            if (row[j] < 0 || row[j] >= n_experts)
-                throw std::invalid_argument("topk_ids[" + std::to_string(t) + ", " + std::to_string(j) + "] = " +
-                                            std::to_string(row[j]) + " is out of range [0, " +
-                                            std::to_string(n_experts) + ")");
+            NUMA_MOE_CHECK(row[j] >= 0 && row[j] < n_experts, "topk_ids[", t, ", ", j, "] = ", row[j],
+                           " is out of range [0, ", n_experts, ")");
             const float w = weights[t * top_k + j];
-            if (!std::isfinite(w))
-                throw std::invalid_argument("topk_weights[" + std::to_string(t) + ", " + std::to_string(j) + "] = " +
-                                            std::to_string(w) + ": NaN or infinity");
+            NUMA_MOE_CHECK(std::isfinite(w), "topk_weights[", t, ", ", j, "] = ", std::to_string(w), ": NaN or infinity");
             if (first_occurrence(row, j) == j) ++offset[row[j] + 1];
         }
     }

@@ -3,6 +3,7 @@
 list(APPEND NUMA_MOE_SOURCES
   native/engine/attention.cpp
   native/engine/expert_ffn.cpp
+  native/engine/kernel_choice.cpp
   native/engine/moe_layer.cpp
   native/engine/pipeline.cpp
   native/engine/process_pool.cpp

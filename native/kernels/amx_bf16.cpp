@@ -48,22 +48,8 @@ struct BlockShape {
 };
 
 void configure(const BlockShape& shape) {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    auto set = [&](int tile, int rows, int colsb) {
-        if (rows == 0 || colsb == 0) return;
-        cfg.rows[tile] = static_cast<uint8_t>(rows);
-        cfg.colsb[tile] = static_cast<uint16_t>(colsb);
-    };
-    set(kC00, shape.rows0, 4 * shape.n0);
-    set(kC01, shape.rows0, 4 * shape.n1);
-    set(kC10, shape.rows1, 4 * shape.n0);
-    set(kC11, shape.rows1, 4 * shape.n1);
-    set(kA0, shape.rows0, 4 * shape.pairs);
-    set(kA1, shape.rows1, 4 * shape.pairs);
-    set(kB0, shape.pairs, 4 * shape.n0);
-    set(kB1, shape.pairs, 4 * shape.n1);
+    const int rows[2] = {shape.rows0, shape.rows1}, tokens[2] = {shape.n0, shape.n1};
+    const TileConfig cfg = amx_tiles::block_config(rows, tokens, 4 * shape.pairs, shape.pairs);
     TILE_LOADCONFIG(&cfg);
 }
 

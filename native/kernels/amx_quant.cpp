@@ -66,10 +66,10 @@ namespace {
 constexpr int kChunkGroups = 16;  // groups per transposed scale table
 
 // Streamed weights are requested one row block (32 rows) ahead of the block being read,
-// when their rows are at most 4 KiB: measured from memory on both cores, one block ahead
-// read int8 768- and 2048-byte rows 20% and 4-7% faster than 128 KiB ahead, int4 384- and
-// 1024-byte rows 37% and 8% faster; with 14 KiB rows every distance of whole blocks was
-// slower than none (docs/kernels.md), and such rows are read 16 at a time instead.
+// when their rows are at most 4 KiB: for such rows one block ahead reads faster from
+// memory than a fixed distance in bytes, for both int8 and int4. For longer rows every
+// whole-block distance reads slower than none (docs/kernels.md), and such rows are read
+// 16 at a time instead.
 constexpr int64_t kPrefetchAheadRows = 32;
 constexpr int64_t kPrefetchMaxRowBytes = 4096;
 
@@ -93,22 +93,7 @@ struct TileShape {
 };
 
 void configure(const TileShape& shape) {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    auto set = [&](int tile, int rows, int colsb) {
-        if (rows == 0 || colsb == 0) return;
-        cfg.rows[tile] = static_cast<uint8_t>(rows);
-        cfg.colsb[tile] = static_cast<uint16_t>(colsb);
-    };
-    set(kC00, shape.rows[0], 4 * shape.tokens[0]);
-    set(kC01, shape.rows[0], 4 * shape.tokens[1]);
-    set(kC10, shape.rows[1], 4 * shape.tokens[0]);
-    set(kC11, shape.rows[1], 4 * shape.tokens[1]);
-    set(kA0, shape.rows[0], shape.columns);
-    set(kA1, shape.rows[1], shape.columns);
-    set(kB0, shape.columns / 4, 4 * shape.tokens[0]);
-    set(kB1, shape.columns / 4, 4 * shape.tokens[1]);
+    const TileConfig cfg = amx_tiles::block_config(shape.rows, shape.tokens, shape.columns, shape.columns / 4);
     TILE_LOADCONFIG(&cfg);
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace numa_moe::kernels::amx_tiles {
 
@@ -68,3 +69,32 @@ inline void load_tile_config(const TileConfig* cfg) { __asm__ volatile("ldtilecf
 #define kA1 5
 #define kB0 6
 #define kB1 7
+
+namespace numa_moe::kernels::amx_tiles {
+namespace {
+
+// The configuration of that block: C tiles rows[i] x tokens[j] 32-bit values, A tiles
+// rows[i] x a_bytes, B tiles b_rows x tokens[j] 32-bit lanes; a tile without rows or
+// columns stays unconfigured (zero).
+inline TileConfig block_config(const int rows[2], const int tokens[2], int a_bytes, int b_rows) {
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    auto set = [&](int tile, int tile_rows, int colsb) {
+        if (tile_rows == 0 || colsb == 0) return;
+        cfg.rows[tile] = static_cast<uint8_t>(tile_rows);
+        cfg.colsb[tile] = static_cast<uint16_t>(colsb);
+    };
+    set(kC00, rows[0], 4 * tokens[0]);
+    set(kC01, rows[0], 4 * tokens[1]);
+    set(kC10, rows[1], 4 * tokens[0]);
+    set(kC11, rows[1], 4 * tokens[1]);
+    set(kA0, rows[0], a_bytes);
+    set(kA1, rows[1], a_bytes);
+    set(kB0, b_rows, 4 * tokens[0]);
+    set(kB1, b_rows, 4 * tokens[1]);
+    return cfg;
+}
+
+}  // namespace
+}  // namespace numa_moe::kernels::amx_tiles

@@ -15,6 +15,7 @@
 
 #include "kernels/attention_api.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/exp_poly.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -41,24 +42,25 @@ inline __m256 widen8(const bf16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// e^x for x in [-87, 89) (smaller x give e^-87, about 1e-38: callers mask what must be 0):
-// x = n ln2 + r, degree-6 polynomial, 2^n built in the exponent field.
-inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-}
+// exp_poly's wrappers for __m256: AVX2 has no scalef, so 2^n is built in the exponent
+// field, which holds normal numbers only: x below -87 gives e^-87, about 1e-38 (callers
+// mask what must be 0).
+struct Exp256Ops {
+    static constexpr float kLowest = -87.0f;
+    static __m256 set1(float v) { return _mm256_set1_ps(v); }
+    static __m256 min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
+    static __m256 max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+    static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+    static __m256 round(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+    static __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+    static __m256 scale_pow2(__m256 p, __m256 n) {
+        const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+    }
+};
+
+inline __m256 exp256(__m256 x) { return exp_poly<Exp256Ops>(x); }
 
 inline __m256 lanes_below(int64_t n) {  // all-ones in lanes < n
     return _mm256_castsi256_ps(

@@ -1,5 +1,5 @@
 // AVX2 + FMA (+ F16C) intrinsics on every x86-64 CPU, for the avx2_emulated test builds
-// (avx2_emulated.cpp, avx2_quant_emulated.cpp, attention_avx2_emulated.cpp): the AVX2 kernel
+// (avx2_bf16_emulated.cpp, avx2_quant_emulated.cpp, attention_avx2_emulated.cpp): the AVX2 kernel
 // sources compiled with baseline flags, so that the tests run them on CPUs without AVX2.
 //
 // SIMDe (the simde-py build requirement) supplies the intrinsics as portable code;

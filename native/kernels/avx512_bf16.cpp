@@ -522,8 +522,8 @@ bool uses_lanes(int64_t m) { return m >= kLaneMinTokens; }
 
 // Tokens per vector of the token-lane kernels: 4 up to 4 tokens, 8 up to 24 (each 64-bit
 // weight broadcast then serves two token vectors, and 24 tokens need no padding), 16 from
-// there on, even where 8 would pad fewer tokens (16 ran faster per useful flop at every
-// count measured from 33 to 130: docs/kernels.md).
+// there on, even where 8 would pad fewer tokens: 16 reads faster per useful flop at every
+// such count (docs/kernels.md).
 int64_t lane_tokens(int64_t m) {
     if (m <= 4) return 4;
     if (m <= 24) return 8;

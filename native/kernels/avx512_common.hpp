@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/exp_poly.hpp"
 #include "kernels/kernel_api.hpp"
 #include "kernels/line_prefetcher.hpp"
 
@@ -33,23 +34,21 @@ inline void prefetch_out_floats(const float* out, int64_t n) {
     _mm_prefetch(reinterpret_cast<const char*>(out + n - 1), _MM_HINT_T2);
 }
 
-// exp(x) to ~2 ulp over the fp32 range: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial,
-// 2^n applied with scalef (which also handles the over/underflow ends).
-inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.9f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+// exp_poly's wrappers for __m512: 2^n applied with scalef, which also handles the
+// over/underflow ends, so the whole fp32 range down to -103.9 is kept (~2 ulp).
+struct Exp512Ops {
+    static constexpr float kLowest = -103.9f;
+    static __m512 set1(float v) { return _mm512_set1_ps(v); }
+    static __m512 min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
+    static __m512 max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+    static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+    static __m512 round(__m512 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+    static __m512 fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+    static __m512 scale_pow2(__m512 p, __m512 n) { return _mm512_scalef_ps(p, n); }
+};
+
+inline __m512 exp512(__m512 x) { return exp_poly<Exp512Ops>(x); }
 
 inline __m512 silu512(__m512 x) {
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));

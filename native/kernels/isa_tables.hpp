@@ -10,7 +10,7 @@
 
 namespace numa_moe::kernels {
 
-const KernelOps& avx2_ops();       // avx2.cpp        (-mavx2 -mfma)
+const KernelOps& avx2_ops();       // avx2_bf16.cpp   (-mavx2 -mfma)
 // avx2_quant.cpp (-mavx2 -mfma -mf16c): int8 / int4, nullptr for a group outside
 // kIntegerGroups; avx2_vnni_quant.cpp, the same source with AVX-VNNI's vpdpbusd, serves the
 // avx2 integer tables of CPUs that have it.
@@ -26,8 +26,8 @@ const KernelOps& amx_model_ops();  // amx_bf16_model.cpp: amx_bf16.cpp against t
 // the AMX model): int8 / int4, nullptr for a group outside kIntegerGroups.
 const KernelOps* amx_integer_ops(Format format, int64_t group);
 const KernelOps* amx_model_integer_ops(Format format, int64_t group);
-// Test builds only (NUMA_MOE_TEST_HOOKS): avx2.cpp / avx2_quant.cpp over SIMDe's AVX2 at baseline
-// flags (avx2_emulated.cpp, avx2_quant_emulated.cpp), avx512_bf16.cpp / avx512_quant.cpp over
+// Test builds only (NUMA_MOE_TEST_HOOKS): avx2_bf16.cpp / avx2_quant.cpp over SIMDe's AVX2 at baseline
+// flags (avx2_bf16_emulated.cpp, avx2_quant_emulated.cpp), avx512_bf16.cpp / avx512_quant.cpp over
 // SIMDe's AVX-512 at AVX2 flags (avx512_bf16_emulated.cpp, avx512_quant_emulated.cpp).
 const KernelOps& avx2_emulated_ops();
 const KernelOps* avx2_emulated_integer_ops(Format format, int64_t group);

@@ -1,5 +1,5 @@
 // The interface every expert-FFN kernel implements, one KernelOps table per instruction
-// set. The worker layer (native/workers) only talks to this table; it never looks inside
+// set. The engine (native/engine) only talks to this table; it never looks inside
 // the packed token operand.
 //
 // Operands (bf16 = raw uint16_t bit patterns, fp32 accumulation everywhere):
@@ -165,7 +165,11 @@ struct KernelOps {
 // Row ranges handed to threads are multiples of this: 32 rows (the epilogues' register
 // tiles), and for integer formats whole groups, since silu_mul_pack quantizes a group's
 // columns of the down projection's operand together.
-inline int64_t row_align(const KernelOps& ops) { return ops.group > 32 ? ops.group : 32; }
+constexpr int64_t kRowAlign = 32;
+inline int64_t row_align(Format format, int64_t group) {
+    return format != Format::bf16 && group > kRowAlign ? group : kRowAlign;
+}
+inline int64_t row_align(const KernelOps& ops) { return row_align(ops.format, ops.group); }
 
 // The table for an ISA, weight format and (integer formats) group, or nullptr when this CPU
 // (or OS) cannot run it, the ISA has no kernels for the format, or the group is not one of

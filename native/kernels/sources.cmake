@@ -4,14 +4,15 @@
 set(NUMA_MOE_AVX512_FLAGS -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma)
 list(APPEND NUMA_MOE_SOURCES
   native/kernels/dispatch.cpp
-  native/kernels/ref.cpp
+  native/kernels/names.cpp
+  native/kernels/ref_bf16.cpp
   native/kernels/ref_quant.cpp
   native/kernels/amx_model.cpp
   native/kernels/attention_dispatch.cpp
   native/kernels/attention_ref.cpp
 )
 list(APPEND NUMA_MOE_ISA_SOURCES
-  native/kernels/avx2.cpp
+  native/kernels/avx2_bf16.cpp
   native/kernels/avx2_quant.cpp
   native/kernels/avx2_vnni_quant.cpp
   native/kernels/avx512_bf16.cpp
@@ -25,7 +26,7 @@ list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/attention_amx_model.cpp
   native/kernels/attention_amx.cpp
 )
-numa_moe_isa_source(native/kernels/avx2.cpp avx2 -mavx2 -mfma)
+numa_moe_isa_source(native/kernels/avx2_bf16.cpp avx2 -mavx2 -mfma)
 # The integer kernels round as the reference: no contraction.
 numa_moe_isa_source(native/kernels/avx2_quant.cpp avx2_quant -mavx2 -mfma -mf16c -ffp-contract=off)
 numa_moe_isa_source(native/kernels/avx2_vnni_quant.cpp avx2_vnni_quant -mavx2 -mfma -mf16c -mavxvnni -ffp-contract=off)
@@ -53,7 +54,7 @@ numa_moe_isa_source(native/kernels/attention_amx.cpp attn_amx ${NUMA_MOE_AVX512_
 # templates over SIMDe's inlined 512-bit code), at -O1 a minute; a test build needs no more.
 if(NUMA_MOE_TEST_HOOKS)
   list(APPEND NUMA_MOE_ISA_SOURCES
-    native/kernels/avx2_emulated.cpp
+    native/kernels/avx2_bf16_emulated.cpp
     native/kernels/avx2_quant_emulated.cpp
     native/kernels/avx2_vnni_quant_emulated.cpp
     native/kernels/attention_avx2_emulated.cpp
@@ -61,7 +62,7 @@ if(NUMA_MOE_TEST_HOOKS)
     native/kernels/avx512_quant_emulated.cpp
     native/kernels/attention_avx512_emulated.cpp
   )
-  numa_moe_isa_source(native/kernels/avx2_emulated.cpp avx2_emulated -Wno-psabi -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/avx2_bf16_emulated.cpp avx2_emulated -Wno-psabi -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/avx2_quant_emulated.cpp avx2_quant_emulated -Wno-psabi -ffp-contract=off -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/avx2_vnni_quant_emulated.cpp avx2_vnni_quant_emulated -Wno-psabi -ffp-contract=off
                       -O1 -fno-lto)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bindings/gil.hpp"
+#include "common/check.hpp"
 #include "common/cpu_features.hpp"
 #include "common/openmp_team.hpp"
 #include "common/worker_pool.hpp"
@@ -128,12 +129,11 @@ std::vector<int64_t> openmp_team_threads(int n) {
 }
 
 void amx_model_tile_dot(const py::array& config, bool int8, py::array& c, const py::array& a, const py::array& b) {
-    if (config.nbytes() != 64 || !(config.flags() & py::array::c_style))
-        throw std::invalid_argument("config: expected 64 contiguous bytes");
+    NUMA_MOE_CHECK(config.nbytes() == 64 && (config.flags() & py::array::c_style), "config: expected 64 contiguous bytes");
     for (const py::array* t : std::initializer_list<const py::array*>{&c, &a, &b})
-        if (t->nbytes() != 16 * 64 || !(t->flags() & py::array::c_style))
-            throw std::invalid_argument("tiles: expected 1024 contiguous bytes each");
-    if (!c.writeable()) throw std::invalid_argument("c: must be writable");
+        NUMA_MOE_CHECK(t->nbytes() == 16 * 64 && (t->flags() & py::array::c_style),
+                       "tiles: expected 1024 contiguous bytes each");
+    NUMA_MOE_CHECK(c.writeable(), "c: must be writable");
     amx_model::tile_dot(config.data(), int8, c.mutable_data(), a.data(), b.data());
 }
 
@@ -141,7 +141,7 @@ void amx_model_tile_dot(const py::array& config, bool int8, py::array& c, const 
 // avx2_vnni_quant.cpp), "maddubs" (vpmaddubsw, avx2_quant.cpp), "" for other ISAs or none here.
 std::string avx2_integer_build(const std::string& isa_name) {
     kernels::Isa isa;
-    if (!kernels::parse_isa(isa_name.c_str(), &isa)) throw std::invalid_argument("unknown ISA '" + isa_name + "'");
+    NUMA_MOE_CHECK(kernels::parse_isa(isa_name.c_str(), &isa), "unknown ISA '", isa_name, "'");
     const kernels::KernelOps* ops = kernels::kernel_ops(isa, kernels::Format::int8, kernels::kDefaultGroup);
     if (!ops) return "";
     const kernels::Format int8 = kernels::Format::int8;

@@ -1,8 +1,9 @@
 """Periodic segment tables: which part of a row-major weight matrix lies on which NUMA node.
 
-Pure Python/numpy, no system calls: the page map comes from ``numa_moe.placement.memory`` (or from
-the interleave rule), this module only does the arithmetic. See docs/placement.md for
-the math, the worked examples and the JSON schema.
+No system calls: the page map comes from ``numa_moe.placement.memory`` (or from the
+interleave rule), this module only does the arithmetic, in numpy; ``SegmentTable.check``
+applies the partition rule of the native kernels (``_native.check_partition``). See
+docs/placement.md for the math, the worked examples and the JSON schema.
 
 A matrix of ``rows`` x ``cols`` elements of a weight format is stored row-major, so row
 ``r`` occupies the bytes ``[r * row_bytes, (r + 1) * row_bytes)`` of its buffer. The
@@ -38,6 +39,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from numa_moe import _native
 from numa_moe.files import read_json_file
 from numa_moe.formats import SCALE_DTYPES, WeightFormat, positive_int, weight_format
 
@@ -569,35 +571,16 @@ class SegmentTable:
         if not self.segments or set(self.segments) != set(self.nodes):
             raise ValueError(f"segments are keyed by {sorted(self.segments)}, "
                              f"nodes are {list(self.nodes)}")
-        pieces = []
-        for node, segs in self.segments.items():
-            for s in segs:
-                if s.k1 > self.cols or s.last_row >= self.rows:
-                    raise ValueError(f"segment {s} of node {node} lies outside the "
-                                     f"{self.rows} x {self.cols} matrix")
-                pieces.append((s.row0, s.row_stride, s.nrows, s.k0, s.k1))
-        if not pieces:
+        seg = np.array([s.as_tuple() for segs in self.segments.values() for s in segs],
+                       dtype=np.int64).reshape(-1, 5)
+        if not len(seg):
             raise ValueError("table has no segments")
-        seg = np.array(pieces, dtype=np.int64)
-        nrows = seg[:, 2]
-        which = np.repeat(np.arange(len(seg)), nrows)
-        step = np.arange(int(nrows.sum())) - np.repeat(np.cumsum(nrows) - nrows, nrows)
-        row = seg[which, 0] + step * seg[which, 1]
-        k0, k1 = seg[which, 3], seg[which, 4]
-        order = np.lexsort((k0, row))
-        row, k0, k1 = row[order], k0[order], k1[order]
-        first = np.ones(len(row), dtype=bool)
-        first[1:] = row[1:] != row[:-1]
-        last = np.ones(len(row), dtype=bool)
-        last[:-1] = first[1:]
-        bad = (first & (k0 != 0)) | (last & (k1 != self.cols))
-        bad[1:] |= ~first[1:] & (k0[1:] != k1[:-1])
-        if np.any(bad) or len(np.unique(row)) != self.rows:
-            where = int(row[np.argmax(bad)]) if np.any(bad) else None
-            raise ValueError(
-                "segments do not cover the matrix exactly once"
-                + (f" (first problem in row {where})" if where is not None else
-                   " (some rows have no segment)"))
+        # The native partition rule (common/segment.hpp), the one the kernels apply; list
+        # position = node id, so that its messages name the real nodes.
+        by_node = [None] * (max(self.nodes) + 1)
+        for node, segs in self.segments.items():
+            by_node[node] = np.array([s.as_tuple() for s in segs], dtype=np.int64).reshape(-1, 5)
+        _native.check_partition(by_node, self.rows, self.cols, "segment table")
         bits = self.weight_format.bits_per_element
         odd = (seg[:, 3] * bits % 8 != 0) | (seg[:, 4] * bits % 8 != 0)
         if np.any(odd):

@@ -1,7 +1,7 @@
 // AVX2/FMA kernels: the portable SIMD path for x86-64 CPUs without AVX-512-BF16
 // (and the numa-vm guests). Compiled with -mavx2 -mfma only.
 //
-// Operand layouts (same as ref.cpp and avx512_bf16.cpp):
+// Operand layouts (same as ref_bf16.cpp and avx512_bf16.cpp):
 //   weights  w[r * ldw + c] bf16 row-major
 //   tokens   plain row-major packed[t * k + c] bf16
 //   partials out[r * ldo + t] fp32, accumulated (+=)
@@ -32,7 +32,7 @@ namespace numa_moe::kernels {
 namespace {
 
 #ifdef NUMA_MOE_EMULATED
-// avx2_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
+// avx2_bf16_emulated.cpp: this source over SIMDe's intrinsics, a test build (docs/kernels.md).
 constexpr Isa kIsa = Isa::avx2_emulated;
 #else
 constexpr Isa kIsa = Isa::avx2;
