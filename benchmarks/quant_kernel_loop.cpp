@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     w.scales = scales;
     w.scales_ld = k / group;
     w.group = group;
-    w.scale_type = ScaleType::fp16;
+    w.scale_dtype = ScaleDtype::fp16;
     const Segment segment{0, 1, rows, 0, k};
     const std::string list = argv[4];
     for (size_t at = 0; at < list.size();) {

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(os.environ.get("NUMA_MOE_LAYOUT_ROOT") or Path(__file__).resolve().parents[1])
 PACKAGE = ROOT / "numa_moe"
 # compiled extension modules: private by name, built to be imported by the package
-EXTENSIONS = {"numa_moe._native", "numa_moe._bench"}
+EXTENSIONS = {"numa_moe._native", "numa_moe._native_bench", "numa_moe._bench"}
 # The floors of docs/architecture.md, bottom up: a module imports its own floor or lower.
 FLOORS = ("numa_moe.placement", "numa_moe.checkpoints", "numa_moe.layer", "numa_moe.integrations",
           "numa_moe.apps")

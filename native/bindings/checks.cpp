@@ -158,11 +158,11 @@ void check_range(int64_t begin, int64_t end, int64_t size, int64_t align, const 
 
 namespace {
 
-kernels::ScaleType scale_type_of(const py::array& scales, const std::string& name) {
+kernels::ScaleDtype scale_type_of(const py::array& scales, const std::string& name) {
     const py::dtype dt = scales.dtype();
-    if (dt.kind() == 'f' && dt.itemsize() == 4) return kernels::ScaleType::fp32;
-    if (dt.kind() == 'f' && dt.itemsize() == 2) return kernels::ScaleType::fp16;
-    if (dtype_text(scales) == "bfloat16") return kernels::ScaleType::bf16;
+    if (dt.kind() == 'f' && dt.itemsize() == 4) return kernels::ScaleDtype::fp32;
+    if (dt.kind() == 'f' && dt.itemsize() == 2) return kernels::ScaleDtype::fp16;
+    if (dtype_text(scales) == "bfloat16") return kernels::ScaleDtype::bf16;
     fail(name, ": dtype ", dtype_text(scales), ", expected float32, float16 or bfloat16");
 }
 
@@ -184,11 +184,11 @@ int64_t first_bad_scale_of(const void* data, int64_t n) {
 }
 
 // Index of the first NaN, infinite or zero scale, or -1.
-int64_t first_bad_scale(const void* data, int64_t n, kernels::ScaleType type) {
+int64_t first_bad_scale(const void* data, int64_t n, kernels::ScaleDtype type) {
     switch (type) {
-        case kernels::ScaleType::fp32: return first_bad_scale_of<uint32_t, 0x7f800000u, 0x7fffffffu>(data, n);
-        case kernels::ScaleType::fp16: return first_bad_scale_of<uint16_t, 0x7c00u, 0x7fffu>(data, n);
-        case kernels::ScaleType::bf16: return first_bad_scale_of<uint16_t, 0x7f80u, 0x7fffu>(data, n);
+        case kernels::ScaleDtype::fp32: return first_bad_scale_of<uint32_t, 0x7f800000u, 0x7fffffffu>(data, n);
+        case kernels::ScaleDtype::fp16: return first_bad_scale_of<uint16_t, 0x7c00u, 0x7fffu>(data, n);
+        case kernels::ScaleDtype::bf16: return first_bad_scale_of<uint16_t, 0x7f80u, 0x7fffu>(data, n);
     }
     return -1;
 }
@@ -220,7 +220,7 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     arg.weights.ld = row_bytes * per_byte;
     const std::string scales_name = name + "_scales";
     const py::array scales = checked_layout(scales_obj, scales_name, 2);
-    arg.weights.scale_type = scale_type_of(scales, scales_name);
+    arg.weights.scale_dtype = scale_type_of(scales, scales_name);
     NUMA_MOE_CHECK(scales.shape(0) == arg.rows && scales.shape(1) >= 1 && arg.cols % scales.shape(1) == 0, scales_name,
                    ": shape ", shape_text(scales), " does not give a group for a ", arg.rows, " x ", arg.cols,
                    " matrix ([rows, cols / group])");
@@ -229,7 +229,7 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
                    " (cols / scale columns) is not one of 32, 64, 128");
     arg.weights.scales = scales.data();
     arg.weights.scales_ld = scales.shape(1);
-    const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_type);
+    const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_dtype);
     if (bad >= 0) {
         const py::object value = scales.attr("reshape")(-1).attr("__getitem__")(bad).attr("item")();
         const bool zero = value.cast<double>() == 0.0;

@@ -51,7 +51,7 @@ const KernelOps* MoELayerCore::isa_for_tokens(int64_t m, kernels::Format format,
     return kernels_for_tokens(m, format, group, amx_min_tokens_);
 }
 
-const KernelOps* MoELayerCore::ops_for(int64_t m, const MatrixPart& matrix) const {
+const KernelOps* MoELayerCore::expert_kernels(int64_t m, const MatrixPart& matrix) const {
     const kernels::Format format = matrix.format;
     if (!isa_forced_) return isa_for_tokens(m, format, matrix.weights.group);
     if (const KernelOps* ops = kernels::kernel_ops(forced_isa_, format, matrix.weights.group)) return ops;
@@ -67,7 +67,7 @@ void MoELayerCore::plan_tasks() {
         if (m == 0) continue;
         const int64_t slot0 = routing_.expert_offset[e];
         const int64_t* tokens = routing_.slot_token.data() + slot0;
-        tasks_.push_back(ExpertTask{&experts_[e], ops_for(m, experts_[e].gate), m, tokens, tokens,
+        tasks_.push_back(ExpertTask{&experts_[e], expert_kernels(m, experts_[e].gate), m, tokens, tokens,
                                     routing_.slot_weight.data() + slot0});
     }
 }

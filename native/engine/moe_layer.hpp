@@ -74,7 +74,7 @@ private:
     void plan_tasks();
     // isa_for_tokens, or the forced ISA's table (std::invalid_argument when it has no
     // kernels for the format).
-    const KernelOps* ops_for(int64_t m, const MatrixPart& matrix) const;
+    const KernelOps* expert_kernels(int64_t m, const MatrixPart& matrix) const;
     void record_stats();
 
     std::shared_ptr<WorkerPool> pool_;

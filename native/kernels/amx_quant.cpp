@@ -255,11 +255,11 @@ struct FlatIndex {
 };
 alignas(64) constexpr FlatIndex kFlatIndex{};
 
-inline __m512 load_scales16(ScaleType type, const void* p, __mmask16 mask) {
+inline __m512 load_scales16(ScaleDtype type, const void* p, __mmask16 mask) {
     switch (type) {
-        case ScaleType::fp32: return _mm512_maskz_loadu_ps(mask, p);
-        case ScaleType::fp16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-        case ScaleType::bf16:
+        case ScaleDtype::fp32: return _mm512_maskz_loadu_ps(mask, p);
+        case ScaleDtype::fp16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+        case ScaleDtype::bf16:
             return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
     }
     return _mm512_setzero_ps();
@@ -268,9 +268,9 @@ inline __m512 load_scales16(ScaleType type, const void* p, __mmask16 mask) {
 // table[g][i] = fp32 scale of row i (rows apart by row_step bytes of scales) and group
 // g0 + g, for i < rows (0 beyond) and g < n_groups: a transpose, so that one load gives the
 // 16 rows' scales of a group.
-void row_scale_table(ScaleType type, const uint8_t* first_row, int64_t row_step, int rows, int64_t g0, int n_groups,
+void row_scale_table(ScaleDtype type, const uint8_t* first_row, int64_t row_step, int rows, int64_t g0, int n_groups,
                      float table[kChunkGroups][16]) {
-    const int64_t elem = type == ScaleType::fp32 ? 4 : 2;
+    const int64_t elem = type == ScaleDtype::fp32 ? 4 : 2;
     const __mmask16 mask = tail_mask16(n_groups);
     __m512 v[16];
     for (int i = 0; i < 16; ++i)
@@ -462,7 +462,7 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
         const int n_groups = static_cast<int>(g_end - g0 < kChunkGroups ? g_end - g0 : kChunkGroups);
         for (int a = 0; a < 2; ++a)
             if (shape.rows[a])
-                row_scale_table(w.scale_type, blk.scales + 16 * a * blk.scales_step_bytes, blk.scales_step_bytes,
+                row_scale_table(w.scale_dtype, blk.scales + 16 * a * blk.scales_step_bytes, blk.scales_step_bytes,
                                 shape.rows[a], g0, n_groups, sw_table[a]);
         for (int64_t g = g0; g < g0 + n_groups; ++g) {
             TILE_ZERO(kC00);
@@ -552,7 +552,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const float* xs = token_scales(packed, m, k);
     const bool stream_weights = m <= 32;
     const int64_t row_bytes = column_bytes<F>(w.ld);
-    const int64_t scale_row_bytes = w.scales_ld * (w.scale_type == ScaleType::fp32 ? 4 : 2);
+    const int64_t scale_row_bytes = w.scales_ld * (w.scale_dtype == ScaleDtype::fp32 ? 4 : 2);
     TileShape current{{-1, -1}, {-1, -1}, -1};  // tile state of other code on this thread is not trusted
     Scratch scratch;
     // Lanes past a tile's rows x tokens pairs are computed and dropped; zeroed once so that

@@ -258,8 +258,8 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 
 // n (<= 8) consecutive scales of one row from group g0 as fp32, lanes past n zero (fp16
 // widened by vcvtph2ps, exact like ref_quant.cpp's fp16_to_float; bf16 by a shift).
-inline __m256 row_scales(ScaleType type, const void* row_scales, int64_t g0, int64_t n) {
-    if (type == ScaleType::fp32) {
+inline __m256 row_scales(ScaleDtype type, const void* row_scales, int64_t g0, int64_t n) {
+    if (type == ScaleDtype::fp32) {
         const float* p = static_cast<const float*>(row_scales) + g0;
         if (n == 8) return _mm256_loadu_ps(p);
         alignas(32) float part[8] = {};
@@ -275,7 +275,7 @@ inline __m256 row_scales(ScaleType type, const void* row_scales, int64_t g0, int
         for (int64_t i = 0; i < n; ++i) part[i] = p[i];
         raw = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
     }
-    if (type == ScaleType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    if (type == ScaleDtype::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
     return _mm256_cvtph_ps(raw);
 }
 
@@ -301,13 +301,13 @@ inline void transpose8(__m256 v[8]) {
 // (pairs past R * T: 0), for the n <= 8 groups from g0: per row and token a vector over
 // the groups, their products, transposed.
 template <int R, int T>
-inline void scale_tile(const void* const* scales, ScaleType scale_type, const float* x_scales, int64_t x_groups,
+inline void scale_tile(const void* const* scales, ScaleDtype scale_dtype, const float* x_scales, int64_t x_groups,
                        int64_t g0, int64_t n, __m256 tile[kPairs]) {
     __m256 sx[T];
-    for (int t = 0; t < T; ++t) sx[t] = row_scales(ScaleType::fp32, x_scales + t * x_groups, g0, n);
+    for (int t = 0; t < T; ++t) sx[t] = row_scales(ScaleDtype::fp32, x_scales + t * x_groups, g0, n);
     for (int p = 0; p < kPairs; ++p) tile[p] = _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
-        const __m256 sw = row_scales(scale_type, scales[r], g0, n);
+        const __m256 sw = row_scales(scale_dtype, scales[r], g0, n);
         for (int t = 0; t < T; ++t) tile[r * T + t] = _mm256_mul_ps(sw, sx[t]);
     }
     transpose8(tile);
@@ -490,7 +490,7 @@ inline __m256 add_group(__m256 total, __m256i totals, const TokenBlock& tokens, 
 // One register block over columns [k0, k1) of a segment: sums[p] = sum over its groups of
 // float(dot) * (s_w * s_x), pair p = r * T + t, in increasing group order from 0.
 template <Format F, int64_t G, int R, int T>
-void block_sums(const RowBlock<R>& b, ScaleType scale_type, const TokenBlock& tokens, int64_t k0, int64_t k1,
+void block_sums(const RowBlock<R>& b, ScaleDtype scale_dtype, const TokenBlock& tokens, int64_t k0, int64_t k1,
                 float sums[kPairs]) {
     static_assert(R * T <= kPairs, "a register block holds at most kPairs pairs");
     const int64_t x_groups = tokens.k / G;
@@ -498,7 +498,7 @@ void block_sums(const RowBlock<R>& b, ScaleType scale_type, const TokenBlock& to
     for (int64_t g0 = k0 / G; g0 < k1 / G; g0 += kPairs) {
         const int64_t n = k1 / G - g0 < kPairs ? k1 / G - g0 : kPairs;
         __m256 tile[kPairs];
-        scale_tile<R, T>(b.scales, scale_type, tokens.scales, x_groups, g0, n, tile);
+        scale_tile<R, T>(b.scales, scale_dtype, tokens.scales, x_groups, g0, n, tile);
         for (int64_t i = 0; i < n;) {
             const int64_t c = (g0 + i) * G;
             __m256i dot[kPairs];
@@ -543,7 +543,7 @@ struct Rows {
 // Rows r0 .. r0 + R of the row block against tokens t0 .. t0 + T; rows past the block's
 // end repeat row r0 (valid memory), their sums dropped.
 template <Format F, int64_t G, int R, int T>
-void run_block(const Rows& rows, ScaleType scale_type, const TokenBlock& tokens, int64_t k0, int64_t k1, int64_t t0,
+void run_block(const Rows& rows, ScaleDtype scale_dtype, const TokenBlock& tokens, int64_t k0, int64_t k1, int64_t t0,
                LinePrefetcher* pf) {
     for (int r0 = 0; r0 < rows.n; r0 += R) {
         RowBlock<R> b;
@@ -554,7 +554,7 @@ void run_block(const Rows& rows, ScaleType scale_type, const TokenBlock& tokens,
         }
         b.pf = pf;
         float sums[kPairs];
-        block_sums<F, G, R, T>(b, scale_type, tokens, k0, k1, sums);
+        block_sums<F, G, R, T>(b, scale_dtype, tokens, k0, k1, sums);
         for (int r = 0; r < R && r0 + r < rows.n; ++r)
             for (int t = 0; t < T; ++t) rows.out[r0 + r][t0 + t] += sums[r * T + t];
     }
@@ -566,7 +566,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const TokenOperand<F, G> operand(packed, m, k);
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
     const int64_t row_bytes = column_bytes<F>(w.ld);
-    const int64_t scale_bytes = w.scale_type == ScaleType::fp32 ? 4 : 2;
+    const int64_t scale_bytes = w.scale_dtype == ScaleDtype::fp32 ? 4 : 2;
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {
@@ -586,10 +586,10 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                                         operand.offsets ? operand.offsets + t0 : nullptr, k, offsets_stride(m)};
                 LinePrefetcher* first = t0 == 0 ? &pf : nullptr;
                 switch (nt) {
-                    case 1: run_block<F, G, 8, 1>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
-                    case 2: run_block<F, G, 4, 2>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
-                    case 3: run_block<F, G, 2, 3>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
-                    default: run_block<F, G, 2, 4>(rows, w.scale_type, tokens, seg.k0, seg.k1, t0, first); break;
+                    case 1: run_block<F, G, 8, 1>(rows, w.scale_dtype, tokens, seg.k0, seg.k1, t0, first); break;
+                    case 2: run_block<F, G, 4, 2>(rows, w.scale_dtype, tokens, seg.k0, seg.k1, t0, first); break;
+                    case 3: run_block<F, G, 2, 3>(rows, w.scale_dtype, tokens, seg.k0, seg.k1, t0, first); break;
+                    default: run_block<F, G, 2, 4>(rows, w.scale_dtype, tokens, seg.k0, seg.k1, t0, first); break;
                 }
                 t0 += nt;
             }

@@ -263,11 +263,11 @@ template <Format F>
 constexpr char kBias = F == Format::int8 ? static_cast<char>(0x80) : 8;
 
 // n (<= 16) consecutive scales of one row from group g0, as fp32 (lanes past n: 0).
-inline __m512 row_scales(ScaleType type, const void* row_scales, int64_t g0, int64_t n) {
+inline __m512 row_scales(ScaleDtype type, const void* row_scales, int64_t g0, int64_t n) {
     const __mmask16 mask = tail_mask16(n);
     switch (type) {
-        case ScaleType::fp32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row_scales) + g0);
-        case ScaleType::fp16:
+        case ScaleDtype::fp32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row_scales) + g0);
+        case ScaleDtype::fp16:
             return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row_scales) + g0));
         default:
             return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -293,7 +293,7 @@ struct RowGeometry {
     RowGeometry(Format format, const Weights& w, const Segment& seg)
         : stride(seg.row_stride > 0 ? seg.row_stride : 1),
           row_bytes(format == Format::int8 ? w.ld : w.ld / 2),
-          scale_bytes(w.scale_type == ScaleType::fp32 ? 4 : 2) {}
+          scale_bytes(w.scale_dtype == ScaleDtype::fp32 ? 4 : 2) {}
     int64_t stride, row_bytes, scale_bytes;
 };
 
@@ -340,7 +340,7 @@ void scale_tile(const RowBlock<R>& b, const Weights& w, const float* xs, int64_t
     __m512 sx[T], v[kPairs];
     for (int t = 0; t < T; ++t) sx[t] = _mm512_maskz_loadu_ps(tail_mask16(n), xs + t * x_groups + g0);
     for (int r = 0; r < R; ++r) {
-        const __m512 sw = row_scales(w.scale_type, b.scales[r], g0, n);
+        const __m512 sw = row_scales(w.scale_dtype, b.scales[r], g0, n);
         for (int t = 0; t < T; ++t) v[r * T + t] = _mm512_mul_ps(sw, sx[t]);
     }
     for (int p = R * T; p < kPairs; ++p) v[p] = _mm512_setzero_ps();
@@ -633,7 +633,7 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
     for (int r = 0; r < R; ++r) {
         for (int64_t g = 0; g < lr.n_groups; g += 16)
             _mm512_storeu_ps(sw + r * lr.ld + g,
-                             row_scales(w.scale_type, b.scales[r], lr.g0 + g, lr.n_groups - g < 16 ? lr.n_groups - g : 16));
+                             row_scales(w.scale_dtype, b.scales[r], lr.g0 + g, lr.n_groups - g < 16 ? lr.n_groups - g : 16));
         group_bias<G>(lr.rows[r], lr.n_groups, bias + r * lr.ld);
     }
     lr.sw = sw;
@@ -706,7 +706,7 @@ RowLaneBlock row_lane_block_of(Format format, const Weights& w, const Segment& s
 // sw[g * 16 + r] = fp32 scale of the block's row r and group g0 + g, g < n: one vector of
 // the 16 rows' scales per group (rows' vectors of 16 groups, transposed; absent rows
 // repeat row 0).
-inline void row_lane_scales(const RowLaneBlock& b, ScaleType type, int64_t g0, int64_t n, float* sw) {
+inline void row_lane_scales(const RowLaneBlock& b, ScaleDtype type, int64_t g0, int64_t n, float* sw) {
     for (int64_t gc = 0; gc < n; gc += 16) {
         const int64_t ng = n - gc < 16 ? n - gc : 16;
         __m512 v[16];
@@ -831,7 +831,7 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
     const RowLaneBlock b = row_lane_block_of(F, w, seg, j, j_hi, out, ldo);
     const int64_t g0 = seg.k0 / G, n_groups = (seg.k1 - seg.k0) / G;
     float* sw = static_cast<float*>(thread_scratch(kRowScalesSlot, sizeof(float) * 16 * (n_groups + 16)));
-    row_lane_scales(b, w.scale_type, g0, n_groups, sw);
+    row_lane_scales(b, w.scale_dtype, g0, n_groups, sw);
     // Up to kRowLaneMaxPass tokens in one pass; 13-16 (int4) in two of at most 8 over the
     // same rows, from L1 / L2.
     const auto pass = [&](auto tokens, auto stride, int t0) {

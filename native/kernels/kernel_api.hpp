@@ -37,7 +37,7 @@ constexpr Isa kAllIsas[] = {Isa::ref,    Isa::avx2_emulated, Isa::avx2, Isa::avx
 // Weight formats (docs/quantization.md): bf16, or group-wise symmetric int8 / int4 with a
 // scale per row and group of columns.
 enum class Format : int { bf16 = 0, int8 = 1, int4 = 2 };
-enum class ScaleType : int { fp32 = 0, fp16 = 1, bf16 = 2 };
+enum class ScaleDtype : int { fp32 = 0, fp16 = 1, bf16 = 2 };
 
 // The weight operand of matmul_segments. Row r starts at element r * ld of `data` (bf16,
 // int8, or int4 two per byte with the even column in the low nibble, so ld is even).
@@ -48,7 +48,7 @@ struct Weights {
     const void* scales = nullptr;
     int64_t scales_ld = 0;
     int64_t group = 0;
-    ScaleType scale_type = ScaleType::fp32;
+    ScaleDtype scale_dtype = ScaleDtype::fp32;
 };
 
 // Integer formats quantize the token operand per token and per group of columns of the

@@ -41,10 +41,10 @@ float fp16_to_float(uint16_t h) {
 
 float weight_scale(const Weights& w, int64_t r, int64_t c) {
     const int64_t index = r * w.scales_ld + c / w.group;
-    switch (w.scale_type) {
-        case ScaleType::fp32: return static_cast<const float*>(w.scales)[index];
-        case ScaleType::fp16: return fp16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
-        case ScaleType::bf16: return bf16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
+    switch (w.scale_dtype) {
+        case ScaleDtype::fp32: return static_cast<const float*>(w.scales)[index];
+        case ScaleDtype::fp16: return fp16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
+        case ScaleDtype::bf16: return bf16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
     }
     return 0.0f;
 }
