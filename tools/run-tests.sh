@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up (tools/setup.sh), a build of the benchmark programs, and the whole test suite:
 # the single-node tiers here, the vLLM tier in its own venv (tools/run-vllm-tests.sh), the
-# multinode tier on a real Linux kernel with 2 and with 4 NUMA nodes (tools/numa-vm), then
+# multinode tier on a real Linux kernel with 2, 3, 4 and 8 NUMA nodes (tools/numa-vm), then
 # the AMX model's kernel tests on an emulated CPU without AVX-512 (tools/run-no-avx512.sh).
 # Needs nothing outside this repository but apt and the package index.
 set -euo pipefail
