@@ -111,14 +111,17 @@ def scale_dtypes_for(fmt: str) -> tuple[str, ...]:
 
 
 def scale_layout(fmt: str, group: int | None = None, scale_dtype: str | None = None,
-                 default_group: int = DEFAULT_GROUP, default_scale_dtype: str = "fp16") -> tuple[int, str]:
+                 default_group: int = DEFAULT_GROUP, default_scale_dtype: str = "fp16",
+                 any_group: bool = False) -> tuple[int, str]:
     """(group, scale dtype) of a request for the quantized format ``fmt``: those given,
     else the ones the format fixes (mxfp4: 32, e8m0), else the defaults; checked
-    (check_arguments)."""
+    (check_arguments). ``any_group``: a format without a fixed group may take any group
+    (segment tables of shapes the kernels do not run)."""
     fixed = FIXED_SCALES.get(fmt, (default_group, default_scale_dtype))
     group = fixed[0] if group is None else group
     scale_dtype = fixed[1] if scale_dtype is None else scale_dtype
-    check_arguments(weight_format=fmt, group=group, scale_dtype=scale_dtype)
+    checked = {"group": group} if fmt in FIXED_SCALES or not any_group else {}
+    check_arguments(weight_format=fmt, scale_dtype=scale_dtype, **checked)
     return group, scale_dtype
 
 
