@@ -127,6 +127,21 @@ def test_cli_mxfp4_takes_its_own_group_and_e8m0_scales(source, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_make_checkpoint_mxfp4_equals_quantizing_the_bf16_one(tmp_path, rng):
+    seed = int(rng.integers(1 << 31))
+    made = make_checkpoint(tmp_path / "made", "qwen3-30b-a3b", 1, E, seed, hidden_size=H,
+                           intermediate_size=I, progress=False, weight_format="mxfp4")
+    bf16 = make_checkpoint(tmp_path / "bf16", "qwen3-30b-a3b", 1, E, seed, hidden_size=H,
+                           intermediate_size=I, progress=False)
+    quantize_checkpoint(bf16, tmp_path / "q", "mxfp4", progress=False)
+    ck = open_checkpoint(made)
+    assert (ck.quant.fmt, ck.quant.group, ck.quant.scale_dtype) == ("mxfp4", 32, "e8m0")
+    made_tensors, quantized_tensors = _tensors(made)[0], _tensors(tmp_path / "q")[0]
+    assert made_tensors.keys() == quantized_tensors.keys()
+    assert all(np.array_equal(made_tensors[n].view(np.uint8), quantized_tensors[n].view(np.uint8))
+               for n in made_tensors)
+
+
 def test_fused_experts_quantized_expert_by_expert(tmp_path, rng):
     src = make_checkpoint(tmp_path / "src", "qwen3-30b-a3b", 1, E, int(rng.integers(1 << 31)),
                           hidden_size=H, intermediate_size=I, progress=False, fused=True)

@@ -65,13 +65,13 @@ def _open(path: str, pattern: str | None, kinds: str | None):
               help="Accepted for compatibility; changes nothing. OUTPUT may be new, empty or an "
                    "earlier numa-moe output (replaced whole); a directory holding anything else "
                    "is refused.")
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default="bf16",
               show_default=True,
               help="Routed experts in bf16, or quantized as by `numa-moe quantize`.")
-@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="Scale group size (int8/int4).")
-@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16",
-              show_default=True, help="Element type of the group scales (int8/int4).")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
+              help="Scale group size (int8/int4/mxfp4) [default: 128; mxfp4: 32].")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
+              help="Element type of the group scales (int8/int4/mxfp4) [default: fp16; mxfp4: e8m0].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
                             fmt, group, scale_dtype, quiet):
@@ -84,7 +84,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
                               max_shard_bytes=shard_mb << 20, progress=not quiet,
                               overwrite=overwrite, weight_format=None if fmt == "bf16" else fmt,
-                              group=int(group), scale_dtype=scale_dtype)
+                              group=None if group is None else int(group), scale_dtype=scale_dtype)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
     except OSError as err:
