@@ -28,10 +28,11 @@ def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
-    lines = {fmt: isa_report(kernels.tested_isas(fmt)) for fmt in ("bf16", "int8", "int4")}
+    integer = ("int8", "int4", "mxfp4")
+    lines = {fmt: isa_report(kernels.tested_isas(fmt)) for fmt in ("bf16", *integer)}
     reporter.write_line(f"ISAs: {lines['bf16']}")
-    if lines["int8"] != lines["bf16"] or lines["int4"] != lines["bf16"]:
-        for fmt in ("int8", "int4"):
+    if any(lines[fmt] != lines["bf16"] for fmt in integer):
+        for fmt in integer:
             reporter.write_line(f"ISAs ({fmt}): {lines[fmt]}")
     from numa_moe import _native
 

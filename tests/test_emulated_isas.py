@@ -45,7 +45,7 @@ def test_tested_isas_replaces_only_missing_isas_by_their_emulated_build():
 
 
 def test_tested_isas_of_this_machine():
-    for fmt in ("bf16", "int8", "int4"):
+    for fmt in ("bf16", "int8", "int4", "mxfp4"):
         available = kernels.available_isas(fmt)
         tested = kernels.tested_isas(fmt)
         assert set(tested) <= set(available) and tested[0] == "ref"
@@ -56,7 +56,7 @@ def test_tested_isas_of_this_machine():
 
 
 def test_emulated_isas_are_never_a_default():
-    for fmt in ("bf16", "int8", "int4"):
+    for fmt in ("bf16", "int8", "int4", "mxfp4"):
         assert kernels.fastest_isa(fmt) not in kernels.EMULATED_ISAS
         for m in (1, 64):
             assert kernels.isa_for_tokens(m, fmt) not in kernels.EMULATED_ISAS

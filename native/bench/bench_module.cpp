@@ -157,7 +157,7 @@ double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
 }
 
 // The experts of a benchmark, checked once: (w_gate, w_up, w_down) bf16 tuples, or
-// (w_gate, w_up, w_down, gate_scales, up_scales, down_scales) of int8 / int4 weights.
+// (w_gate, w_up, w_down, gate_scales, up_scales, down_scales) of int8 / int4 / mxfp4 weights.
 struct BenchCalls {
     kernels::Format format = kernels::Format::bf16;
     int64_t group = kernels::kDefaultGroup;  // integer formats
@@ -255,7 +255,7 @@ std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
 double py_peak_flops(const std::string& isa, int64_t iterations, int threads, const std::string& format) {
     kernels::Format parsed;
     NUMA_MOE_CHECK(kernels::parse_format(format.c_str(), &parsed), "peak_flops: format '", format,
-                   "' is not one of bf16, int8, int4");
+                   "' is not one of bf16, int8, int4, mxfp4");
     const kernels::KernelOps& ops = bindings::ops_for(isa, parsed);  // refuses what this CPU cannot run
     const bool integer = parsed != kernels::Format::bf16;
     double (*loop)(int64_t) = nullptr;

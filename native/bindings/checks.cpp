@@ -86,7 +86,7 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
 
 kernels::Format weight_format_named(const std::string& name) {
     kernels::Format format;
-    NUMA_MOE_CHECK(kernels::parse_format(name.c_str(), &format), "format '", name, "' is not one of bf16, int8, int4");
+    NUMA_MOE_CHECK(kernels::parse_format(name.c_str(), &format), "format '", name, "' is not one of bf16, int8, int4, mxfp4");
     return format;
 }
 
@@ -163,7 +163,8 @@ kernels::ScaleDtype scale_type_of(const py::array& scales, const std::string& na
     if (dt.kind() == 'f' && dt.itemsize() == 4) return kernels::ScaleDtype::fp32;
     if (dt.kind() == 'f' && dt.itemsize() == 2) return kernels::ScaleDtype::fp16;
     if (dtype_text(scales) == "bfloat16") return kernels::ScaleDtype::bf16;
-    fail(name, ": dtype ", dtype_text(scales), ", expected float32, float16 or bfloat16");
+    if (dtype_text(scales) == "float8_e8m0fnu") return kernels::ScaleDtype::e8m0;
+    fail(name, ": dtype ", dtype_text(scales), ", expected float32, float16, bfloat16 or (mxfp4) float8_e8m0fnu");
 }
 
 // Whether a scale's bits are NaN, infinite or (signed) zero, per scale type: bit tests only,
@@ -183,9 +184,16 @@ int64_t first_bad_scale_of(const void* data, int64_t n) {
         if (bad_scale_bits<Bits, kExponent, kMagnitude>(bits[i])) return i;
 }
 
-// Index of the first NaN, infinite or zero scale, or -1.
+// Index of the first NaN, infinite or zero scale, or -1 (e8m0 has neither zero nor
+// infinity: its one bad byte is the NaN 0xff).
 int64_t first_bad_scale(const void* data, int64_t n, kernels::ScaleDtype type) {
     switch (type) {
+        case kernels::ScaleDtype::e8m0: {
+            const uint8_t* bytes = static_cast<const uint8_t*>(data);
+            for (int64_t i = 0; i < n; ++i)
+                if (bytes[i] == 0xff) return i;
+            return -1;
+        }
         case kernels::ScaleDtype::fp32: return first_bad_scale_of<uint32_t, 0x7f800000u, 0x7fffffffu>(data, n);
         case kernels::ScaleDtype::fp16: return first_bad_scale_of<uint16_t, 0x7c00u, 0x7fffu>(data, n);
         case kernels::ScaleDtype::bf16: return first_bad_scale_of<uint16_t, 0x7f80u, 0x7fffu>(data, n);
@@ -207,9 +215,17 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     }
     const py::dtype dt = values.dtype();
     NUMA_MOE_CHECK(dt.itemsize() == 1 && (dt.kind() == 'i' || dt.kind() == 'u'), name, ": dtype ", dtype_text(values),
-                   ", expected int8 (int8 weights) or uint8 (int4, two per byte) since scales are given");
-    arg.format = dt.kind() == 'i' ? kernels::Format::int8 : kernels::Format::int4;
-    const int per_byte = arg.format == kernels::Format::int4 ? 2 : 1;
+                   ", expected int8 (int8 weights) or uint8 (int4 or mxfp4, two per byte) since scales are given");
+    const std::string scales_name = name + "_scales";
+    const py::array scales = checked_layout(scales_obj, scales_name, 2);
+    arg.weights.scale_dtype = scale_type_of(scales, scales_name);
+    // The scales' dtype tells the nibble formats apart: mxfp4 comes with e8m0 scales, and
+    // nothing else does (e8m0 scales decode as mxfp4's, nibble_codes.hpp).
+    const bool e8m0 = arg.weights.scale_dtype == kernels::ScaleDtype::e8m0;
+    NUMA_MOE_CHECK(!e8m0 || dt.kind() == 'u', scales_name, ": e8m0 scales go with mxfp4 weights (uint8, two per byte), not ",
+                   dtype_text(values));
+    arg.format = dt.kind() == 'i' ? kernels::Format::int8 : e8m0 ? kernels::Format::mxfp4 : kernels::Format::int4;
+    const int per_byte = kernels::is_nibble_format(arg.format) ? 2 : 1;
     NUMA_MOE_CHECK(values.ndim() == 2, name, ": expected a 2-D array, got shape ", shape_text(values));
     NUMA_MOE_CHECK(values.shape(1) <= 1 || values.strides(1) == 1, name, ": rows must be contiguous");
     const int64_t row_bytes = values.shape(0) > 1 ? values.strides(0) : values.shape(1);
@@ -218,15 +234,13 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     arg.cols = values.shape(1) * per_byte;
     arg.weights.data = values.data();
     arg.weights.ld = row_bytes * per_byte;
-    const std::string scales_name = name + "_scales";
-    const py::array scales = checked_layout(scales_obj, scales_name, 2);
-    arg.weights.scale_dtype = scale_type_of(scales, scales_name);
     NUMA_MOE_CHECK(scales.shape(0) == arg.rows && scales.shape(1) >= 1 && arg.cols % scales.shape(1) == 0, scales_name,
                    ": shape ", shape_text(scales), " does not give a group for a ", arg.rows, " x ", arg.cols,
                    " matrix ([rows, cols / group])");
     arg.weights.group = arg.cols / scales.shape(1);
-    NUMA_MOE_CHECK(kernels::is_integer_group(arg.weights.group), scales_name, ": group ", arg.weights.group,
-                   " (cols / scale columns) is not one of 32, 64, 128");
+    NUMA_MOE_CHECK(kernels::has_group(arg.format, arg.weights.group), scales_name, ": group ", arg.weights.group,
+                   " (cols / scale columns) is not one of ",
+                   arg.format == kernels::Format::mxfp4 ? "32 (mxfp4's block)" : "32, 64, 128");
     arg.weights.scales = scales.data();
     arg.weights.scales_ld = scales.shape(1);
     const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_dtype);

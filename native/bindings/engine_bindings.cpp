@@ -153,7 +153,7 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("gate_segments"), py::arg("up_segments"),
              py::arg("down_segments"), py::arg("verify_partition") = true, py::arg("gate_scales") = py::none(),
              py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(),
-             "Adds the next expert: gate, up [I, H] and down [H, I] bf16 (uint16 views), or int8 / uint8 (int4) "
+             "Adds the next expert: gate, up [I, H] and down [H, I] bf16 (uint16 views), or int8 / uint8 (int4; mxfp4 with float8_e8m0fnu scales) "
              "with their group scales, and, per matrix, a list with one int64 [n, 5] segment array per pool node.")
         .def("set_isa",
              [](PyLayer& l, std::optional<std::string> name) {

@@ -154,7 +154,7 @@ void register_kernels(py::module_& m) {
           "NUMA_MOE_ISA not consulted.");
     m.def("kernel_isa_for_tokens", [](int64_t m, const std::string& format) {
         NUMA_MOE_CHECK(m >= 1, "tokens must be >= 1, got ", m);
-        return std::string(engine::kernels_for_tokens(m, weight_format_named(format), kernels::kDefaultGroup, 0)->name);
+        return std::string(engine::kernels_for_tokens(m, weight_format_named(format), 0, 0)->name);
     }, py::arg("m"), py::arg("format") = "bf16",
           "The ISA an MoE layer with the default amx_min_tokens runs an expert of m tokens with (AMX from the "
           "format's crossover, else the fastest other), NUMA_MOE_ISA not consulted.");
@@ -164,7 +164,7 @@ void register_kernels(py::module_& m) {
           py::arg("tokens"), py::arg("out"), py::arg("row_begin") = 0, py::arg("row_end") = -1,
           py::arg("scales") = py::none(),
           "out[r, t] += sum over segment columns of weight[r, c] * tokens[t, c] (rows of the segments in "
-          "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4) and tokens are quantized per group "
+          "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4, mxfp4 with float8_e8m0fnu scales) and tokens are quantized per group "
           "of the weights as the kernels do.");
     m.def("silu_mul_pack", &py_silu_mul_pack, py::arg("isa"), py::arg("gate_parts"), py::arg("up_parts"),
           py::arg("i_begin"), py::arg("i_end"), "act[t, i] = bf16(silu(sum gate) * sum up), unpacked to [m, I] uint16.");
@@ -178,7 +178,7 @@ void register_kernels(py::module_& m) {
           py::arg("down_segments"), py::arg("out"), py::arg("threads") = 0, py::arg("gate_scales") = py::none(),
           py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(),
           "out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T; out is float32 or bfloat16 [m, H]; with scales the "
-          "weights are int8 (or uint8: int4). Ctrl-C interrupts it.");
+          "weights are int8 (or uint8: int4, mxfp4 with float8_e8m0fnu scales). Ctrl-C interrupts it.");
     m.def("process_pool_start_count", &engine::process_pool_start_count,
           "Thread creations over the process pool of the single-expert path so far (none per call).");
     m.def("affinity_cpu_count", &engine::affinity_cpu_count, "CPUs in this process's affinity mask.");

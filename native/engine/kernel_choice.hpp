@@ -16,7 +16,7 @@ namespace numa_moe::engine {
 // layout and k blocking follow from m (KernelOps.token_layout, the kernel files).
 const kernels::KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens);
 // AMX from one token for bf16 (the AMX-BF16 kernel reads at the memory's rate from one
-// token); int8 and int4 from 5 tokens: below those the AVX-512-VNNI kernels read
+// token); int8 and the nibble formats from 5 tokens: below those the AVX-512-VNNI kernels read
 // faster than AMX-INT8 on the Intel Xeon measured, and both give the same bits
 // (docs/kernels.md, "The per-expert rule").
 constexpr int64_t kAmxMinTokensBf16 = 1;
@@ -25,7 +25,8 @@ constexpr int64_t kAmxMinTokensInt4 = 5;
 inline int64_t default_amx_min_tokens(kernels::Format format) {
     switch (format) {
         case kernels::Format::int8: return kAmxMinTokensInt8;
-        case kernels::Format::int4: return kAmxMinTokensInt4;
+        case kernels::Format::int4:
+        case kernels::Format::mxfp4: return kAmxMinTokensInt4;
         case kernels::Format::bf16: break;
     }
     return kAmxMinTokensBf16;

@@ -1,5 +1,5 @@
 // AMX-INT8 kernels of the integer weight formats (docs/quantization.md, docs/kernels.md):
-// int8 and int4 weights against int8 tokens, tdpbssd (s8 x s8 into int32). This one
+// int8, int4 and mxfp4 weights against int8 tokens, tdpbssd (s8 x s8 into int32). This one
 // source is compiled twice, as amx_bf16.cpp is:
 //   - for real (-mamx-tile -mamx-int8 + AVX-512 flags): Isa::amx, handed out only when
 //     cpuid has AMX-INT8 and Linux granted the tile state (request_amx_permission);
@@ -12,7 +12,9 @@
 //   A  weights  int8 w[r * ld + c] row-major, straight from the checkpoint: a tile is 16 rows
 //               of one segment (r = row0 + j * row_stride) x K columns, loaded at stride
 //               row_stride * ld bytes (tileloadt1 when m <= 32).
-//               int4 (byte (r * ld + c) / 2, even column in the low nibble) is unpacked to
+//               int4 and mxfp4, the nibble formats (byte (r * ld + c) / 2, even column in
+//               the low nibble, each code an integer of the format's codebook,
+//               nibble_codes.hpp: sign-extended, or looked up), are unpacked to
 //               int8 in registers into a staging buffer the A tile is loaded from (stride
 //               64 bytes), in the int4 order. Groups of 128: a row's 64 bytes of the
 //               group at once, the low nibbles (the group's even columns) as one K-step
@@ -51,6 +53,7 @@
 #include "kernels/bf16.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
+#include "kernels/nibble_codes.hpp"
 
 #include "kernels/amx_tiles.hpp"
 #ifdef NUMA_MOE_AMX_MODEL
@@ -123,7 +126,7 @@ constexpr bool unpacks_whole_groups() {
 
 // A token's quantized group in the order of the int4 A rows: groups of 128 as their even
 // columns, then their odd ones (unpack_group_int4); else each K-column chunk so
-// (unpack_int4). Bytes are sorted within 16-byte lanes, then the lanes' 8-byte halves
+// (unpack_nibbles). Bytes are sorted within 16-byte lanes, then the lanes' 8-byte halves
 // (a 64-column chunk: its 32 even columns, then its 32 odd ones), then, for a group of
 // 128, the two chunks' even halves and odd halves paired.
 template <int64_t G>
@@ -171,9 +174,9 @@ public:
         // The group in the kernel's column order: collected for the block, or (int4) reordered
         // into a slot of its own; int8 stored alone is written from q as it is.
         const int8_t* row = q;
-        if (F == Format::int4 || transposed) {
+        if (is_nibble_format(F) || transposed) {
             int8_t* slot = transposed ? block_[t - t0] : block_[0];
-            if constexpr (F == Format::int4)
+            if constexpr (is_nibble_format(F))
                 int4_column_order<G>(q, slot);
             else
                 std::memcpy(slot, q, G);
@@ -261,6 +264,18 @@ inline __m512 load_scales16(ScaleDtype type, const void* p, __mmask16 mask) {
         case ScaleDtype::fp16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
         case ScaleDtype::bf16:
             return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+        case ScaleDtype::e8m0: {
+            // e8m0_scale: the byte in the exponent field is 2^(e - 127) (0 for e = 0), halved
+            // exactly, and e = 0 set to 2^-128 on its own.
+            alignas(16) uint8_t part[16] = {};
+            for (int i = 0; i < 16 && mask >> i & 1; ++i) part[i] = static_cast<const uint8_t*>(p)[i];
+            const __m128i bytes = mask == 0xffff ? _mm_loadu_si128(static_cast<const __m128i*>(p))
+                                                 : _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+            const __m512i e = _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(bytes));
+            const __m512 half = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f));
+            const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+            return _mm512_maskz_mov_ps(mask, _mm512_mask_blend_ps(zero, half, _mm512_castsi512_ps(_mm512_set1_epi32(0x00200000))));
+        }
     }
     return _mm512_setzero_ps();
 }
@@ -270,7 +285,7 @@ inline __m512 load_scales16(ScaleDtype type, const void* p, __mmask16 mask) {
 // 16 rows' scales of a group.
 void row_scale_table(ScaleDtype type, const uint8_t* first_row, int64_t row_step, int rows, int64_t g0, int n_groups,
                      float table[kChunkGroups][16]) {
-    const int64_t elem = type == ScaleDtype::fp32 ? 4 : 2;
+    const int64_t elem = scale_dtype_bytes(type);
     const __mmask16 mask = tail_mask16(n_groups);
     __m512 v[16];
     for (int i = 0; i < 16; ++i)
@@ -279,23 +294,36 @@ void row_scale_table(ScaleDtype type, const uint8_t* first_row, int64_t row_step
     for (int g = 0; g < kChunkGroups; ++g) _mm512_store_ps(table[g], v[g]);
 }
 
-// K (64 or 32) columns of an int4 row as sign-extended int8 in the kernel's int4 order:
-// the low nibbles of the K / 2 bytes (the even columns), then the high nibbles (the odd
+// K (64 or 32) columns of a nibble-format row as int8 in the kernel's nibble order: the
+// low nibbles of the K / 2 bytes (the even columns), then the high nibbles (the odd
 // columns). The bytes are broadcast to both halves of a vector and the upper half shifted
-// by 4, so no byte moves across lanes; (n & 15 ^ 8) - 8 sign-extends each nibble n.
-template <int64_t K>
-inline void unpack_int4(const uint8_t* src, int8_t* dst) {
+// by 4, so no byte moves across lanes; then int4's (n & 15 ^ 8) - 8 sign-extends each
+// nibble n, and mxfp4 looks (n & 15) up in its codebook.
+template <Format F, int64_t K>
+inline void unpack_nibbles(const uint8_t* src, int8_t* dst) {
     constexpr long long kHighHalf = 0x0004000400040004;  // 16-bit shift counts of 4
+    const __m128i codebook = _mm_load_si128(reinterpret_cast<const __m128i*>(NibbleCodes<F>::kValues));
     if constexpr (K == 64) {
         const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
         const __m512i shifted = _mm512_srlv_epi16(raw, _mm512_set_epi64(kHighHalf, kHighHalf, kHighHalf, kHighHalf, 0, 0, 0, 0));
-        const __m512i biased = _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi8(0x0f), _mm512_set1_epi8(8), 0x6a);
-        _mm512_store_si512(dst, _mm512_sub_epi8(biased, _mm512_set1_epi8(8)));
+        if constexpr (F == Format::int4) {
+            const __m512i biased = _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi8(0x0f), _mm512_set1_epi8(8), 0x6a);
+            _mm512_store_si512(dst, _mm512_sub_epi8(biased, _mm512_set1_epi8(8)));
+        } else {
+            const __m512i codes = _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
+            _mm512_store_si512(dst, _mm512_shuffle_epi8(_mm512_broadcast_i32x4(codebook), codes));
+        }
     } else {
         const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
         const __m256i shifted = _mm256_srlv_epi16(raw, _mm256_set_epi64x(kHighHalf, kHighHalf, 0, 0));
-        const __m256i biased = _mm256_ternarylogic_epi32(shifted, _mm256_set1_epi8(0x0f), _mm256_set1_epi8(8), 0x6a);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_sub_epi8(biased, _mm256_set1_epi8(8)));
+        if constexpr (F == Format::int4) {
+            const __m256i biased = _mm256_ternarylogic_epi32(shifted, _mm256_set1_epi8(0x0f), _mm256_set1_epi8(8), 0x6a);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_sub_epi8(biased, _mm256_set1_epi8(8)));
+        } else {
+            const __m256i codes = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dst),
+                               _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(codebook), codes));
+        }
     }
 }
 
@@ -477,10 +505,10 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
                             for (int i = 0; i < shape.rows[a]; ++i)
                                 unpack_group_int4(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c),
                                                   stage[0][16 * a + i], stage[1][16 * a + i]);
-                } else if constexpr (F == Format::int4) {
+                } else if constexpr (is_nibble_format(F)) {
                     for (int a = 0; a < 2; ++a)
                         for (int i = 0; i < shape.rows[a]; ++i)
-                            unpack_int4<K>(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c),
+                            unpack_nibbles<F, K>(blk.w + (16 * a + i) * blk.w_step_bytes + column_bytes<F>(c),
                                            stage[0][16 * a + i]);
                 }
                 // Each load as late as the products allow: tiles are not renamed, so a load
@@ -552,7 +580,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const float* xs = token_scales(packed, m, k);
     const bool stream_weights = m <= 32;
     const int64_t row_bytes = column_bytes<F>(w.ld);
-    const int64_t scale_row_bytes = w.scales_ld * (w.scale_dtype == ScaleDtype::fp32 ? 4 : 2);
+    const int64_t scale_row_bytes = w.scales_ld * scale_dtype_bytes(w.scale_dtype);
     TileShape current{{-1, -1}, {-1, -1}, -1};  // tile state of other code on this thread is not trusted
     Scratch scratch;
     // Lanes past a tile's rows x tokens pairs are computed and dropped; zeroed once so that

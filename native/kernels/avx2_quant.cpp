@@ -1,23 +1,25 @@
-// AVX2 kernels of the integer weight formats (docs/quantization.md): int8 and int4 weights
-// against int8 tokens, the portable SIMD path for x86-64 CPUs without AVX-512-VNNI.
+// AVX2 kernels of the integer weight formats (docs/quantization.md): int8, int4 and mxfp4
+// weights against int8 tokens, the portable SIMD path for x86-64 CPUs without AVX-512-VNNI.
 // Compiled with -mavx2 -mfma -mf16c -ffp-contract=off; dispatch only hands these tables out
 // when cpuid + XCR0 allow AVX2 + FMA + F16C. One table per format and group G (32, 64, 128); G is also
 // the tokens' quantization block.
 //
 // Operand layouts (kernel_api.hpp):
-//   weights  int8 w[r * ld + c]; int4: byte (r * ld + c) / 2, the even column in its low
-//            nibble, 4-bit two's complement; never repacked. Scales (fp32, fp16 or bf16)
-//            s[r * scales_ld + c / G]
+//   weights  int8 w[r * ld + c]; int4 / mxfp4 (the nibble formats): byte (r * ld + c) / 2,
+//            the even column in its low nibble, each code an integer of the format's
+//            codebook (nibble_codes.hpp); never repacked. Scales (fp32, fp16, bf16; mxfp4
+//            e8m0) s[r * scales_ld + c / G]
 //   tokens   the int8 values and fp32 scales of ref_quant.cpp's token rule (per token and
 //            block of G columns), quantized once by gather / silu_mul_pack:
-//            values  int8: q[t * k + c]; int4: the same bytes, but each 64 columns (a
+//            values  int8: q[t * k + c]; nibble formats: the same bytes, but each 64 columns (a
 //                    32-byte run of packed weights) as its 32 even columns, then its 32
 //                    odd ones: q[t * k + (c & ~63) + 32 (c % 2) + (c % 64) / 2] (a k
 //                    that is an odd multiple of 32 ends on 32 columns: 16 even, 16 odd)
 //                    (m * k bytes, padded to 64)
 //            scales  fp32 scale[t * (k / G) + b]
-//            int4    then int32 offset[b * m4 + t] = 8 * sum of token t's values in block
-//                    b (m4 = m rounded up to 4, padding 0): the bias correction below
+//            nibble formats (and int8 with AVX-VNNI) then int32 offset[b * m4 + t] = bias *
+//                    sum of token t's values in block b (m4 = m rounded up to 4, padding
+//                    0): the bias correction below
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
 // The result is the reference's bit for bit: per group an exact int32 dot product,
@@ -37,7 +39,10 @@
 //         widened once per group; the token's offset is subtracted from the group totals.
 //         A step unpacks 64 columns (32 bytes of a row) in four operations: bias (xor
 //         0x88), mask the low nibbles (the even columns), shift and mask the high ones
-//         (the odd columns), the order of the token values; at group 32 the two 128-bit
+//         (the odd columns), the order of the token values.
+//   mxfp4: the same steps, each masked code looked up (vpshufb) as u = value + 12 in
+//         [0, 24]: |pair| <= 2 * 24 * 127 = 6096, and its only group size, 32, is half a
+//         step (two pairs a lane, below 12192). At group 32 the two 128-bit
 //         halves of a step's sums are its two groups. At a 32-column edge (a segment or
 //         k that is not on the 64-column grid) a half step unpacks 32 columns in three:
 //         16 bytes broadcast to both halves, the upper half shifted right by 4, masked and
@@ -65,6 +70,7 @@
 #include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
 #include "kernels/line_prefetcher.hpp"
+#include "kernels/nibble_codes.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -90,11 +96,17 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
-// The tokens' bias terms: int4 always, int8 where the weights are biased too (AVX-VNNI).
+// The tokens' bias terms: the nibble formats always, int8 where the weights are biased too
+// (AVX-VNNI).
 template <Format F>
-constexpr bool kHasOffsets = F == Format::int4 || kVnni;
+constexpr bool kHasOffsets = is_nibble_format(F) || kVnni;
 template <Format F>
-constexpr int32_t kWeightBias = F == Format::int8 ? 128 : 8;
+constexpr int32_t weight_bias() {
+    if constexpr (F == Format::int8)
+        return 128;
+    else
+        return NibbleCodes<F>::kBias;
+}
 constexpr int kTokenBlock = 4;        // tokens per register block at most
 
 // ---------------------------------------------------------------------------------------
@@ -111,7 +123,7 @@ size_t packed_bytes(int64_t m, int64_t k) {
     return value_bytes(m, k) + scales + offsets;
 }
 
-// int4 token values: where the 16 even and the 16 odd columns of the 32 from column c
+// Nibble-format token values: where the 16 even and the 16 odd columns of the 32 from column c
 // (a multiple of 32) lie in a token's k bytes. Each 64 columns hold their 32 even columns,
 // then their 32 odd ones (a k that is an odd multiple of 32 ends on 32 columns: 16 even,
 // then 16 odd), the order in which a 32-byte run of packed weights unpacks.
@@ -159,7 +171,7 @@ struct TokenOperand {
             const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
             const __m128i two = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
             offsets[b * offsets_stride(m) + t] =
-                kWeightBias<F> * _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
+                weight_bias<F>() * _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
         }
     }
 
@@ -257,8 +269,22 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
 // Weights.
 
 // n (<= 8) consecutive scales of one row from group g0 as fp32, lanes past n zero (fp16
-// widened by vcvtph2ps, exact like ref_quant.cpp's fp16_to_float; bf16 by a shift).
+// widened by vcvtph2ps, exact like ref_quant.cpp's fp16_to_float; bf16 by a shift; e8m0
+// as e8m0_scale: the byte shifted into the exponent field is 2^(e - 127) (0 for e = 0),
+// halved exactly, and e = 0 set to 2^-128 on its own).
 inline __m256 row_scales(ScaleDtype type, const void* row_scales, int64_t g0, int64_t n) {
+    if (type == ScaleDtype::e8m0) {
+        const uint8_t* p = static_cast<const uint8_t*>(row_scales) + g0;
+        alignas(8) uint8_t part[8] = {};
+        if (n < 8) std::memcpy(part, p, static_cast<size_t>(n));
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(n < 8 ? part : p)));
+        const __m256 half = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f));
+        const __m256i smallest = _mm256_set1_epi32(0x00200000);  // 2^-128
+        const __m256 scales = _mm256_blendv_ps(half, _mm256_castsi256_ps(smallest),
+                                               _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        return _mm256_and_ps(scales, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane)));
+    }
     if (type == ScaleDtype::fp32) {
         const float* p = static_cast<const float*>(row_scales) + g0;
         if (n == 8) return _mm256_loadu_ps(p);
@@ -328,9 +354,22 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// Nibble codes, one per byte (0-15), as the unsigned operand u = value + weight_bias<F>():
+// int4 flips the sign bit of the 4-bit two's complement, mxfp4 looks its codebook up.
+template <Format F>
+inline __m256i biased_codes(__m256i codes) {
+    if constexpr (F == Format::int4) {
+        return _mm256_xor_si256(codes, _mm256_set1_epi8(8));
+    } else {
+        const __m256i table =
+            _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kBiasedCodes<F>.bytes)));
+        return _mm256_shuffle_epi8(table, codes);
+    }
+}
+
 // 32 columns of a weight row from `p` (the byte of the first column), as vpmaddubsw's
-// unsigned operand's source: int8 the signed bytes; int4 the biased nibbles u = q + 8,
-// the 16 even columns in the low half and the 16 odd ones in the high half (the int4
+// unsigned operand's source: int8 the signed bytes; a nibble format the biased codes,
+// the 16 even columns in the low half and the 16 odd ones in the high half (the nibble
 // kernel's half step, at a 32-column edge).
 template <Format F>
 inline __m256i load_weights(const uint8_t* p) {
@@ -338,21 +377,27 @@ inline __m256i load_weights(const uint8_t* p) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     } else {
         const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)),
-                                                 _mm256_set1_epi8(0x0f));
-        return _mm256_xor_si256(nibbles, _mm256_set1_epi8(8));
+        return biased_codes<F>(_mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                                _mm256_set1_epi8(0x0f)));
     }
 }
 
-// int4, 64 columns of a row from `p` (32 bytes): the biased nibbles u = q + 8 of the even
+// A nibble format, 64 columns of a row from `p` (32 bytes): the biased codes of the even
 // columns (the low nibbles) and of the odd ones (the high nibbles), in the token values'
-// order. Four operations: bias, mask, shift, mask.
+// order. int4 in four operations (bias both nibbles with one xor, mask, shift, mask),
+// mxfp4 in five (mask, shift, mask, and a lookup each).
+template <Format F>
 inline void load_nibbles64(const uint8_t* p, __m256i* even, __m256i* odd) {
-    const __m256i biased = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-                                            _mm256_set1_epi8(static_cast<char>(0x88)));
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i low = _mm256_set1_epi8(0x0f);
-    *even = _mm256_and_si256(biased, low);
-    *odd = _mm256_and_si256(_mm256_srli_epi16(biased, 4), low);
+    if constexpr (F == Format::int4) {
+        const __m256i biased = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x88)));
+        *even = _mm256_and_si256(biased, low);
+        *odd = _mm256_and_si256(_mm256_srli_epi16(biased, 4), low);
+    } else {
+        *even = biased_codes<F>(_mm256_and_si256(raw, low));
+        *odd = biased_codes<F>(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+    }
 }
 
 // The sums of each pair vector's 128-bit halves: first lane p = the sum of v[p]'s lanes
@@ -386,7 +431,7 @@ struct RowBlock {
 struct TokenBlock {
     const int8_t* x;          // token t0, column 0
     const float* scales;      // token t0's first scale
-    const int32_t* offsets;   // int4: offsets + t0 (stride m4 per group)
+    const int32_t* offsets;   // nibble formats: offsets + t0 (stride m4 per group)
     int64_t k;
     int64_t m4;
 };
@@ -418,11 +463,11 @@ inline void int8_group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int6
     }
 }
 
-// int4: adds to the int16 sums of the R x T pairs the 64 columns from c (a multiple of 64,
-// a whole 64-column block of the token values): the 128-bit half h of a sum holds columns
-// c + 32h .. c + 32h + 31.
-template <int R, int T>
-inline void int4_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
+// Nibble formats: adds to the int16 sums of the R x T pairs the 64 columns from c (a
+// multiple of 64, a whole 64-column block of the token values): the 128-bit half h of a
+// sum holds columns c + 32h .. c + 32h + 31.
+template <Format F, int R, int T>
+inline void nibble_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
     __m256i x_even[T], x_odd[T];
     for (int t = 0; t < T; ++t) {
         const int8_t* x = tokens.x + t * tokens.k + c;
@@ -432,7 +477,7 @@ inline void int4_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int64
     for (int r = 0; r < R; ++r) {
         if (b.pf && (c & 127) == 0) b.pf->next();
         __m256i u_even, u_odd;
-        load_nibbles64(b.w[r] + c / 2, &u_even, &u_odd);
+        load_nibbles64<F>(b.w[r] + c / 2, &u_even, &u_odd);
         for (int t = 0; t < T; ++t) {
             if constexpr (kVnni)
                 sums[r * T + t] = dpbusd(dpbusd(sums[r * T + t], u_even, x_even[t]), u_odd, x_odd[t]);
@@ -443,10 +488,10 @@ inline void int4_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int64
     }
 }
 
-// int4: the int16 sums of the 32 columns from c (a multiple of 32 at a 64-column edge of
-// the segment or of k), the even ones in the low half, the odd ones in the high half.
-template <int R, int T>
-inline void int4_half_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
+// Nibble formats: the int16 sums of the 32 columns from c (a multiple of 32 at a 64-column
+// edge of the segment or of k), the even ones in the low half, the odd ones in the high half.
+template <Format F, int R, int T>
+inline void nibble_half_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
     const NibbleColumns at = nibble_columns(c, tokens.k);
     __m256i xv[T];
     for (int t = 0; t < T; ++t) {
@@ -456,7 +501,7 @@ inline void int4_half_step(const RowBlock<R>& b, const TokenBlock& tokens, int64
     }
     for (int r = 0; r < R; ++r) {
         if (b.pf && (c & 127) == 0) b.pf->next();
-        const __m256i uv = load_weights<Format::int4>(b.w[r] + c / 2);
+        const __m256i uv = load_weights<F>(b.w[r] + c / 2);
         for (int t = 0; t < T; ++t)
             sums[r * T + t] = kVnni ? dpbusd(sums[r * T + t], uv, xv[t])
                                     : _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
@@ -479,8 +524,8 @@ inline __m256i pair_offsets(const int32_t* offsets_t0, int64_t m4, int64_t g) {
     return _mm256_permutevar8x32_epi32(four, _mm256_setr_epi32(0 % T, 1 % T, 2 % T, 3 % T, 4 % T, 5 % T, 6 % T, 7 % T));
 }
 
-// total + float(group totals) * the group's scale products (int4: the totals less the
-// tokens' bias offsets first).
+// total + float(group totals) * the group's scale products (the totals less the tokens'
+// bias offsets first, where the weights were biased).
 template <Format F, int T>
 inline __m256 add_group(__m256 total, __m256i totals, const TokenBlock& tokens, int64_t g, __m256 tile) {
     if constexpr (kHasOffsets<F>) totals = _mm256_sub_epi32(totals, pair_offsets<T>(tokens.offsets, tokens.m4, g));
@@ -510,7 +555,7 @@ void block_sums(const RowBlock<R>& b, ScaleDtype scale_dtype, const TokenBlock& 
                 if constexpr (G == 32) {
                     // A whole 64-column block holds two groups, one per half of the sums.
                     if (c % 64 == 0 && i + 1 < n && c + 64 <= tokens.k) {
-                        int4_full_step<R, T>(b, tokens, c, sums16);
+                        nibble_full_step<F, R, T>(b, tokens, c, sums16);
                         widen_pairs<R, T>(sums16, dot);
                         __m256i first, second;
                         reduce_halves(dot, &first, &second);
@@ -519,9 +564,9 @@ void block_sums(const RowBlock<R>& b, ScaleDtype scale_dtype, const TokenBlock& 
                         i += 2;
                         continue;
                     }
-                    int4_half_step<R, T>(b, tokens, c, sums16);
+                    nibble_half_step<F, R, T>(b, tokens, c, sums16);
                 } else {
-                    for (int64_t s = 0; s < G; s += 64) int4_full_step<R, T>(b, tokens, c + s, sums16);
+                    for (int64_t s = 0; s < G; s += 64) nibble_full_step<F, R, T>(b, tokens, c + s, sums16);
                 }
                 widen_pairs<R, T>(sums16, dot);
             }
@@ -566,7 +611,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const TokenOperand<F, G> operand(packed, m, k);
     const uint8_t* data = static_cast<const uint8_t*>(w.data);
     const int64_t row_bytes = column_bytes<F>(w.ld);
-    const int64_t scale_bytes = w.scale_dtype == ScaleDtype::fp32 ? 4 : 2;
+    const int64_t scale_bytes = scale_dtype_bytes(w.scale_dtype);
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {

@@ -1,13 +1,14 @@
-// AVX-512-VNNI kernels of the integer weight formats (docs/quantization.md): int8 and int4
-// weights against int8 tokens, vpdpbusd (u8 x s8, four products per 32-bit lane). Compiled
+// AVX-512-VNNI kernels of the integer weight formats (docs/quantization.md): int8, int4 and
+// mxfp4 weights against int8 tokens, vpdpbusd (u8 x s8, four products per 32-bit lane). Compiled
 // with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mavx512vnni -ffp-contract=off;
 // dispatch only hands these tables out when cpuid + XCR0 allow it. One table per format
 // and group G (32, 64, 128); G is also the tokens' quantization block.
 //
 // Operand layouts (kernel_api.hpp):
-//   weights  int8 w[r * ld + c]; int4: byte (r * ld + c) / 2, the even column in its low
-//            nibble, 4-bit two's complement; never repacked. Scales (fp32, fp16 or bf16)
-//            s[r * scales_ld + c / G]
+//   weights  int8 w[r * ld + c]; int4 / mxfp4 (the nibble formats, "int4" below): byte
+//            (r * ld + c) / 2, the even column in its low nibble, each code an integer of
+//            the format's codebook (nibble_codes.hpp); never repacked. Scales (fp32, fp16,
+//            bf16; mxfp4 e8m0) s[r * scales_ld + c / G]
 //   tokens   the same int8 values and fp32 scales as ref_quant.cpp (per token and block of
 //            G columns), laid out by token count:
 //            plain (m < 5; at G = 32 m < 4)  q[t * k + c] (int4 at G = 128: each group's even columns,
@@ -35,7 +36,7 @@
 // vpdpbusd wants one unsigned operand.
 // 1 to 4 tokens, at G = 32 1 to 3 (pairs, plain operand): the weights are made unsigned by an offset, one
 // xor per weight vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8
-// (nibble ^ 8); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
+// (nibble ^ 8; mxfp4 u = value + 12, a vpshufb lookup per nibble vector); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
 // negated. Register block: R rows x T tokens = up to 16 (row, token) pairs, one vector
 // each; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of group
@@ -71,6 +72,7 @@
 #include "kernels/bf16.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
+#include "kernels/nibble_codes.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -133,8 +135,17 @@ size_t packed_bytes(int64_t m, int64_t k) {
 // bytes, then 64 odd-column ones.
 constexpr bool splits_nibbles(Format format, int64_t group) { return format == Format::int4 && group == 128; }
 
+// The bias that makes the weights the unsigned operand: int8 w + 128, a nibble format's
+// value + its codebook's bias.
 template <Format F>
-constexpr int32_t kBiasValue = F == Format::int8 ? 128 : 8;
+constexpr int32_t weight_bias() {
+    if constexpr (F == Format::int8)
+        return 128;
+    else
+        return NibbleCodes<F>::kBias;
+}
+template <Format F>
+constexpr char kBias = static_cast<char>(weight_bias<F>());  // int8: 0x80
 
 // Where gather and silu_mul_pack put token t's block b (G values and a scale; row lanes
 // also minus the offset's product with them, start[t * (k / G) + b]).
@@ -152,7 +163,7 @@ struct TokenWriter {
             int32_t sum = 0;
             for (int64_t c = 0; c < G; ++c) sum += q[c];
             scales[t * (k / G) + b] = scale;
-            starts[t * (k / G) + b] = -kBiasValue<F> * sum;
+            starts[t * (k / G) + b] = -weight_bias<F>() * sum;
             return;
         }
         if (!lanes) {
@@ -242,6 +253,13 @@ constexpr int64_t column_bytes(int64_t c) {
     return F == Format::int8 ? c : c / 2;
 }
 
+// mxfp4 codes, one per byte (0-15), as the unsigned operand value + 12 (a lookup).
+template <Format F>
+inline __m512i biased_codes(__m512i codes) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kBiasedCodes<F>.bytes)));
+    return _mm512_shuffle_epi8(table, codes);
+}
+
 // 64 columns (or the first 32, upper half zero) of a weight row as unsigned bytes
 // u = w + bias in column order.
 template <Format F>
@@ -251,21 +269,35 @@ inline __m512i load_unsigned(const uint8_t* p, bool full) {
         return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
     } else {
         // Two columns per byte: widened to 16 bits, byte 0x?HL becomes the pair of bytes
-        // (L, H) with (word | word << 4) & 0x0f0f, after the xor that biases each nibble.
+        // (L, H) with (word | word << 4) & 0x0f0f, after the xor that biases each int4
+        // nibble (mxfp4: looked up after).
         __m256i raw = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi8(0xffff, p);
-        raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x88)));
+        if constexpr (F == Format::int4) raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x88)));
         const __m512i wide = _mm512_cvtepu8_epi16(raw);
-        return _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
+        const __m512i codes = _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
+        if constexpr (F == Format::int4)
+            return codes;
+        else
+            return biased_codes<F>(codes);
     }
 }
 
-template <Format F>
-constexpr char kBias = F == Format::int8 ? static_cast<char>(0x80) : 8;
-
-// n (<= 16) consecutive scales of one row from group g0, as fp32 (lanes past n: 0).
+// n (<= 16) consecutive scales of one row from group g0, as fp32 (lanes past n: 0). e8m0
+// as e8m0_scale: the byte shifted into the exponent field is 2^(e - 127) (0 for e = 0),
+// halved exactly, and e = 0 set to 2^-128 on its own.
 inline __m512 row_scales(ScaleDtype type, const void* row_scales, int64_t g0, int64_t n) {
     const __mmask16 mask = tail_mask16(n);
     switch (type) {
+        case ScaleDtype::e8m0: {
+            const uint8_t* p = static_cast<const uint8_t*>(row_scales) + g0;
+            alignas(16) uint8_t part[16] = {};
+            if (n < 16) std::memcpy(part, p, static_cast<size_t>(n));
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(n < 16 ? part : p));
+            const __m512i e = _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(bytes));
+            const __m512 half = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f));
+            const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+            return _mm512_maskz_mov_ps(mask, _mm512_mask_blend_ps(zero, half, _mm512_castsi512_ps(_mm512_set1_epi32(0x00200000))));
+        }
         case ScaleDtype::fp32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row_scales) + g0);
         case ScaleDtype::fp16:
             return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row_scales) + g0));
@@ -293,7 +325,7 @@ struct RowGeometry {
     RowGeometry(Format format, const Weights& w, const Segment& seg)
         : stride(seg.row_stride > 0 ? seg.row_stride : 1),
           row_bytes(format == Format::int8 ? w.ld : w.ld / 2),
-          scale_bytes(w.scale_dtype == ScaleDtype::fp32 ? 4 : 2) {}
+          scale_bytes(scale_dtype_bytes(w.scale_dtype)) {}
     int64_t stride, row_bytes, scale_bytes;
 };
 
@@ -490,12 +522,12 @@ void signed_rows(const RowBlock<R>& b, int64_t c0, int64_t c1, const int8_t* row
     } else {
         const int64_t n = c1 - c0, padded = (n + 63) / 64 * 64;
         int8_t* buffer = static_cast<int8_t*>(thread_scratch(kUnpackedRowsSlot, R * padded));
-        const __m512i eight = _mm512_set1_epi8(8);
+        const __m512i bias = _mm512_set1_epi8(kBias<F>);
         for (int r = 0; r < R; ++r) {
             int8_t* dst = buffer + r * padded;
             for (int64_t c = 0; c < n; c += kStepColumns) {
                 const __m512i u = load_unsigned<F>(b.w[r] + (c0 + c) / 2, n - c >= kStepColumns);
-                _mm512_storeu_si512(dst + c, _mm512_sub_epi8(u, eight));
+                _mm512_storeu_si512(dst + c, _mm512_sub_epi8(u, bias));
             }
             rows[r] = dst;
         }
@@ -624,7 +656,7 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
     LaneRows<R> lr;
     signed_rows<F, R>(b, seg.k0, seg.k1, lr.rows);
     lr.c0 = seg.k0;
-    lr.column_shift = F == Format::int4 ? 1 : 0;
+    lr.column_shift = F == Format::int8 ? 0 : 1;
     lr.g0 = seg.k0 / G;
     lr.n_groups = (seg.k1 - seg.k0) / G;
     lr.ld = lr.n_groups + 16;  // 16 spare: whole-vector stores
@@ -772,8 +804,14 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
 #pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) dpbusd_broadcast(acc[t], u[j], x + at * M + 4 * t);
             } else {
-                const __m512i lo = _mm512_ternarylogic_epi32(u[j], low, bias, kAndXor);
-                const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(u[j], 4), low, bias, kAndXor);
+                __m512i lo, hi;
+                if constexpr (F == Format::int4) {
+                    lo = _mm512_ternarylogic_epi32(u[j], low, bias, kAndXor);
+                    hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(u[j], 4), low, bias, kAndXor);
+                } else {
+                    lo = biased_codes<F>(_mm512_and_si512(u[j], low));
+                    hi = biased_codes<F>(_mm512_and_si512(_mm512_srli_epi16(u[j], 4), low));
+                }
 #pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) {
                     dpbusd_broadcast(acc[t], lo, x + 2 * at * M + 8 * t);

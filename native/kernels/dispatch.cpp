@@ -64,7 +64,7 @@ const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
 }  // namespace
 
 const KernelOps* kernel_ops(Isa isa, Format format, int64_t group) {
-    if (format != Format::bf16) return integer_ops(isa, format, group);
+    if (format != Format::bf16) return integer_ops(isa, format, group == 0 ? default_group(format) : group);
     switch (isa) {
         case Isa::ref: return &ref_ops();
         case Isa::avx2: return has_avx2_kernels() ? &avx2_ops() : nullptr;

@@ -13,7 +13,8 @@ namespace numa_moe::kernels {
 inline namespace NUMA_MOE_ISA_NS {
 
 // make(std::integral_constant<Format, F>{}, std::integral_constant<int64_t, G>{}) returns
-// the table of format F and group G; nullptr for bf16 or a group outside kIntegerGroups.
+// the table of format F and group G; nullptr for bf16 or a group the format has no table
+// for (has_group: mxfp4 only 32, so only that one is instantiated).
 template <class Make>
 const KernelOps* integer_table(Format format, int64_t group, Make make) {
     const auto by_group = [&](auto f) -> const KernelOps* {
@@ -27,6 +28,9 @@ const KernelOps* integer_table(Format format, int64_t group, Make make) {
     switch (format) {
         case Format::int8: return by_group(std::integral_constant<Format, Format::int8>{});
         case Format::int4: return by_group(std::integral_constant<Format, Format::int4>{});
+        case Format::mxfp4:
+            return group == 32 ? &make(std::integral_constant<Format, Format::mxfp4>{}, std::integral_constant<int64_t, 32>{})
+                               : nullptr;
         default: return nullptr;
     }
 }

@@ -34,14 +34,24 @@ enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2, amx_model = 3, amx = 4, av
 constexpr Isa kAllIsas[] = {Isa::ref,    Isa::avx2_emulated, Isa::avx2, Isa::avx512_emulated,
                             Isa::avx512, Isa::amx_model,     Isa::amx};
 
-// Weight formats (docs/quantization.md): bf16, or group-wise symmetric int8 / int4 with a
-// scale per row and group of columns.
-enum class Format : int { bf16 = 0, int8 = 1, int4 = 2 };
-enum class ScaleDtype : int { fp32 = 0, fp16 = 1, bf16 = 2 };
+// Weight formats (docs/quantization.md): bf16, or group-wise int8 / int4 / mxfp4 with a
+// scale per row and group of columns. int4 and mxfp4 are the nibble formats: two 4-bit
+// codes per byte, each code an integer of the format's codebook (nibble_codes.hpp); mxfp4
+// is OCP MXFP4 (e2m1 codes, an e8m0 scale per 32 columns) and only exists with group 32
+// and e8m0 scales, which no other format takes.
+enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, mxfp4 = 3 };
+enum class ScaleDtype : int { fp32 = 0, fp16 = 1, bf16 = 2, e8m0 = 3 };
+
+constexpr bool is_nibble_format(Format format) { return format == Format::int4 || format == Format::mxfp4; }
+
+constexpr int64_t scale_dtype_bytes(ScaleDtype dtype) {
+    return dtype == ScaleDtype::fp32 ? 4 : dtype == ScaleDtype::e8m0 ? 1 : 2;
+}
 
 // The weight operand of matmul_segments. Row r starts at element r * ld of `data` (bf16,
-// int8, or int4 two per byte with the even column in the low nibble, so ld is even).
-// Integer formats: scale of row r, columns [c, c + group) at scales[r * scales_ld + c / group].
+// int8, or a nibble format two per byte with the even column in the low nibble, so ld is
+// even). Integer formats: scale of row r, columns [c, c + group) at
+// scales[r * scales_ld + c / group].
 struct Weights {
     const void* data = nullptr;
     int64_t ld = 0;
@@ -59,6 +69,14 @@ constexpr int64_t kIntegerGroups[] = {32, 64, 128};
 constexpr int64_t kDefaultGroup = 128;
 
 constexpr bool is_integer_group(int64_t group) { return group == 32 || group == 64 || group == 128; }
+
+// The group a format's tables are looked up with when none is given.
+constexpr int64_t default_group(Format format) { return format == Format::mxfp4 ? 32 : kDefaultGroup; }
+
+// The groups a format's tables exist for: mxfp4 only the MX block of 32.
+constexpr bool has_group(Format format, int64_t group) {
+    return format == Format::mxfp4 ? group == 32 : is_integer_group(group);
+}
 
 // Layout of the packed token operand, m tokens x k columns of bf16. The columns come in
 // blocks of B = block_columns; a block stores every token's B columns in turn, tokens padded
@@ -172,9 +190,9 @@ inline int64_t row_align(Format format, int64_t group) {
 inline int64_t row_align(const KernelOps& ops) { return row_align(ops.format, ops.group); }
 
 // The table for an ISA, weight format and (integer formats) group, or nullptr when this CPU
-// (or OS) cannot run it, the ISA has no kernels for the format, or the group is not one of
-// kIntegerGroups. The group is ignored for bf16.
-const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16, int64_t group = kDefaultGroup);
+// (or OS) cannot run it, the ISA has no kernels for the format, or the format has no table
+// for the group (has_group). The group is ignored for bf16; 0 means default_group(format).
+const KernelOps* kernel_ops(Isa isa, Format format = Format::bf16, int64_t group = 0);
 
 // The fastest ISA this machine runs, unless NUMA_MOE_ISA (one of isa_names()) names
 // another; an unavailable choice there is an error (std::runtime_error).
@@ -196,7 +214,7 @@ const char* format_name(Format format);
 bool parse_format(const char* name, Format* format);
 
 // The portable reference tables, always available (integer ones: nullptr for a group
-// outside kIntegerGroups).
+// the format has no table for).
 const KernelOps& ref_ops();
 const KernelOps* ref_integer_ops(Format format, int64_t group);
 

@@ -42,12 +42,13 @@ const char* format_name(Format format) {
         case Format::bf16: return "bf16";
         case Format::int8: return "int8";
         case Format::int4: return "int4";
+        case Format::mxfp4: return "mxfp4";
     }
     return "unknown";
 }
 
 bool parse_format(const char* name, Format* format) {
-    for (Format candidate : {Format::bf16, Format::int8, Format::int4}) {
+    for (Format candidate : {Format::bf16, Format::int8, Format::int4, Format::mxfp4}) {
         if (std::strcmp(name, format_name(candidate)) == 0) {
             *format = candidate;
             return true;

@@ -3,8 +3,9 @@
 // x86-64 code.
 //
 // Operand layouts (kernel_api.hpp):
-//   weights  int8 w[r * ld + c]; int4: byte (r * ld + c) / 2, the even column in its low
-//            nibble, 4-bit two's complement; scales s[r * scales_ld + c / group]
+//   weights  int8 w[r * ld + c]; int4 / mxfp4: byte (r * ld + c) / 2, the even column in
+//            its low nibble, each 4-bit code an integer of the format's codebook
+//            (nibble_codes.hpp); scales s[r * scales_ld + c / group] (mxfp4: e8m0)
 //   tokens   per token t and block b of G columns (G = the weights' group), symmetric
 //            int8: q[t * k + c] (m * k bytes, padded to 64), then fp32
 //            scale[t * (k / G) + b] with x ~= scale * q; k is a multiple of G
@@ -17,6 +18,7 @@
 #include "kernels/bf16.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/kernel_api.hpp"
+#include "kernels/nibble_codes.hpp"
 
 namespace numa_moe::kernels {
 namespace {
@@ -45,6 +47,7 @@ float weight_scale(const Weights& w, int64_t r, int64_t c) {
         case ScaleDtype::fp32: return static_cast<const float*>(w.scales)[index];
         case ScaleDtype::fp16: return fp16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
         case ScaleDtype::bf16: return bf16_to_float(static_cast<const uint16_t*>(w.scales)[index]);
+        case ScaleDtype::e8m0: return e8m0_scale(static_cast<const uint8_t*>(w.scales)[index]);
     }
     return 0.0f;
 }
@@ -55,8 +58,7 @@ int32_t weight_value(const Weights& w, int64_t r, int64_t c) {
         return static_cast<const int8_t*>(w.data)[r * w.ld + c];
     } else {
         const uint8_t byte = static_cast<const uint8_t*>(w.data)[(r * w.ld + c) / 2];
-        const int32_t nibble = (c % 2 == 0) ? (byte & 0x0f) : (byte >> 4);
-        return nibble >= 8 ? nibble - 16 : nibble;
+        return NibbleCodes<F>::kValues[(c % 2 == 0) ? (byte & 0x0f) : (byte >> 4)];
     }
 }
 
