@@ -118,7 +118,7 @@ def uniform(qtype):
 
 
 @pytest.mark.parametrize("qtype, loaded", [
-    (T.Q8_0, ("int8", 32, "fp16")), (T.Q4_0, ("int4", 32, "fp16")),
+    (T.Q8_0, ("int8", 32, "fp16")), (T.Q4_0, ("int4", 32, "fp16")), (T.MXFP4, ("mxfp4", 32, "e8m0")),
     (T.BF16, ("bf16", None, None)), (T.F16, ("fp16", None, None)), (T.F32, ("fp32", None, None))],
     ids=lambda v: getattr(v, "name", None))
 def test_lossless_types_load_bit_for_bit(tmp_path, rng, qtype, loaded):
@@ -186,8 +186,8 @@ def test_dims_from_metadata_and_what_is_reported_apart(tmp_path, rng):
     assert m.file_offset == info.file_offset + 3 * m.nbytes and info.nbytes == E * m.nbytes
 
 
-@pytest.mark.parametrize("types", [uniform(T.Q8_0), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
-                         ids=["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("types", [uniform(T.Q8_0), uniform(T.MXFP4), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
+                         ids=["Q8_0", "MXFP4", "Q4_K_M"])
 def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     from numa_moe.layer.moe_layer import MoELayer
     from numa_moe.placement.topology import Topology
@@ -205,7 +205,7 @@ def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     expected = moe_reference(x, ids, weights, gates, ups, downs)
     # int8 activations (blocks of 32) on top of the int8 weights; requantized K-quants add
     # their own error (< 1% relative, test above)
-    assert rel_error(y, expected) < (0.02 if types["gate"] == T.Q8_0 else 0.03)
+    assert rel_error(y, expected) < (0.02 if types["gate"] in (T.Q8_0, T.MXFP4) else 0.03)
 
 
 def _cli(args):
@@ -241,6 +241,27 @@ def test_tables_and_inspect_take_a_gguf_file(tmp_path, rng):
     assert "error vs the file's own dequantized values, layer 0 expert 0 down (Q6_K)" in text
 
 
+def test_tables_and_inspect_show_mxfp4_experts_as_loaded_exactly(tmp_path, rng):
+    path = write_gguf(tmp_path / "mx.gguf", rng, uniform(T.MXFP4), layers=(0,))
+    out = tmp_path / "t.json"
+    result = _cli(["tables", path, "--nodes", 2, "--quiet", "-o", out])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert (doc["format"], doc["group"], doc["scale_format"]) == ("mxfp4", 32, "e8m0")
+    assert doc["layers"]["0"]["down_scales"]["fmt"] == "e8m0"
+    result = _cli(["inspect", path, "--nodes", 2, "--json"])
+    assert result.exit_code == 0, result.output
+    conversion = json.loads(result.output)["conversion"]
+    assert conversion["conversion"] == "GGUF MXFP4 -> mxfp4, group 32, e8m0 scales (exact)"
+    assert conversion["exact"] and all(e["max_abs"] == 0 for e in conversion["errors"])
+    # the file's own bytes: 17 per 32 weights, as 16 bytes of values and 1 of scale
+    assert conversion["loaded_bytes"] == conversion["file_bytes"] == 3 * E * I * H // 32 * 17
+    requantized = json.loads(_cli(["inspect", path, "--nodes", 2, "--json", "--format", "int8"]).output)
+    assert requantized["conversion"]["conversion"] == "GGUF MXFP4 -> int8, group 32, fp16 scales (requantized)"
+    result = _cli(["inspect", path, "--nodes", 2, "--format", "mxfp4", "--group", 64])
+    assert result.exit_code == 1 and "weight_format 'mxfp4' takes group 32 only" in result.output
+
+
 def test_run_takes_a_gguf_file(tmp_path, rng):
     path = write_gguf(tmp_path / "m.gguf", rng, {"gate": T.Q4_0, "up": T.Q4_0, "down": T.Q4_0}, layers=(0,))
     out = tmp_path / "report.json"
@@ -249,6 +270,23 @@ def test_run_takes_a_gguf_file(tmp_path, rng):
     assert "import: GGUF Q4_0 -> int4, group 32, fp16 scales (exact)" in result.output
     assert "vs torch reference" in result.output and "[ok]" in result.output
     assert json.loads(out.read_text())["weight_format"] == "int4"
+
+
+def test_run_takes_mxfp4_experts(tmp_path, rng):
+    """An MXFP4 GGUF runs on its own bytes; a BF16 one runs --format mxfp4 (quantized while
+    loading); both checked by run's step-1 comparison with the torch loop on the same
+    (dequantized) weights."""
+    path = write_gguf(tmp_path / "mx.gguf", rng, uniform(T.MXFP4), layers=(0,))
+    result = _cli(["run", path, "--steps", 1, "--tokens", 3, "--json", tmp_path / "mx.json"])
+    assert result.exit_code == 0, result.output
+    assert "import: GGUF MXFP4 -> mxfp4, group 32, e8m0 scales (exact)" in result.output
+    assert "mxfp4 experts (group 32)" in result.output and "[ok]" in result.output
+    assert json.loads((tmp_path / "mx.json").read_text())["weight_format"] == "mxfp4"
+    path = write_gguf(tmp_path / "bf.gguf", rng, uniform(T.BF16), layers=(0,))
+    result = _cli(["run", path, "--steps", 1, "--format", "bf16", "--format", "mxfp4"])
+    assert result.exit_code == 0, result.output
+    assert "import: GGUF BF16 -> mxfp4, group 32, e8m0 scales (requantized)" in result.output
+    assert result.output.count("[ok]") == 2
 
 
 def test_quantize_refuses_a_gguf_file_and_points_to_loading_it(tmp_path, rng):
@@ -366,7 +404,8 @@ def test_missing_metadata(tmp_path, rng):
 
 def test_type_the_package_cannot_read(tmp_path, rng):
     path = write_gguf(tmp_path / "q81.gguf", rng, {**uniform(T.Q8_0), "down": T.Q8_1}, layers=(0,))
-    _one_line_error(path, "ggml type Q8_1 cannot be read")
+    _one_line_error(path, "ggml type Q8_1 cannot be read: gguf .* has no dequantization for it; "
+                          "supported expert types: BF16, F16, F32, Q8_0, Q4_0, MXFP4, .*Q4_K")
 
 
 def test_not_a_gguf_file_and_a_pattern(tmp_path, good_file):

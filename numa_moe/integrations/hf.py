@@ -41,12 +41,12 @@ def find_expert_modules(model):
 
 
 def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured", isa: str | None = None,
-              release_weights: bool = False, weight_format: str = "bf16", group: int = 128,
+              release_weights: bool = False, weight_format: str = "bf16", group: int | None = None,
               **layer_kwargs) -> list[MoELayer]:
     """Replace the expert computation of every supported sparse-MoE block of ``model``;
-    returns the MoELayers (one per block, in module order). ``weight_format`` "int8" or
-    "int4" quantizes the experts while copying them (``group`` columns per scale;
-    docs/quantization.md). Raises ValueError when the model has no supported block."""
+    returns the MoELayers (one per block, in module order). ``weight_format`` "int8",
+    "int4" or "mxfp4" quantizes the experts while copying them (``group`` columns per
+    scale, default 128; mxfp4: 32; docs/quantization.md). Raises ValueError when the model has no supported block."""
     found = find_expert_modules(model)
     if not found:
         names = sorted({type(m).__name__ for m in model.modules() if "expert" in type(m).__name__.lower()})
