@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
             std::vector<double> us;
             for (int c = 0; c < calls; ++c) {
                 const auto t0 = std::chrono::steady_clock::now();
-                kernels::combine_down_avx512(parts, 1, m, 0, rows, m, token_index.data(), weight.data(), y.data(),
+                kernels::combine_down_avx512(parts, 1, m, 0, rows, m, token_index.data(), weight.data(), nullptr, y.data(),
                                              ldy);
                 us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
             }
@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
             us.clear();
             for (int c = 0; c < calls; ++c) {
                 const auto t0 = std::chrono::steady_clock::now();
-                kernels::store_down_avx512(parts, 1, m, 0, rows, m, y.data(), ldy, false);
+                kernels::store_down_avx512(parts, 1, m, 0, rows, m, nullptr, y.data(), ldy, false);
                 us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
             }
             std::sort(us.begin(), us.end());
