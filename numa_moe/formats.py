@@ -27,9 +27,11 @@ __all__ = [
     "DEFAULT_GROUP",
     "SCALE_DTYPE_CODES",
     "SCALE_DTYPES",
+    "FIXED_SCALES",
     "WeightFormat",
     "WEIGHT_FORMATS",
     "weight_format",
+    "nibble_packed",
     "positive_int",
 ]
 
@@ -53,6 +55,7 @@ NUMPY_DTYPES = {
     "BOOL": np.dtype(np.bool_),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 # safetensors dtype code -> bytes per element
 DTYPE_BYTES = {code: dtype.itemsize for code, dtype in NUMPY_DTYPES.items()}
@@ -66,15 +69,20 @@ FLOAT_NUMPY = {fmt: NUMPY_DTYPES[code] for code, fmt in FLOAT_FORMATS.items()}
 FP8_DTYPES = ("F8_E4M3",)
 FP8_SCALE_CODES = ("F32", "BF16", "F16")
 
-# Group-wise symmetric integer weights (docs/quantization.md): the schemes, the
-# safetensors dtype of their values (INT4 two per byte), the group sizes and the dtypes
-# of the group scales (name -> safetensors code, name -> numpy dtype).
-QUANT_FORMATS = ("int8", "int4")
-QUANT_DTYPES = {"int8": "I8", "int4": "U8"}
+# Group-wise quantized weights (docs/quantization.md): the schemes (symmetric integers,
+# and the OCP MX e2m1 elements of "mxfp4"), the safetensors dtype of their values (INT4
+# and MXFP4 two per byte), the group sizes and the dtypes of the group scales (name ->
+# safetensors code, name -> numpy dtype; "e8m0" is the MX power-of-two scale).
+QUANT_FORMATS = ("int8", "int4", "mxfp4")
+QUANT_DTYPES = {"int8": "I8", "int4": "U8", "mxfp4": "U8"}
 GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 128
-SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
+SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "e8m0": "F8_E8M0"}
 SCALE_DTYPES = {name: NUMPY_DTYPES[code] for name, code in SCALE_DTYPE_CODES.items()}
+# Formats whose group and scale dtype the format itself fixes: format -> (group, scale
+# dtype). Every other format takes any group of GROUPS and any scale dtype not listed here
+# (numa_moe.quant.check_arguments holds the rule).
+FIXED_SCALES = {"mxfp4": (32, "e8m0")}
 
 
 def positive_int(value, name: str) -> int:
@@ -121,6 +129,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp32": WeightFormat("fp32", 32),
     "int8": WeightFormat("int8", 8),
     "int4": WeightFormat("int4", 4),
+    "mxfp4": WeightFormat("mxfp4", 4),
+    "e8m0": WeightFormat("e8m0", 8),
 }
 
 _FORMAT_ALIASES = {
@@ -150,3 +160,9 @@ def weight_format(fmt: str | WeightFormat) -> WeightFormat:
         raise ValueError(
             f"unknown weight format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}"
         ) from None
+
+
+def nibble_packed(fmt: str | WeightFormat) -> bool:
+    """Whether ``fmt`` stores two weights per byte (int4, mxfp4: the even column in the
+    low nibble), so a row of ``cols`` weights is ``cols / 2`` bytes of uint8."""
+    return weight_format(fmt).bits_per_element == 4

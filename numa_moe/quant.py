@@ -1,14 +1,17 @@
-"""Group-wise symmetric INT8 / INT4 expert weights: the format contract of
-``docs/quantization.md``, in numpy.
+"""Group-wise quantized expert weights: the format contract of ``docs/quantization.md``,
+in numpy.
 
     W[r, k] ~= s[r, k // g] * q[r, k]
 
 per output row r, group size g in {32, 64, 128}. INT8 ``q`` lies in [-127, 127]; INT4
-``q`` in [-8, 7], two per byte, the even column in the low nibble. Weights stay row-major
-``[rows, cols]`` like the BF16 ones (``[rows, cols / 2]`` bytes for INT4); scales are
-their own row-major tensor ``[rows, cols / g]`` in fp16, bf16 or fp32. llama.cpp's Q8_0
-and Q4_0 blocks (32 weights, one fp16 scale) convert into this layout without loss
-(``from_q8_0`` / ``from_q4_0``).
+``q`` in [-8, 7], two per byte, the even column in the low nibble. MXFP4 (the OCP
+Microscaling format) packs its 4-bit e2m1 codes the same way, ``q`` being the e2m1 value
+``E2M1[code]`` (0, +-0.5, ..., +-6), with the group fixed at 32 and power-of-two e8m0
+scales. Weights stay row-major ``[rows, cols]`` like the BF16 ones (``[rows, cols / 2]``
+bytes for INT4 and MXFP4); scales are their own row-major tensor ``[rows, cols / g]`` in
+fp16, bf16 or fp32 (e8m0 for MXFP4). llama.cpp's Q8_0, Q4_0 and MXFP4 blocks and
+gpt-oss's ``*_blocks`` / ``*_scales`` convert into this layout without loss
+(``from_q8_0``, ``from_q4_0``, ``from_gguf_mxfp4``, ``from_mxfp4_blocks``).
 
 Pure numpy; the kernels and the checkpoint readers build on it.
 """
@@ -20,16 +23,27 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from numa_moe.formats import DEFAULT_GROUP, GROUPS, QUANT_FORMATS, SCALE_DTYPES
+from numa_moe.formats import DEFAULT_GROUP, FIXED_SCALES, GROUPS, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
 
-__all__ = ["QuantizedMatrix", "check_arguments", "quantize", "dequantize", "pack_int4", "unpack_int4",
-           "error_bound", "from_q8_0", "from_q4_0"]
+__all__ = ["QuantizedMatrix", "check_arguments", "groups_for", "scale_dtypes_for", "scale_layout", "quantize", "dequantize", "values",
+           "pack_int4", "unpack_int4", "error_bound", "from_q8_0", "from_q4_0", "from_gguf_mxfp4",
+           "from_mxfp4_blocks", "E2M1", "MX_BLOCK"]
 
 # The largest |q| quantize() produces: symmetric, so INT4 leaves -8 unused (Q4_0 import
-# may still bring it).
-Q_MAX = {"int8": 127, "int4": 7}
-Q_MIN = {"int8": -127, "int4": -8}
-GGML_BLOCK = 32  # weights per Q8_0 / Q4_0 block
+# may still bring it); MXFP4's is e2m1's largest value.
+Q_MAX = {"int8": 127, "int4": 7, "mxfp4": 6}
+Q_MIN = {"int8": -127, "int4": -8, "mxfp4": -6}
+GGML_BLOCK = 32  # weights per Q8_0 / Q4_0 / MXFP4 block
+MX_BLOCK = FIXED_SCALES["mxfp4"][0]  # weights per MXFP4 scale (the OCP MX block)
+# OCP e2m1: code -> value (bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa)
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+# Magnitudes halfway between consecutive e2m1 codes 0..7, and whether a magnitude exactly
+# there rounds up (to the even code: ties to even)
+_E2M1_MIDPOINTS = (E2M1[:7] + E2M1[1:8]) / 2
+_E2M1_TIE_UP = np.arange(1, 8) % 2 == 0
+_E2M1_EMAX = 2  # exponent of e2m1's largest normal (6 = 1.5 * 2^2)
+_E8M0_BIAS = 127
+_E8M0_NAN = 0xFF
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,7 @@ class QuantizedMatrix:
     @property
     def shape(self) -> tuple[int, int]:
         rows = self.q.shape[0]
-        return rows, self.q.shape[1] * (2 if self.fmt == "int4" else 1)
+        return rows, self.q.shape[1] * (2 if nibble_packed(self.fmt) else 1)
 
     @property
     def nbytes(self) -> int:
@@ -59,19 +73,60 @@ _UNCHECKED = object()
 def check_arguments(*, weight_format=_UNCHECKED, group=_UNCHECKED, scale_dtype=_UNCHECKED,
                     formats=QUANT_FORMATS) -> None:
     """The check of the quantization arguments every entry point that takes them makes
-    (quantize, MoELayer.from_tensors, ExpertStore.load, the benchmarks), before it
-    allocates: a ValueError naming the argument and its allowed values. Only the arguments
-    given are checked; ``formats`` is what the caller's ``weight_format`` may be."""
+    (quantize, MoELayer.from_tensors, ExpertStore.load, the checkpoint readers, the
+    benchmarks), before it allocates: a ValueError naming the argument and its allowed
+    values. Only the arguments given are checked; ``formats`` is what the caller's
+    ``weight_format`` may be. The one place of the rule tying formats to their scales
+    (``formats.FIXED_SCALES``): mxfp4 only with group 32 and e8m0 scales, e8m0 scales
+    only with mxfp4."""
     if weight_format is not _UNCHECKED and weight_format not in formats:
         raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(formats)}")
     if group is not _UNCHECKED and (isinstance(group, bool) or group not in GROUPS):
         raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
     if scale_dtype is not _UNCHECKED and (not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPES):
         raise ValueError(f"scale_dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
+    fixed = FIXED_SCALES.get(weight_format) if isinstance(weight_format, str) else None
+    if fixed is not None:
+        for name, given, wanted in (("group", group, fixed[0]), ("scale_dtype", scale_dtype, fixed[1])):
+            if given is not _UNCHECKED and given != wanted:
+                raise ValueError(f"weight_format {weight_format!r} takes {name} {wanted!r} only "
+                                 f"(group {fixed[0]}, {fixed[1]} scales), not {given!r}")
+    elif weight_format is not _UNCHECKED and scale_dtype is not _UNCHECKED:
+        owners = [fmt for fmt, (_, dtype) in FIXED_SCALES.items() if dtype == scale_dtype]
+        if owners:
+            raise ValueError(f"scale_dtype {scale_dtype!r} belongs to weight_format "
+                             f"{' / '.join(map(repr, owners))} only, not {weight_format!r}")
 
 
-def _check_layout(fmt: str, group: int, rows: int, cols: int) -> None:
-    check_arguments(weight_format=fmt, group=group)
+def groups_for(fmt: str) -> tuple[int, ...]:
+    """The groups the quantized format ``fmt`` takes."""
+    return (FIXED_SCALES[fmt][0],) if fmt in FIXED_SCALES else GROUPS
+
+
+def scale_dtypes_for(fmt: str) -> tuple[str, ...]:
+    """The scale dtypes the quantized format ``fmt`` takes."""
+    if fmt in FIXED_SCALES:
+        return (FIXED_SCALES[fmt][1],)
+    return tuple(name for name in SCALE_DTYPES if name not in {d for _, d in FIXED_SCALES.values()})
+
+
+def scale_layout(fmt: str, group: int | None = None, scale_dtype: str | None = None,
+                 default_group: int = DEFAULT_GROUP, default_scale_dtype: str = "fp16",
+                 any_group: bool = False) -> tuple[int, str]:
+    """(group, scale dtype) of a request for the quantized format ``fmt``: those given,
+    else the ones the format fixes (mxfp4: 32, e8m0), else the defaults; checked
+    (check_arguments). ``any_group``: a format without a fixed group may take any group
+    (segment tables of shapes the kernels do not run)."""
+    fixed = FIXED_SCALES.get(fmt, (default_group, default_scale_dtype))
+    group = fixed[0] if group is None else group
+    scale_dtype = fixed[1] if scale_dtype is None else scale_dtype
+    checked = {"group": group} if fmt in FIXED_SCALES or not any_group else {}
+    check_arguments(weight_format=fmt, scale_dtype=scale_dtype, **checked)
+    return group, scale_dtype
+
+
+def _check_layout(fmt: str, group: int, scale_dtype: str, rows: int, cols: int) -> None:
+    check_arguments(weight_format=fmt, group=group, scale_dtype=scale_dtype)
     if cols % group:
         raise ValueError(f"cols={cols} is not a multiple of the group size {group}")
     if rows < 1 or cols < 1:
@@ -99,38 +154,81 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     return q
 
 
-def quantize(w, fmt: str = "int8", group: int = DEFAULT_GROUP, scale_dtype: str = "fp16") -> QuantizedMatrix:
-    """Group-wise symmetric quantization of a 2-D float weight (numpy, ml_dtypes or
-    anything np.asarray takes). Each group's scale is its largest magnitude over Q_MAX,
-    rounded to ``scale_dtype``; q is computed with that stored scale (round half to even,
-    clipped), so dequantize() reproduces exactly what a kernel computes. An all-zero group
-    gets scale 1 (never 0: zero scales are refused on load)."""
+def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | None = None) -> QuantizedMatrix:
+    """Group-wise quantization of a 2-D float weight (numpy, ml_dtypes or anything
+    np.asarray takes). ``group`` and ``scale_dtype`` default to the format's own (mxfp4:
+    32 and e8m0), else to DEFAULT_GROUP and fp16.
+
+    int8 / int4: each group's scale is its largest magnitude over Q_MAX, rounded to
+    ``scale_dtype``; q is computed with that stored scale (round half to even, clipped),
+    so dequantize() reproduces exactly what a kernel computes. An all-zero group gets scale
+    1 (never 0: zero scales are refused on load).
+
+    mxfp4 (OCP MX v1.0): each block of 32 shares the scale 2^(floor(log2(amax)) - 2), the
+    exponent clamped to e8m0's range (an all-zero block gets 2^0), and every element
+    becomes the nearest e2m1 value of w / scale, ties to even, saturating at +-6 (so
+    magnitudes in (6, 8) x scale clip to 6, as the spec has it)."""
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
     rows, cols = w.shape
-    _check_layout(fmt, group, rows, cols)
-    check_arguments(scale_dtype=scale_dtype)
-    dtype = SCALE_DTYPES[scale_dtype]
+    check_arguments(weight_format=fmt)
+    group, scale_dtype = scale_layout(fmt, group, scale_dtype)
+    _check_layout(fmt, group, scale_dtype, rows, cols)
     w32 = w.astype(np.float32)
     if not np.all(np.isfinite(w32)):
         raise ValueError("the weight holds NaN or infinity")
     blocks = w32.reshape(rows, cols // group, group)
     amax = np.abs(blocks).max(axis=2)
-    scales = (amax / Q_MAX[fmt]).astype(dtype)
+    if fmt == "mxfp4":
+        return _quantize_mxfp4(blocks, amax)
+    scales = (amax / Q_MAX[fmt]).astype(SCALE_DTYPES[scale_dtype])
     scales[scales.astype(np.float32) == 0] = 1  # all-zero (or underflowing) groups
     s32 = scales.astype(np.float32)[:, :, None]
     q = np.clip(np.rint(blocks / s32), Q_MIN[fmt], Q_MAX[fmt]).astype(np.int8).reshape(rows, cols)
     return QuantizedMatrix(fmt, group, pack_int4(q) if fmt == "int4" else q, scales)
 
 
+def _quantize_mxfp4(blocks: np.ndarray, amax: np.ndarray) -> QuantizedMatrix:
+    rows, n_blocks, group = blocks.shape
+    # frexp: amax = m * 2^x with m in [0.5, 1), so floor(log2(amax)) = x - 1 exactly (a
+    # float log2 may round up just below a power of two)
+    _, exponent = np.frexp(amax)
+    biased = np.where(amax > 0, exponent.astype(np.int64) - 1 - _E2M1_EMAX + _E8M0_BIAS, _E8M0_BIAS)
+    biased = np.clip(biased, 0, _E8M0_NAN - 1).astype(np.uint8)
+    scales = biased.view(ml_dtypes.float8_e8m0fnu)
+    # dividing by a power of two is exact (the quotient stays far above fp32's subnormals
+    # wherever it could round to a non-zero code)
+    magnitude = np.abs(blocks) / scales.astype(np.float32)[:, :, None]
+    codes = np.zeros(blocks.shape, dtype=np.uint8)
+    for midpoint, tie_up in zip(_E2M1_MIDPOINTS, _E2M1_TIE_UP):
+        codes += (magnitude > midpoint) | ((magnitude == midpoint) & tie_up)
+    codes |= np.signbit(blocks).astype(np.uint8) << 3
+    codes = codes.reshape(rows, n_blocks * group)
+    return QuantizedMatrix("mxfp4", group, (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales)
+
+
+def _unpack_codes(packed: np.ndarray) -> np.ndarray:
+    """uint8 ``[rows, cols / 2]`` -> the 4-bit codes uint8 ``[rows, cols]``."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    codes = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint8)
+    codes[:, 0::2] = packed & 0x0F
+    codes[:, 1::2] = packed >> 4
+    return codes
+
+
 def values(qm: QuantizedMatrix) -> np.ndarray:
-    """The int8 q values ``[rows, cols]`` (INT4 unpacked)."""
+    """The elements the scales multiply, ``[rows, cols]``: the int8 q values for int8 and
+    int4 (unpacked); for mxfp4 the e2m1 values ``E2M1[code]`` as float32 (0, +-0.5, ...,
+    +-6, exact). dequantize() is values * scale for every format."""
+    if qm.fmt == "mxfp4":
+        return E2M1[_unpack_codes(qm.q)]
     return unpack_int4(qm.q) if qm.fmt == "int4" else qm.q
 
 
 def dequantize(qm: QuantizedMatrix) -> np.ndarray:
-    """float32 ``[rows, cols]``: s[r, k // g] * q[r, k], each product in fp32."""
+    """float32 ``[rows, cols]``: s[r, k // g] * q[r, k], each product in fp32 (exact for
+    mxfp4 while the product is in fp32's range)."""
     q = values(qm).astype(np.float32)
     rows, cols = q.shape
     s32 = qm.scales.astype(np.float32)
@@ -138,13 +236,20 @@ def dequantize(qm: QuantizedMatrix) -> np.ndarray:
 
 
 def error_bound(w, qm: QuantizedMatrix) -> np.ndarray:
-    """Per-element bound on |w - dequantize(qm)| for quantize()'s output: half a scale
-    step, plus what clipping loses when the stored scale rounded below amax / Q_MAX."""
+    """Per-element bound on |w - dequantize(qm)| for quantize()'s output: half a step of
+    the grid at w's magnitude (int8 / int4: half a scale; mxfp4: half the e2m1 spacing,
+    0.25, 0.5 or 1 scale), plus what clipping loses beyond Q_MAX scales."""
     w32 = np.asarray(w).astype(np.float32)
     rows, cols = w32.shape
     s32 = qm.scales.astype(np.float32)[:, :, None]
-    clipped = np.maximum(np.abs(w32.reshape(rows, cols // qm.group, qm.group)) - Q_MAX[qm.fmt] * s32, 0)
-    return (s32 / 2 + clipped).reshape(rows, cols)
+    magnitude = np.abs(w32.reshape(rows, cols // qm.group, qm.group))
+    if qm.fmt == "mxfp4":
+        ratio = magnitude / s32
+        half_step = np.where(ratio < 2, 0.25, np.where(ratio < 4, 0.5, 1.0)) * s32
+    else:
+        half_step = s32 / 2
+    clipped = np.maximum(magnitude - Q_MAX[qm.fmt] * s32, 0)
+    return (half_step + clipped).reshape(rows, cols)
 
 
 def _ggml_blocks(data, rows: int, cols: int, block_bytes: int, what: str) -> np.ndarray:
@@ -180,3 +285,50 @@ def from_q4_0(data, rows: int, cols: int) -> QuantizedMatrix:
     q[:, :, :GGML_BLOCK // 2] = (nibbles & 0x0F).astype(np.int8) - 8
     q[:, :, GGML_BLOCK // 2:] = (nibbles >> 4).astype(np.int8) - 8
     return QuantizedMatrix("int4", GGML_BLOCK, pack_int4(q.reshape(rows, cols)), scales.copy())
+
+
+
+def _check_e8m0(scales: np.ndarray, what: str) -> None:
+    bad = np.argwhere(scales.view(np.uint8) == _E8M0_NAN)
+    if bad.size:
+        r, b = (int(i) for i in bad[0])
+        raise ValueError(f"{what}: scale byte 0xFF (NaN in e8m0) at row {r}, block {b} "
+                         f"({len(bad)} such block(s))")
+
+
+def from_gguf_mxfp4(data, rows: int, cols: int) -> QuantizedMatrix:
+    """llama.cpp MXFP4 (per 32 weights: the e8m0 scale byte, then 16 bytes; byte j holds
+    weight j in its low nibble and weight j + 16 in its high one, both e2m1 codes) into
+    the contract's MXFP4 layout (group 32, e8m0 scales, adjacent columns per byte),
+    without loss. A scale byte 0xFF (NaN) is a ValueError naming its row and block."""
+    blocks = _ggml_blocks(data, rows, cols, 1 + GGML_BLOCK // 2, "MXFP4")
+    scales = blocks[:, :, 0].copy().view(ml_dtypes.float8_e8m0fnu)
+    _check_e8m0(scales, "MXFP4")
+    nibbles = blocks[:, :, 1:]
+    codes = np.empty((rows, cols // GGML_BLOCK, GGML_BLOCK), dtype=np.uint8)
+    codes[:, :, :GGML_BLOCK // 2] = nibbles & 0x0F
+    codes[:, :, GGML_BLOCK // 2:] = nibbles >> 4
+    codes = codes.reshape(rows, cols)
+    return QuantizedMatrix("mxfp4", MX_BLOCK, (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales)
+
+
+def from_mxfp4_blocks(blocks, scales) -> QuantizedMatrix:
+    """One matrix of gpt-oss's safetensors MXFP4 (``*_blocks`` uint8 ``[rows, cols / 32,
+    16]``, the even element in the low nibble; ``*_scales`` uint8 or e8m0 ``[rows, cols /
+    32]``) as the contract's MXFP4 layout: a reshape and a dtype view, no copy when the
+    arrays are C-contiguous. Wrong dtypes or shapes and a scale byte 0xFF (NaN) are a
+    ValueError."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or blocks.ndim != 3 or blocks.shape[2] != MX_BLOCK // 2:
+        raise ValueError(f"MXFP4 blocks must be uint8 [rows, cols / {MX_BLOCK}, {MX_BLOCK // 2}], "
+                         f"got {blocks.dtype} {list(blocks.shape)}")
+    rows, n_blocks, _ = blocks.shape
+    if scales.dtype not in (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e8m0fnu)) \
+            or scales.shape != (rows, n_blocks):
+        raise ValueError(f"MXFP4 scales must be uint8 or float8_e8m0fnu [{rows}, {n_blocks}] "
+                         f"(one per block of {MX_BLOCK}), got {scales.dtype} {list(scales.shape)}")
+    if rows < 1 or n_blocks < 1:
+        raise ValueError(f"a {rows} x {n_blocks * MX_BLOCK} matrix has no weights")
+    scales = scales.view(ml_dtypes.float8_e8m0fnu)
+    _check_e8m0(scales, "MXFP4 scales")
+    return QuantizedMatrix("mxfp4", MX_BLOCK, blocks.reshape(rows, n_blocks * MX_BLOCK // 2), scales)

@@ -12,7 +12,7 @@ from numa_moe.layer.store import checkpoint_tables
 from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
-BITS = {"bf16": 16, "int8": 8, "int4": 4, "fp32": 32}
+BITS = {"bf16": 16, "int8": 8, "int4": 4, "fp32": 32, "mxfp4": 4, "e8m0": 8}
 
 
 def _owner_by_rule(rows, cols, bits, page_bytes, nodes):
@@ -56,6 +56,22 @@ def test_tables_follow_interleave_rule_of_stacked_layout(tmp_path, rng, nodes, f
                                           _owner_by_rule(rows, cols // 8, 32, page_bytes, nodes))
         else:
             assert f"{kind}_scales" not in tables[1]
+
+
+@pytest.mark.parametrize("nodes", [(0, 1), (0, 1, 2)])
+def test_mxfp4_tables_have_group_32_and_one_byte_scales(tmp_path, rng, nodes):
+    H, I, E = 96, 64, 3  # value rows of 48/32 bytes, scale rows of 3/2 bytes: pages cut rows
+    directory = make_checkpoint(tmp_path / "ck", "qwen3-30b-a3b", 1, E, int(rng.integers(1 << 31)),
+                                hidden_size=H, intermediate_size=I, progress=False)
+    tables = checkpoint_tables(open_checkpoint(directory), nodes, page=64, fmt="mxfp4")[0]
+    for kind, (rows, cols) in {"gate": (E * I, H), "up": (E * I, H), "down": (E * H, I)}.items():
+        assert (tables[kind].cols, tables[kind].fmt) == (cols, "mxfp4")
+        np.testing.assert_array_equal(_owner_by_table(tables[kind]), _owner_by_rule(rows, cols, 4, 64, nodes))
+        scales = tables[f"{kind}_scales"]
+        assert (scales.rows, scales.cols, scales.fmt) == (rows, cols // 32, "e8m0")
+        np.testing.assert_array_equal(_owner_by_table(scales), _owner_by_rule(rows, cols // 32, 8, 64, nodes))
+    with pytest.raises(ValueError, match="weight_format 'mxfp4' takes group 32 only"):
+        checkpoint_tables(open_checkpoint(directory), nodes, page=64, fmt="mxfp4", group=64)
 
 
 def test_tables_from_checkpoint_equal_tables_from_shapes_real_models(tmp_path):

@@ -85,7 +85,7 @@ def test_integer_emulated_build_equals_native_bit_for_bit(rng, emulated, native,
     both_available(emulated, native, fmt)
     rows, cols, group = 48, 384, int(rng.choice([32, 64, 128]))
     w = rng.standard_normal((rows, cols)).astype(np.float32) * cols**-0.5
-    qm = quant.quantize(w, fmt, group, str(rng.choice(sorted(quant.SCALE_DTYPES))))
+    qm = quant.quantize(w, fmt, group, str(rng.choice(sorted(quant.scale_dtypes_for(fmt)))))
     x = rng.standard_normal((m, cols)).astype(BF16)
     # a segment with a row stride and columns inside the rows, one with odd rows
     segments = np.array([[0, 2, 20, group, cols], [1, 1, 7, 0, 2 * group]], np.int64)

@@ -118,7 +118,7 @@ def uniform(qtype):
 
 
 @pytest.mark.parametrize("qtype, loaded", [
-    (T.Q8_0, ("int8", 32, "fp16")), (T.Q4_0, ("int4", 32, "fp16")),
+    (T.Q8_0, ("int8", 32, "fp16")), (T.Q4_0, ("int4", 32, "fp16")), (T.MXFP4, ("mxfp4", 32, "e8m0")),
     (T.BF16, ("bf16", None, None)), (T.F16, ("fp16", None, None)), (T.F32, ("fp32", None, None))],
     ids=lambda v: getattr(v, "name", None))
 def test_lossless_types_load_bit_for_bit(tmp_path, rng, qtype, loaded):
@@ -239,6 +239,27 @@ def test_tables_and_inspect_take_a_gguf_file(tmp_path, rng):
     text = _cli(["inspect", path, "--nodes", 2]).output
     assert "import: GGUF Q4_K+Q6_K -> int8, group 32, fp16 scales (requantized)" in text
     assert "error vs the file's own dequantized values, layer 0 expert 0 down (Q6_K)" in text
+
+
+def test_tables_and_inspect_show_mxfp4_experts_as_loaded_exactly(tmp_path, rng):
+    path = write_gguf(tmp_path / "mx.gguf", rng, uniform(T.MXFP4), layers=(0,))
+    out = tmp_path / "t.json"
+    result = _cli(["tables", path, "--nodes", 2, "--quiet", "-o", out])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert (doc["format"], doc["group"], doc["scale_format"]) == ("mxfp4", 32, "e8m0")
+    assert doc["layers"]["0"]["down_scales"]["fmt"] == "e8m0"
+    result = _cli(["inspect", path, "--nodes", 2, "--json"])
+    assert result.exit_code == 0, result.output
+    conversion = json.loads(result.output)["conversion"]
+    assert conversion["conversion"] == "GGUF MXFP4 -> mxfp4, group 32, e8m0 scales (exact)"
+    assert conversion["exact"] and all(e["max_abs"] == 0 for e in conversion["errors"])
+    # the file's own bytes: 17 per 32 weights, as 16 bytes of values and 1 of scale
+    assert conversion["loaded_bytes"] == conversion["file_bytes"] == 3 * E * I * H // 32 * 17
+    requantized = json.loads(_cli(["inspect", path, "--nodes", 2, "--json", "--format", "int8"]).output)
+    assert requantized["conversion"]["conversion"] == "GGUF MXFP4 -> int8, group 32, fp16 scales (requantized)"
+    result = _cli(["inspect", path, "--nodes", 2, "--format", "mxfp4", "--group", 64])
+    assert result.exit_code == 1 and "weight_format 'mxfp4' takes group 32 only" in result.output
 
 
 def test_run_takes_a_gguf_file(tmp_path, rng):
@@ -366,7 +387,8 @@ def test_missing_metadata(tmp_path, rng):
 
 def test_type_the_package_cannot_read(tmp_path, rng):
     path = write_gguf(tmp_path / "q81.gguf", rng, {**uniform(T.Q8_0), "down": T.Q8_1}, layers=(0,))
-    _one_line_error(path, "ggml type Q8_1 cannot be read")
+    _one_line_error(path, "ggml type Q8_1 cannot be read: gguf .* has no dequantization for it; "
+                          "supported expert types: BF16, F16, F32, Q8_0, Q4_0, MXFP4, .*Q4_K")
 
 
 def test_not_a_gguf_file_and_a_pattern(tmp_path, good_file):

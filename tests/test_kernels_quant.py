@@ -76,7 +76,7 @@ def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 14, 15, 16, 17, 31, 32, 33, 64, 100, 256])
 def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
     rows, cols, group = 40, 256, 64
-    _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
+    _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.scale_dtypes_for(fmt)))))
     x = rng.standard_normal((m, cols)).astype(BF16)
     x[0, :group] = 0  # an all-zero block
     segments = np.array([[1, 3, 12, 64, 192], [0, 2, 20, 0, 64], [2, 5, 7, 192, 256]], np.int64)
@@ -97,7 +97,7 @@ def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
 
 
 @pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
-@pytest.mark.parametrize("scale_dtype", sorted(quant.SCALE_DTYPES))
+@pytest.mark.parametrize("scale_dtype", sorted(quant.scale_dtypes_for("int8")))
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dtype, group):
     """Odd row starts and strides, segments that start and end inside rows (on the group
@@ -144,7 +144,7 @@ def test_matmul_segments_on_odd_32_column_edges(rng, fmt, isa):
     columns' even, then odd token values, and k's last 32 columns as 16 + 16), against the
     float64 reference and equal to ref bit for bit."""
     rows, cols, group = 21, 7 * 32, 32
-    _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.SCALE_DTYPES))))
+    _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.scale_dtypes_for(fmt)))))
     segments = np.array([[0, 1, 7, 0, 96], [0, 1, 7, 96, cols], [7, 1, 7, 32, 160], [7, 1, 7, 0, 32],
                          [7, 1, 7, 160, cols], [14, 1, 7, 0, cols]], np.int64)
     for m in (1, 2, 3, 4, 5, 8, 9):

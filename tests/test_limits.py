@@ -149,7 +149,10 @@ def _stacked(rng, experts=2, inter=64, hidden=128):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(weight_format="int8", group=0), "group 0 is not one of 32, 64, 128"),
     (dict(weight_format="int8", scale_dtype="fp8"), "scale_dtype 'fp8' is not one of fp16, bf16, fp32"),
-    (dict(weight_format="int8", scale_dtype=None), "scale_dtype None is not one of fp16, bf16, fp32"),
+    (dict(weight_format="int8", scale_dtype=3), "scale_dtype 3 is not one of fp16, bf16, fp32"),
+    (dict(weight_format="mxfp4", group=64), r"weight_format 'mxfp4' takes group 32 only \(group 32, e8m0 scales\)"),
+    (dict(weight_format="mxfp4", scale_dtype="bf16"), "weight_format 'mxfp4' takes scale_dtype 'e8m0' only"),
+    (dict(weight_format="int4", scale_dtype="e8m0"), "scale_dtype 'e8m0' belongs to weight_format 'mxfp4' only"),
 ])
 def test_from_tensors_names_the_bad_quantization_argument(rng, kwargs, message):
     from numa_moe.layer.moe_layer import MoELayer

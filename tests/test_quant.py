@@ -13,10 +13,11 @@ from numa_moe import quant
 
 
 @settings(max_examples=60, deadline=None)
-@given(fmt=st.sampled_from(quant.QUANT_FORMATS), group=st.sampled_from(quant.GROUPS),
-       scale_dtype=st.sampled_from(sorted(quant.SCALE_DTYPES)), rows=st.integers(1, 6), groups=st.integers(1, 3),
+@given(fmt=st.sampled_from(quant.QUANT_FORMATS), data=st.data(), rows=st.integers(1, 6), groups=st.integers(1, 3),
        seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-6, 3))
-def test_round_trip_is_within_the_bound(fmt, group, scale_dtype, rows, groups, seed, log_scale):
+def test_round_trip_is_within_the_bound(fmt, data, rows, groups, seed, log_scale):
+    group = data.draw(st.sampled_from(quant.groups_for(fmt)))
+    scale_dtype = data.draw(st.sampled_from(sorted(quant.scale_dtypes_for(fmt))))
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((rows, groups * group)) * 10.0 ** log_scale).astype(np.float32)
     w[0, :group] = 0  # an all-zero group

@@ -21,9 +21,10 @@ from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe_cli.main import cli
 
 H, I, E = 256, 128, 3
-SCALE_NP = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}
+SCALE_NP = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32,
+            "e8m0": ml_dtypes.float8_e8m0fnu}
 ST_DTYPE = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "I8": np.int8,
-            "U8": np.uint8}
+            "U8": np.uint8, "F8_E8M0": ml_dtypes.float8_e8m0fnu}
 
 
 def _tensors(directory):
@@ -46,7 +47,8 @@ def source(tmp_path, rng):
 
 
 @pytest.mark.parametrize("fmt,group,scale_dtype", [("int8", 128, "fp16"), ("int4", 32, "bf16"),
-                                                    ("int4", 64, "fp32"), ("int8", 32, "fp32")])
+                                                    ("int4", 64, "fp32"), ("int8", 32, "fp32"),
+                                                    ("mxfp4", 32, "e8m0")])
 def test_round_trip_within_the_bound_and_layout(source, tmp_path, fmt, group, scale_dtype):
     out = tmp_path / "q"
     result = quantize_checkpoint(source, out, fmt, group, scale_dtype, progress=False)
@@ -91,6 +93,53 @@ def test_round_trip_within_the_bound_and_layout(source, tmp_path, fmt, group, sc
     assert result.bytes_before == sum(p.stat().st_size for p in source.glob("*.safetensors"))
     assert result.bytes_after == sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert result.expert_bytes_after < result.expert_bytes_before
+
+
+def test_cli_mxfp4_takes_its_own_group_and_e8m0_scales(source, tmp_path):
+    """`quantize --format mxfp4` defaults to group 32 and e8m0 scales (F8_E8M0 in the
+    file, which the safetensors package reads), and refuses any other group or scale type
+    in one line."""
+    out = tmp_path / "q"
+    result = CliRunner().invoke(cli, ["quantize", str(source), "--format", "mxfp4", "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "mxfp4, group 32, e8m0 scales" in result.output
+    ck = open_checkpoint(out)
+    assert (ck.quant.fmt, ck.quant.group, ck.quant.scale_dtype) == ("mxfp4", 32, "e8m0")
+    name = next(m.tensor.name for m in ck.expert_matrices())
+    scale_name = name[:-len(".weight")] + ".weight_scale"
+    codes = {tensor: entry["dtype"] for path in out.glob("*.safetensors")
+             for tensor, entry in safetensors.deserialize(path.read_bytes())}
+    assert codes[scale_name] == "F8_E8M0" and codes[name] == "U8"
+    before, _ = _tensors(source)
+    after, _ = _tensors(out)
+    expected = q.quantize(before[name], "mxfp4")
+    assert np.array_equal(after[name], expected.q)
+    assert np.array_equal(after[scale_name].view(np.uint8), expected.scales.view(np.uint8))
+    for extra, message in ((["--group", "64"], "weight_format 'mxfp4' takes group 32 only"),
+                           (["--scale-dtype", "fp16"], "weight_format 'mxfp4' takes scale_dtype 'e8m0' only")):
+        result = CliRunner().invoke(cli, ["quantize", str(source), "--format", "mxfp4", *extra,
+                                          "-o", str(tmp_path / "bad"), "--quiet"])
+        assert result.exit_code == 1 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(cli, ["quantize", str(source), "--format", "int4", "--scale-dtype", "e8m0",
+                                      "-o", str(tmp_path / "bad"), "--quiet"])
+    assert result.exit_code == 1 and "scale_dtype 'e8m0' belongs to weight_format 'mxfp4' only" in result.output
+    assert not (tmp_path / "bad").exists()
+
+
+def test_make_checkpoint_mxfp4_equals_quantizing_the_bf16_one(tmp_path, rng):
+    seed = int(rng.integers(1 << 31))
+    made = make_checkpoint(tmp_path / "made", "qwen3-30b-a3b", 1, E, seed, hidden_size=H,
+                           intermediate_size=I, progress=False, weight_format="mxfp4")
+    bf16 = make_checkpoint(tmp_path / "bf16", "qwen3-30b-a3b", 1, E, seed, hidden_size=H,
+                           intermediate_size=I, progress=False)
+    quantize_checkpoint(bf16, tmp_path / "q", "mxfp4", progress=False)
+    ck = open_checkpoint(made)
+    assert (ck.quant.fmt, ck.quant.group, ck.quant.scale_dtype) == ("mxfp4", 32, "e8m0")
+    made_tensors, quantized_tensors = _tensors(made)[0], _tensors(tmp_path / "q")[0]
+    assert made_tensors.keys() == quantized_tensors.keys()
+    assert all(np.array_equal(made_tensors[n].view(np.uint8), quantized_tensors[n].view(np.uint8))
+               for n in made_tensors)
 
 
 def test_fused_experts_quantized_expert_by_expert(tmp_path, rng):

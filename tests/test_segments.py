@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from numa_moe.placement import segments as sg
-from numa_moe.formats import WEIGHT_FORMATS
+from numa_moe.formats import WEIGHT_FORMATS, nibble_packed
 from numa_moe.placement.segments import (SCHEMA, Segment, SegmentTable, SegmentTableFormatError, period_rows, scale_shape, scales_table)
 
 KIB = 1024
@@ -86,7 +86,7 @@ def matrices(draw, max_rows=40, max_cols=48):
     elem = WEIGHT_FORMATS[fmt].element_bytes
     rows = draw(st.integers(1, max_rows))
     cols = draw(st.integers(1, max_cols))
-    if fmt == "int4":
+    if nibble_packed(fmt):
         cols = 2 * cols
     page_bytes = draw(st.sampled_from([p for p in (4, 8, 16, 32, 64, 128) if p >= elem]))
     offset_bytes = draw(st.integers(0, page_bytes // elem - 1)) * elem

@@ -22,7 +22,8 @@ from numa_moe.checkpoints.synthetic import make_checkpoint
 
 H, I, E, LAYERS = 256, 384, 3, 2
 NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-SCALE_NP = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32}
+SCALE_NP = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp32": np.float32,
+            "e8m0": ml_dtypes.float8_e8m0fnu}
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def _check_store(store, reference, fmt, group, scale_dtype):
 
 
 @pytest.mark.parametrize("fmt,group,scale_dtype", [("int8", 128, "fp16"), ("int4", 32, "bf16"),
-                                                    ("int4", 64, "fp32")])
+                                                    ("int4", 64, "fp32"), ("mxfp4", 32, "e8m0")])
 def test_float_checkpoint_quantized_while_loading(checkpoint_dir, fmt, group, scale_dtype):
     store = ExpertStore.load(checkpoint_dir, progress=False, weight_format=fmt, group=group,
                              scale_dtype=scale_dtype)
@@ -92,7 +93,8 @@ def test_float_checkpoint_quantized_while_loading(checkpoint_dir, fmt, group, sc
     _check_store(store, _reference(checkpoint_dir), fmt, group, scale_dtype)
 
 
-@pytest.mark.parametrize("fmt,group,scale_dtype", [("int8", 64, "fp32"), ("int4", 128, "fp16")])
+@pytest.mark.parametrize("fmt,group,scale_dtype", [("int8", 64, "fp32"), ("int4", 128, "fp16"),
+                                                    ("mxfp4", 32, "e8m0")])
 def test_quantized_checkpoint_loads_as_it_is(checkpoint_dir, tmp_path, fmt, group, scale_dtype):
     quantize_checkpoint(checkpoint_dir, tmp_path / "q", fmt, group, scale_dtype, progress=False)
     store = ExpertStore.load(tmp_path / "q", progress=False)
@@ -105,7 +107,7 @@ def test_quantized_checkpoint_loads_as_it_is(checkpoint_dir, tmp_path, fmt, grou
                                          "checkpoint as it is"):
         ExpertStore.load(tmp_path / "q", progress=False, weight_format="bf16")
     with pytest.raises(ValueError, match="scales have group"):
-        ExpertStore.load(tmp_path / "q", progress=False, group=32)
+        ExpertStore.load(tmp_path / "q", progress=False, group=64 if group == 32 else 32)
 
 
 def test_bf16_store_is_unchanged_and_has_no_scales(checkpoint_dir):

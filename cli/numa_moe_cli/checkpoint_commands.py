@@ -65,13 +65,13 @@ def _open(path: str, pattern: str | None, kinds: str | None):
               help="Accepted for compatibility; changes nothing. OUTPUT may be new, empty or an "
                    "earlier numa-moe output (replaced whole); a directory holding anything else "
                    "is refused.")
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default="bf16",
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default="bf16",
               show_default=True,
               help="Routed experts in bf16, or quantized as by `numa-moe quantize`.")
-@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="Scale group size (int8/int4).")
-@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16",
-              show_default=True, help="Element type of the group scales (int8/int4).")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
+              help="Scale group size (int8/int4/mxfp4) [default: 128; mxfp4: 32].")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
+              help="Element type of the group scales (int8/int4/mxfp4) [default: fp16; mxfp4: e8m0].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
                             fmt, group, scale_dtype, quiet):
@@ -84,7 +84,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
                               max_shard_bytes=shard_mb << 20, progress=not quiet,
                               overwrite=overwrite, weight_format=None if fmt == "bf16" else fmt,
-                              group=int(group), scale_dtype=scale_dtype)
+                              group=None if group is None else int(group), scale_dtype=scale_dtype)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
     except OSError as err:
@@ -103,16 +103,16 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 @click.option("--nodes", default="2", show_default=True,
               help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
 @page_option()
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default=None,
               help="Weight format of the loaded experts [default: the checkpoint's when it is "
                    "quantized, else bf16].")
 @click.option("--group", type=click.IntRange(min=1), default=None,
-              help="Scale group size (elements along k) for int8/int4 [default: the checkpoint's "
-                   "when quantized, else 128].")
-@click.option("--scale-dtype", "--scale-format", "scale_dtype", type=click.Choice(["fp16", "bf16", "fp32"]),
-              default=None,
-              help="Element format of the group scales (int8/int4 only) [default: the "
-                   "checkpoint's when quantized, else fp32].")
+              help="Scale group size (elements along k) for int8/int4/mxfp4 [default: the "
+                   "checkpoint's when quantized, else 128; mxfp4: 32].")
+@click.option("--scale-dtype", "--scale-format", "scale_dtype",
+              type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
+              help="Element format of the group scales (int8/int4/mxfp4 only) [default: the "
+                   "checkpoint's when quantized, else fp32; mxfp4: e8m0].")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
               help="JSON file to write the tables to (missing folders are created, and said so).")
@@ -128,9 +128,11 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, out
     is in the local cache (nothing is downloaded).
     """
     from numa_moe.layer.store import buffer_shape, checkpoint_tables, page_bytes_of, parse_nodes
+    from numa_moe.formats import QUANT_FORMATS
+    from numa_moe.quant import scale_layout
 
     if group is not None and fmt == "bf16":
-        raise click.UsageError("--group applies to --format int8/int4 only")
+        raise click.UsageError("--group applies to --format int8/int4/mxfp4 only")
     check_output(output, "-o", create_parents=True)
     ck = _open(checkpoint, pattern, kinds)
     check_apart(output, "-o", ck.sources)
@@ -145,11 +147,16 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, out
     elif fmt is None:
         fmt = quant.fmt if quant is not None else "bf16"
         if group is not None and fmt == "bf16":
-            raise click.UsageError("--group applies to --format int8/int4 only")
+            raise click.UsageError("--group applies to --format int8/int4/mxfp4 only")
     if quant is not None and fmt == quant.fmt:
         group = group or quant.group
         scale_dtype = scale_dtype or quant.scale_dtype
-    scale_dtype = scale_dtype or "fp32"
+    if fmt in QUANT_FORMATS:
+        try:
+            group, scale_dtype = scale_layout(fmt, group, scale_dtype, default_scale_dtype="fp32",
+                                              any_group=True)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
     try:
         node_ids = parse_nodes(nodes)
     except ValueError as err:
@@ -173,8 +180,8 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, out
         "checkpoint_dtype": ck.dtype,
         "source_format": ck.source_format,
         "format": fmt,
-        "group": (group or 128) if fmt != "bf16" else None,
-        "scale_format": scale_dtype if fmt != "bf16" else None,
+        "group": group if fmt in QUANT_FORMATS else None,
+        "scale_format": scale_dtype if fmt in QUANT_FORMATS else None,
         "nodes": list(node_ids),
         "page_bytes": page_bytes_of(page),
         "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
@@ -214,13 +221,14 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, out
               help="Write a PNG: one strip per tensor coloured by node (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--pages", is_flag=True, help="With --json: include the per-page node lists.")
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default=None,
               help="GGUF / FP8 only: the format to report the load of (its cost and its error "
                    "against the file's own values) [default: what the store loads by default].")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
-              help="GGUF / FP8 with --format int8/int4: scale group size [default: 32].")
-@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
-              help="GGUF / FP8 with --format int8/int4: element type of the scales [default: fp16].")
+              help="GGUF / FP8 with --format int8/int4/mxfp4: scale group size [default: 32].")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
+              help="GGUF / FP8 with --format int8/int4/mxfp4: element type of the scales "
+                   "[default: fp16; mxfp4: e8m0].")
 @_pattern_options
 def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json, pages, fmt,
                     group, scale_dtype, pattern, kinds):
@@ -260,12 +268,14 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
 
 @click.command("quantize")
 @click.argument("checkpoint", metavar="CHECKPOINT")
-@click.option("--format", "fmt", type=click.Choice(["int8", "int4"]), required=True,
+@click.option("--format", "fmt", type=click.Choice(["int8", "int4", "mxfp4"]), required=True,
               help="Weight format of the quantized routed experts.")
-@click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="Scale group size (weights along a row sharing one scale).")
-@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16",
-              show_default=True, help="Element type of the group scales.")
+@click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
+              help="Scale group size (weights along a row sharing one scale) [default: 128; "
+                   "mxfp4: 32, its only group].")
+@click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
+              help="Element type of the group scales [default: fp16; mxfp4: e8m0, its only "
+                   "scale type].")
 @click.option("-o", "--output", "output", required=True, type=click.Path(file_okay=False),
               help="Output directory (new or empty), apart from the checkpoint's files.")
 @click.option("--overwrite", is_flag=True,
@@ -275,7 +285,7 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
 @_pattern_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pattern, kinds, quiet):
-    """Quantize a BF16/F16/F32 checkpoint's routed experts to INT8 or INT4.
+    """Quantize a BF16/F16/F32 checkpoint's routed experts to INT8, INT4 or MXFP4.
 
     Only routed-expert weights change (values I8/U8 plus a .weight_scale tensor each; see
     docs/quantization.md, "Checkpoints"); everything else is copied. OUTPUT is built in a
@@ -289,8 +299,8 @@ def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pat
 
     ck = _open(checkpoint, pattern, kinds)
     try:
-        result = quantize_checkpoint(ck, output, fmt, int(group), scale_dtype, overwrite=overwrite,
-                                     progress=not quiet)
+        result = quantize_checkpoint(ck, output, fmt, None if group is None else int(group),
+                                     scale_dtype, overwrite=overwrite, progress=not quiet)
     except (ValueError, CheckpointError) as err:
         raise click.ClickException(str(err)) from None
     except OSError as err:
@@ -299,7 +309,7 @@ def quantize_command(checkpoint, fmt, group, scale_dtype, output, overwrite, pat
     def mib(n):
         return f"{n / 2**20:.2f} MiB"
 
-    click.echo(f"wrote {result.output}: {fmt}, group {result.group}, {scale_dtype} scales; "
+    click.echo(f"wrote {result.output}: {fmt}, group {result.group}, {result.scale_dtype} scales; "
                f"{result.tensors_quantized} expert tensor(s) quantized")
     click.echo(f"bytes before {result.bytes_before} ({mib(result.bytes_before)}), after "
                f"{result.bytes_after} ({mib(result.bytes_after)}); routed experts "

@@ -38,7 +38,7 @@ from numa_moe.checkpoints.dispatch import open_checkpoint
 from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import Checkpoint, TensorInfo
 from numa_moe.files import open_checkpoint_file
-from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS, weight_format
+from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS, nibble_packed, weight_format
 from numa_moe.placement.segments import SegmentTable, smallest_period
 
 __all__ = [
@@ -479,8 +479,7 @@ def import_summary(checkpoint: Checkpoint, nodes: Sequence[int], weight_format: 
 
     importer = checkpoint.importer
     fmt = importer.resolve(checkpoint.root, checkpoint.dims, weight_format, group, scale_dtype)
-    tables = checkpoint_tables(checkpoint, nodes, page, fmt.fmt, fmt.group,
-                               fmt.scale_dtype or "fp32")
+    tables = checkpoint_tables(checkpoint, nodes, page, fmt.fmt, fmt.group, fmt.scale_dtype)
     per_node: dict[int, int] = {}
     for layer_tables in tables.values():
         for table in layer_tables.values():
@@ -560,7 +559,7 @@ def _tensors_to_inspect(checkpoint: Checkpoint, tensor: str | None, include_all:
         fmt = _FORMAT_OF_DTYPE[info.dtype]
         if name in scale_of:
             fmt = checkpoint.quant.fmt
-            cols = cols * 2 if fmt == "int4" else cols
+            cols = cols * 2 if nibble_packed(fmt) else cols
         chosen.append(_Inspected(name, info, rows, cols, fmt))
     return chosen
 

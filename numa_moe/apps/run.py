@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from numa_moe.formats import KINDS
+from numa_moe.formats import KINDS, QUANT_FORMATS
 from numa_moe.layer.moe_layer import MoELayer
 
 DEFAULT_LIKE = "qwen3-30b-a3b"
@@ -173,7 +173,7 @@ class RunReport:
 # The check of step 1 against the float32 loop on the same (dequantized) weights: bf16
 # kernels round their activations to bf16, integer kernels quantize them per group of columns
 # to int8 (docs/quantization.md), which costs about 1% more.
-TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2}
+TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2, "mxfp4": 3e-2}
 
 
 def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, virtual_nodes: int | None = None,
@@ -182,7 +182,7 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
             progress: bool = True) -> RunReport:
     """Load experts interleaved, build and verify the tables, run decode-like steps with
     random routing over every loaded MoE layer, check step 1 against the torch loop.
-    weight_format "int8" / "int4" quantizes a BF16 checkpoint's experts while loading
+    weight_format "int8" / "int4" / "mxfp4" quantizes a BF16 checkpoint's experts while loading
     (None: the checkpoint's own format)."""
     from numa_moe.placement.segments import MAX_NODES
 
@@ -243,9 +243,10 @@ def _load_store(path, store_nodes, page, weight_format, progress, echo, tokens: 
     echo(f"checkpoint: {path}")
     ckpt = open_checkpoint(path)
     _check_step_memory(ckpt, tokens)
-    if (weight_format or ckpt.weight_format) not in ("bf16", "int8", "int4"):
+    if (weight_format or ckpt.weight_format) not in ("bf16", *QUANT_FORMATS):
         # checked before loading: the store would copy F16/F32 experts, the layer refuse them
-        raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs BF16, INT8 or INT4 experts")
+        raise ValueError(f"{path}: routed experts are {ckpt.dtype}; the MoE layer runs "
+                         f"{', '.join(f.upper() for f in ('bf16', *QUANT_FORMATS))} experts")
     if ckpt.importer is not None:
         echo(f"import: {ckpt.importer.describe(ckpt.importer.resolve(path, ckpt.dims, weight_format, None, None))}")
     store = ExpertStore.load(ckpt, nodes=store_nodes, page=page, progress=progress, weight_format=weight_format)

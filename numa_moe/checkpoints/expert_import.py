@@ -18,15 +18,15 @@ import numpy as np
 
 from numa_moe import formats, quant as q
 from numa_moe.files import CheckpointError, OpenFiles
-from numa_moe.formats import FLOAT_NUMPY, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES
+from numa_moe.formats import FLOAT_NUMPY, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
 
 __all__ = ["ExpertImport", "LoadFormat", "ConversionError", "measure_conversion",
            "check_group_divides"]
 
 @dataclass(frozen=True)
 class LoadFormat:
-    """What the store holds: ``fmt`` (bf16/fp16/fp32/int8/int4) and, for int8/int4, the
-    group and the scale dtype name."""
+    """What the store holds: ``fmt`` (bf16/fp16/fp32/int8/int4/mxfp4) and, for the
+    quantized formats, the group and the scale dtype name."""
 
     fmt: str
     group: int | None = None
@@ -52,7 +52,7 @@ class ExpertImport:
     ``default``, ``exact``, ``read_into`` and ``dequantize``; ``resolve`` is shared."""
 
     source: str = ""
-    #: float formats the experts load as besides int8/int4 (their own, or bf16)
+    #: float formats the experts load as besides the quantized ones (their own, or bf16)
     float_formats: tuple[str, ...] = ("bf16",)
 
     def default(self) -> LoadFormat:
@@ -66,7 +66,7 @@ class ExpertImport:
     def read_into(self, matrix, fd: int, values: np.ndarray, scales: np.ndarray | None,
                   fmt: LoadFormat) -> None:
         """Convert one expert matrix into ``values`` (the store's rows of it) and, for
-        int8/int4, ``scales``."""
+        the quantized formats, ``scales``."""
         raise NotImplementedError
 
     def dequantize(self, matrix, fd: int) -> np.ndarray:
@@ -87,17 +87,13 @@ class ExpertImport:
                              f"not {fmt}")
         if fmt not in QUANT_FORMATS:
             if group is not None or scale_dtype is not None:
-                raise ValueError(f"group and scale_dtype apply to weight_format 'int8'/'int4', "
-                                 f"not {fmt}")
+                raise ValueError(f"group and scale_dtype apply to weight_format "
+                                 f"{'/'.join(map(repr, QUANT_FORMATS))}, not {fmt}")
             return LoadFormat(fmt)
-        same = fmt == default.fmt
-        group = (default.group if same else q.GGML_BLOCK) if group is None else group
-        scale_dtype = (default.scale_dtype if same else "fp16") if scale_dtype is None else scale_dtype
-        if group not in GROUPS:
-            raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
-        if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale dtype {scale_dtype!r} is not one of "
-                             f"{', '.join(SCALE_DTYPES)}")
+        if fmt == default.fmt:
+            group = default.group if group is None else group
+            scale_dtype = default.scale_dtype if scale_dtype is None else scale_dtype
+        group, scale_dtype = q.scale_layout(fmt, group, scale_dtype, default_group=q.GGML_BLOCK)
         check_group_divides(root, group, dims.hidden_size, dims.intermediate_size)
         return LoadFormat(fmt, group, scale_dtype)
 
@@ -155,7 +151,7 @@ def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[Conversion
     with OpenFiles() as files:
         for m in matrices:
             fd = files.fd(m.tensor.path)
-            value_cols = m.cols // 2 if fmt.fmt == "int4" else m.cols
+            value_cols = m.cols // 2 if nibble_packed(fmt.fmt) else m.cols
             value_dtype = NUMPY_DTYPES[QUANT_DTYPES[fmt.fmt]] if fmt.fmt in QUANT_DTYPES else FLOAT_NUMPY[fmt.fmt]
             values = np.empty((m.rows, value_cols), dtype=value_dtype)
             scales = None

@@ -12,9 +12,9 @@ with ``rows x cols / block x block bytes`` bytes. Sizes come from the metadata
 
 Conversion into the store's layout (``GGUFImport``, one expert matrix at a time):
 
-* Q8_0 -> int8 and Q4_0 -> int4, group 32, fp16 scales: bytes re-arranged, no loss
-  (``numa_moe.quant.from_q8_0`` / ``from_q4_0``; the block scales land in their own
-  row-major tensor);
+* Q8_0 -> int8 and Q4_0 -> int4, group 32, fp16 scales, and MXFP4 -> mxfp4, group 32,
+  e8m0 scales: bytes re-arranged, no loss (``numa_moe.quant.from_q8_0`` / ``from_q4_0`` /
+  ``from_gguf_mxfp4``; the block scales land in their own row-major tensor);
 * BF16, F16, F32: copied as they are;
 * every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_0, IQ4_NL, ...):
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
@@ -48,7 +48,7 @@ from numa_moe.checkpoints.safetensors import Checkpoint, ExpertLayer, ExpertMatr
 from numa_moe.files import CheckpointError, open_checkpoint_file, short
 from numa_moe.formats import KINDS
 
-__all__ = ["open_gguf", "gguf_file_of", "read_gguf", "GGUFImport", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
+__all__ = ["open_gguf", "gguf_file_of", "read_gguf", "GGUFImport", "supported_types", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
            "MAX_TENSORS", "MAX_METADATA_KEYS"]
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.weight")
@@ -58,9 +58,12 @@ _DENSE = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down)\.weight")
 
 # ggml float types -> the store's float format of the same bits
 GGML_FLOATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-# ggml types that convert without loss: -> the contract's format, group 32, fp16 scales
+# ggml types that convert without loss: -> the contract's format (group 32) and the
+# function that re-arranges their blocks
 LOSSLESS = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
-            "Q4_0": LoadFormat("int4", q.GGML_BLOCK, "fp16")}
+            "Q4_0": LoadFormat("int4", q.GGML_BLOCK, "fp16"),
+            "MXFP4": LoadFormat("mxfp4", q.MX_BLOCK, "e8m0")}
+_LOSSLESS_READERS = {"Q8_0": q.from_q8_0, "Q4_0": q.from_q4_0, "MXFP4": q.from_gguf_mxfp4}
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
 INT4_DEFAULT_BITS = 4.5
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -535,20 +538,34 @@ def _expert_matrices(path: Path, layer: int, kind: str, info: TensorInfo,
 _DEQUANTIZABLE: dict[str, bool] = {}
 
 
-def _check_dequantizable(info: TensorInfo, where: str) -> None:
-    """Refuse a type the gguf package cannot dequantize (tried once per type on one zero block)."""
-    gguf = _gguf()
-    if info.dtype not in _DEQUANTIZABLE:
-        qtype = gguf.GGMLQuantizationType[info.dtype]
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
+def _dequantizable(type_name: str) -> bool:
+    """Whether the gguf package dequantizes ``type_name`` (tried once per type on one zero block)."""
+    if type_name not in _DEQUANTIZABLE:
+        gguf = _gguf()
+        qtype = gguf.GGMLQuantizationType[type_name]
         try:
+            _, size = gguf.GGML_QUANT_SIZES[qtype]
             gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
-            _DEQUANTIZABLE[info.dtype] = True
-        except (NotImplementedError, ValueError, TypeError):
-            _DEQUANTIZABLE[info.dtype] = False
-    if not _DEQUANTIZABLE[info.dtype]:
+            _DEQUANTIZABLE[type_name] = True
+        except (KeyError, NotImplementedError, ValueError, TypeError):
+            _DEQUANTIZABLE[type_name] = False
+    return _DEQUANTIZABLE[type_name]
+
+
+def _check_dequantizable(info: TensorInfo, where: str) -> None:
+    """Refuse a type the gguf package cannot dequantize, naming the supported ones."""
+    if not _dequantizable(info.dtype):
         raise CheckpointError(f"{where}: ggml type {info.dtype} cannot be read: gguf "
-                              f"{_gguf_version()} has no dequantization for it")
+                              f"{_gguf_version()} has no dequantization for it; supported expert "
+                              f"types: {', '.join(supported_types())}")
+
+
+def supported_types() -> list[str]:
+    """The ggml types routed experts may have: the floats, the exact loads and every
+    other type the installed gguf package dequantizes."""
+    names = [*GGML_FLOATS, *LOSSLESS]
+    return names + [t.name for t in _gguf().GGMLQuantizationType
+                    if t.name not in names and _dequantizable(t.name)]
 
 
 @dataclass(frozen=True)
@@ -587,8 +604,7 @@ class GGUFImport(ExpertImport):
             return
         if t in LOSSLESS and LOSSLESS[t] == fmt:
             try:
-                qm = (q.from_q8_0 if t == "Q8_0" else q.from_q4_0)(_raw(matrix, fd), matrix.rows,
-                                                                  matrix.cols)
+                qm = _LOSSLESS_READERS[t](_raw(matrix, fd), matrix.rows, matrix.cols)
             except ValueError as err:
                 raise CheckpointError(f"{_where(matrix)}: {err}") from None
             block_scales = qm.scales.astype(np.float32)
@@ -598,6 +614,8 @@ class GGUFImport(ExpertImport):
                                       f"block {c})")
             values[...] = qm.q
             scales[...] = qm.scales
+            if fmt.fmt == "mxfp4":
+                return  # e8m0 has no zero (from_gguf_mxfp4 refused NaN)
             # ggml writes d = +-0 for an all-zero block (its q are all 0); the contract's
             # scales are never 0, and +-1 gives the same zeros, signs included
             zero = block_scales == 0

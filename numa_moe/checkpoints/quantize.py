@@ -1,8 +1,8 @@
-"""Quantize a BF16/F16/F32 checkpoint's routed experts to INT8 or INT4 (``numa-moe quantize``).
+"""Quantize a BF16/F16/F32 checkpoint's routed experts to INT8, INT4 or MXFP4 (``numa-moe quantize``).
 
 Writes the checkpoint layout of docs/quantization.md ("Checkpoints"): every routed-expert
 weight keeps its name and becomes ``I8 [rows, cols]`` (int8) or ``U8 [rows, cols / 2]``
-(int4, two weights per byte, the even column in the low nibble), followed in the same file
+(int4 and mxfp4, two weights per byte, the even column in the low nibble), followed in the same file
 by its group scales ``<name without .weight>.weight_scale`` ``[rows, cols / group]`` in the
 scale dtype; every file's ``__metadata__`` gains ``numa_moe.quant``, ``numa_moe.group``
 and ``numa_moe.scale_dtype``. Every other tensor is copied byte for byte, shards keep
@@ -32,8 +32,7 @@ from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import (QUANT_METADATA, Checkpoint, ExpertMatrix, TensorInfo, overlapping_source, read_matrix_into, read_safetensors_header, scale_tensor_name)
 from numa_moe.checkpoints.writer import TensorPlan, building_directory, check_replaceable, write_safetensors
 from numa_moe.files import CheckpointError, OpenFiles, byte_progress, open_checkpoint_file
-from numa_moe.formats import (DEFAULT_GROUP, FLOAT_FORMATS, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPE_CODES,
-                              SCALE_DTYPES)
+from numa_moe.formats import FLOAT_FORMATS, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPES, nibble_packed
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
 
@@ -70,12 +69,7 @@ def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int,
 
 
 def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> None:
-    if fmt not in QUANT_DTYPES:
-        raise ValueError(f"format {fmt!r} is not one of {', '.join(QUANT_DTYPES)}")
-    if group not in GROUPS:
-        raise ValueError(f"group {group} is not one of {', '.join(map(str, GROUPS))}")
-    if scale_dtype not in SCALE_DTYPE_CODES:
-        raise ValueError(f"scale dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPE_CODES)}")
+    q.check_arguments(weight_format=fmt, group=group, scale_dtype=scale_dtype)
     if ck.importer is not None:
         raise CheckpointError(f"{ck.root}: a {ck.importer.source} checkpoint; quantize writes "
                               "safetensors from safetensors. Load it directly instead: the store "
@@ -89,9 +83,9 @@ def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> No
                               f"{', '.join(FLOAT_DTYPES)} checkpoints")
     d = ck.dims
     for kind, cols in (("gate/up", d.hidden_size), ("down", d.intermediate_size)):
-        if fmt == "int4" and cols % 2:
+        if nibble_packed(fmt) and cols % 2:
             raise ValueError(f"{ck.root}: {kind} matrices have {cols} columns, an odd count: "
-                             "int4 packs two columns per byte and needs an even count")
+                             f"{fmt} packs two columns per byte and needs an even count")
         if cols % group:
             raise ValueError(f"{ck.root}: group {group} does not divide the {cols} columns of the "
                              f"{kind} matrices; choose a group from {', '.join(map(str, GROUPS))} "
@@ -107,10 +101,12 @@ def _check_output(ck: Checkpoint, out: Path, overwrite: bool) -> None:
 
 
 def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str | os.PathLike,
-                        fmt: str = "int8", group: int = DEFAULT_GROUP, scale_dtype: str = "fp16",
+                        fmt: str = "int8", group: int | None = None, scale_dtype: str | None = None,
                         overwrite: bool = False, progress: bool = True,
                         pattern: NamingPattern | None = None) -> QuantizeResult:
     """Write the quantized copy of ``checkpoint`` into the directory ``output``.
+    ``group`` and ``scale_dtype`` default to the format's own (mxfp4: 32, e8m0), else
+    to 128 and fp16 (``numa_moe.quant.scale_layout``).
 
     Refuses (ValueError / CheckpointError, one line): an already quantized or non-float
     checkpoint, a group that does not divide the experts' columns, odd columns for int4,
@@ -120,6 +116,8 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
     (``writer.check_replaceable``).
     """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, pattern=pattern)
+    q.check_arguments(weight_format=fmt)
+    group, scale_dtype = q.scale_layout(fmt, group, scale_dtype)
     _check_request(ck, fmt, group, scale_dtype)
     out = Path(output)
     _check_output(ck, out, overwrite)
@@ -170,12 +168,12 @@ def _shard_plans(path: Path, infos: list[TensorInfo], ck: Checkpoint,
     """The tensors of the quantized copy of one file, in order, and where each one's
     bytes come from: an expert tensor becomes its values followed by its scales, every
     other tensor is copied."""
-    value_dtype = np.dtype(np.int8) if fmt == "int8" else np.dtype(np.uint8)
+    value_dtype = NUMPY_DTYPES[QUANT_DTYPES[fmt]]
     plans, sources = [], {}
     for info in infos:
         if info.name in by_tensor:
             cols = info.shape[-1]
-            shape = (*info.shape[:-1], cols // 2 if fmt == "int4" else cols)
+            shape = (*info.shape[:-1], cols // 2 if nibble_packed(fmt) else cols)
             plan = TensorPlan(info.name, shape, value_dtype, 1)
             scale_name = scale_tensor_name(info.name)
             if scale_name in ck.tensors:

@@ -37,7 +37,8 @@ import numpy as np
 from numa_moe.checkpoints.naming import BUILTIN_PATTERNS, PATTERN_HELP, ROUTER_RE, SHARED_RE, NamingPattern
 from numa_moe.files import CheckpointError, OpenFiles, open_checkpoint_file, parse_json, read_json_file, short
 from numa_moe.formats import (DTYPE_BYTES, FLOAT_FORMATS, GROUPS, KINDS, NUMPY_DTYPES, QUANT_DTYPES,
-                              SCALE_DTYPE_CODES)
+                              SCALE_DTYPE_CODES, nibble_packed)
+from numa_moe.quant import check_arguments
 
 __all__ = [
     "TensorInfo",
@@ -67,8 +68,8 @@ QUANT_METADATA = ("numa_moe.quant", "numa_moe.group", "numa_moe.scale_dtype")
 
 @dataclass(frozen=True)
 class QuantInfo:
-    """How a quantized checkpoint stores its routed experts: ``fmt`` (int8/int4), the
-    group size and the scale dtype name (fp16/bf16/fp32)."""
+    """How a quantized checkpoint stores its routed experts: ``fmt`` (int8/int4/mxfp4),
+    the group size and the scale dtype name (fp16/bf16/fp32; e8m0 for mxfp4)."""
 
     fmt: str
     group: int
@@ -106,6 +107,10 @@ def _quant_of_metadata(path: Path, metadata: dict) -> QuantInfo | None:
     if not isinstance(scale, str) or scale not in SCALE_DTYPE_CODES:
         raise CheckpointError(f"{path}: numa_moe.scale_dtype={short(scale)} is not one of "
                               f"{', '.join(SCALE_DTYPE_CODES)}")
+    try:
+        check_arguments(weight_format=fmt, group=int(group), scale_dtype=scale)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: quantization metadata: {err}") from None
     return QuantInfo(fmt, int(group), scale)
 
 
@@ -268,8 +273,8 @@ def _json_ints(value) -> tuple[int, ...]:
 class ExpertMatrix:
     """One routed-expert matrix: ``rows x cols`` row-major at ``file_offset`` of ``tensor.path``.
 
-    Quantized (``quant`` "int8" or "int4"): ``cols`` counts weights (elements), so an
-    int4 row holds ``cols / 2`` bytes; ``scales`` is the matrix's group-scale tensor
+    Quantized (``quant`` "int8", "int4" or "mxfp4"): ``cols`` counts weights (elements), so an
+    int4 or mxfp4 row holds ``cols / 2`` bytes; ``scales`` is the matrix's group-scale tensor
     ``[rows, cols / group]`` (itself an ExpertMatrix of the scale tensor)."""
 
     layer: int
@@ -289,7 +294,7 @@ class ExpertMatrix:
     def nbytes(self) -> int:
         if self.stored_bytes is not None:
             return self.stored_bytes
-        if self.quant == "int4":
+        if self.quant is not None and nibble_packed(self.quant):
             return self.rows * self.cols // 2
         return self.rows * self.cols * self.tensor.itemsize
 
@@ -408,7 +413,7 @@ class Checkpoint:
 
     @property
     def weight_format(self) -> str:
-        """Format of the routed experts: "int8"/"int4" when quantized, else the float
+        """Format of the routed experts: "int8"/"int4"/"mxfp4" when quantized, else the float
         format of their dtype ("bf16", "fp16", "fp32"), else the safetensors dtype."""
         if self.quant is not None:
             return self.quant.fmt
@@ -505,7 +510,7 @@ class Checkpoint:
             raise CheckpointError(f"{where} is {info.dtype} but the checkpoint is {quant.fmt} "
                                   f"({expected} expert weights): mixed formats are not supported")
         bytes_cols = info.shape[-1]
-        cols = bytes_cols * 2 if quant.fmt == "int4" else bytes_cols
+        cols = bytes_cols * 2 if nibble_packed(quant.fmt) else bytes_cols
         if cols % quant.group:
             raise CheckpointError(f"{where}: {cols} columns are not a multiple of the group "
                                   f"size {quant.group}")

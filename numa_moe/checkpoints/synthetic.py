@@ -202,7 +202,7 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
                     fused: bool = False, shared: bool = True,
                     max_shard_bytes: int = 512 << 20, progress: bool = True,
                     overwrite: bool = False, weight_format: str | None = None,
-                    group: int = 128, scale_dtype: str = "fp16") -> Path:
+                    group: int | None = None, scale_dtype: str | None = None) -> Path:
     """Write a generated checkpoint into ``out_dir`` and return the directory.
 
     ``out_dir`` must be new, empty or an earlier numa-moe output (``is_earlier_output``);
@@ -213,8 +213,9 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     ``layers``/``experts`` default to the model's small defaults (``MODEL_SPECS``);
     ``hidden_size``/``intermediate_size`` override the real shapes (tests only).
     Output above ``max_shard_bytes`` is sharded with a ``model.safetensors.index.json``.
-    ``weight_format`` "int8"/"int4": the routed experts are then quantized
-    (``numa_moe.checkpoints.quantize``, ``group``, ``scale_dtype``); the result equals generating the
+    ``weight_format`` "int8"/"int4"/"mxfp4": the routed experts are then quantized
+    (``numa_moe.checkpoints.quantize``, ``group``, ``scale_dtype``, by default the format's
+    own or 128 and fp16); the result equals generating the
     BF16 checkpoint and quantizing it.
     """
     if like not in MODEL_SPECS:

@@ -40,7 +40,7 @@ import numpy as np
 
 from numa_moe import _native, quant
 from numa_moe.arrays import BF16, as_index_array, bf16_bits, check_cpu_tensors, is_torch
-from numa_moe.formats import KINDS, QUANT_FORMATS, SCALE_DTYPES
+from numa_moe.formats import KINDS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
 from numa_moe.layer import kernels, registry
 from numa_moe.layer.kernels import weight_operand
 from numa_moe.layer.pools import default_topology, topology_node_cpus, worker_pool
@@ -93,7 +93,7 @@ class MoELayer:
     arrays, copied into interleaved memory) instead.
 
     experts: sequence of (gate [I, H], up [I, H], down [H, I]) bf16 arrays/tensors, or
-        numa_moe.quant.QuantizedMatrix (int8 / int4 with group scales, all three alike).
+        numa_moe.quant.QuantizedMatrix (int8 / int4 / mxfp4 with group scales, all three alike).
     tables: per expert a mapping kind -> segment table (anything with ``nodes`` and
         ``node_array(node)``, e.g. numa_moe.placement.segments.SegmentTable), rows numbered from 0
         within the expert's matrix.
@@ -187,8 +187,8 @@ class MoELayer:
 
     @classmethod
     def from_tensors(cls, gate_up=None, down=None, *, gate=None, up=None, topology=None, page: str = "4k",
-                     tables: str = "measured", phase: int = 0, weight_format: str = "bf16", group: int = 128,
-                     scale_dtype: str = "fp16", **kwargs) -> "MoELayer":
+                     tables: str = "measured", phase: int = 0, weight_format: str = "bf16",
+                     group: int | None = None, scale_dtype: str | None = None, **kwargs) -> "MoELayer":
         """Copies the experts into memory interleaved over the topology's nodes and builds
         the tables.
 
@@ -196,11 +196,16 @@ class MoELayer:
         [E, I, H] (stacked or lists of [I, H]) + ``down`` (stacked or a list of [H, I]).
         tables="measured": from the page map the kernel reports (numa_moe.placement.memory.page_map);
         tables="theoretical": from the interleave rule with the given phase (virtual
-        topologies, where the memory is not really on those nodes). weight_format "int8" or
-        "int4" quantizes the experts while copying (numa_moe.quant: group-wise symmetric,
-        ``group`` columns per scale, scales in ``scale_dtype``)."""
-        quant.check_arguments(weight_format=weight_format, group=group, scale_dtype=scale_dtype,
-                              formats=("bf16", *QUANT_FORMATS))
+        topologies, where the memory is not really on those nodes). weight_format "int8",
+        "int4" or "mxfp4" quantizes the experts while copying (numa_moe.quant: ``group``
+        columns per scale, default 128, scales in ``scale_dtype``, default fp16; mxfp4
+        takes group 32 and e8m0 scales only, its defaults)."""
+        quant.check_arguments(weight_format=weight_format, formats=("bf16", *QUANT_FORMATS))
+        if weight_format == "bf16":
+            quant.check_arguments(**{name: value for name, value in (("group", group), ("scale_dtype", scale_dtype))
+                                     if value is not None})
+        else:
+            group, scale_dtype = quant.scale_layout(weight_format, group, scale_dtype)
         check_table_source(tables)
         topology = topology if topology is not None else default_topology()
         gate_up_np, down_np = _stack_inputs(gate_up, down, gate, up)
@@ -227,8 +232,8 @@ class MoELayer:
         value and scale buffers stacked like the bf16 ones; tables of the value buffers."""
         E, two_i, H = gate_up_bits.shape
         I = two_i // 2
-        per_byte = 2 if fmt == "int4" else 1
-        value_dtype = "uint8" if fmt == "int4" else "int8"
+        per_byte = 2 if nibble_packed(fmt) else 1
+        value_dtype = NUMPY_DTYPES[QUANT_DTYPES[fmt]]
 
         def stacked(rows, cols):
             values = memory.interleaved_empty((E, rows, cols // per_byte), value_dtype, nodes=alloc_nodes, page=page)
@@ -503,7 +508,7 @@ def _stack_inputs(gate_up, down, gate, up):
 def store_layer_experts(store, layer, topology):
     """(experts, tables, keep_alive) of one ExpertStore layer: the experts are views of
     the store's stacked buffers (with their scales, as numa_moe.quant.QuantizedMatrix, for
-    an int8 / int4 store) and their tables row slices of the stack's tables, both cut
+    a quantized store) and their tables row slices of the stack's tables, both cut
     where the store's layout (numa_moe.layer.store.expert_rows) puts each expert."""
     n_experts = store.n_experts
     experts = [tuple(store.expert(layer, e)) for e in range(n_experts)]
@@ -521,7 +526,7 @@ def store_layer_experts(store, layer, topology):
     else:
         fmt = store.table(layer, "gate").fmt
         stacked = layer_tables(store.dims, node_ids, store.page_bytes, fmt, group=store.group,
-                               scale_dtype=store.scale_dtype or "fp32")
+                               scale_dtype=store.scale_dtype)
         tables = [expert_tables_of(stacked, store.dims, e) for e in range(n_experts)]
     keep = tuple(store.weights(layer, kind) for kind in KINDS)
     if store.quantized:

@@ -9,11 +9,12 @@ each allocated by ``memory.interleaved_empty`` (page-aligned start, the page cyc
 starting at the buffer's ``phase``). Expert ``e`` of ``gate`` is rows ``[e*I, (e+1)*I)``,
 of ``down`` rows ``[e*H, (e+1)*H)``.
 
-INT8 / INT4 (docs/quantization.md): the value buffer of a kind is int8 ``[rows, cols]``
-or uint8 ``[rows, cols / 2]`` (two weights per byte), and each kind has a second
-interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or fp32), with
-its own table (``scale_table``). Tables count columns in weights (elements), also for
-int4, as ``formats.WeightFormat`` does. A quantized checkpoint is copied as it is; a
+INT8 / INT4 / MXFP4 (docs/quantization.md): the value buffer of a kind is int8 ``[rows,
+cols]`` or uint8 ``[rows, cols / 2]`` (int4, mxfp4: two weights per byte), and each kind
+has a second interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or
+fp32; e8m0 for mxfp4, one byte per scale), with its own table (``scale_table``). Tables
+count columns in weights (elements), also for int4 and mxfp4, as ``formats.WeightFormat``
+does. A quantized checkpoint is copied as it is; a
 float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time);
 GGUF and FP8 experts are converted by the checkpoint's ``importer``
 (``numa_moe.checkpoints.expert_import``), one expert matrix at a time.
@@ -40,10 +41,11 @@ from numa_moe.checkpoints.expert_import import LoadFormat
 from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import Checkpoint, ModelDims, read_matrix_into, read_scales_into
 from numa_moe.files import OpenFiles, byte_progress, short
-from numa_moe.formats import DEFAULT_GROUP, FLOAT_FORMATS, KINDS, SCALE_DTYPES, weight_format
+from numa_moe.formats import (FLOAT_FORMATS, KINDS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS,
+                              SCALE_DTYPES, nibble_packed, weight_format)
 from numa_moe.placement.pages import PAGE_BYTES, page_bytes_of
 from numa_moe.placement.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape
-from numa_moe.quant import check_arguments
+from numa_moe.quant import check_arguments, scale_layout
 
 __all__ = [
     "PAGE_BYTES",
@@ -109,13 +111,15 @@ def expert_tables_of(tables: Mapping[str, SegmentTable], dims: ModelDims,
 
 
 def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = "4k",
-                 fmt: str = "bf16", group: int | None = None, scale_dtype: str = "fp32",
+                 fmt: str = "bf16", group: int | None = None, scale_dtype: str | None = None,
                  phase: int = 0) -> dict[str, SegmentTable]:
-    """Theoretical tables of one layer's buffers (and of their scales for int8/int4).
+    """Theoretical tables of one layer's buffers (and of their scales for the quantized
+    formats).
 
     Keys: ``gate``, ``up``, ``down`` and, for quantised formats, ``gate_scales``,
     ``up_scales``, ``down_scales`` (scales [rows, cols / group] of ``scale_dtype``, each
-    in its own page-aligned buffer).
+    in its own page-aligned buffer). ``group`` and ``scale_dtype`` default to the
+    format's own (mxfp4: 32, e8m0), else to 128 and fp32.
     """
     page_bytes = page_bytes_of(page)
     fmt_name = weight_format(fmt).name
@@ -123,8 +127,9 @@ def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = 
     for kind in KINDS:
         rows, cols = buffer_shape(dims, kind)
         tables[kind] = SegmentTable.theoretical(rows, cols, fmt_name, page_bytes, nodes, phase=phase)
-    if fmt_name in ("int8", "int4"):
-        g = 128 if group is None else int(group)
+    if fmt_name in QUANT_FORMATS:
+        g, scale_dtype = scale_layout(fmt_name, None if group is None else int(group), scale_dtype,
+                                      default_scale_dtype="fp32", any_group=True)
         for kind in KINDS:
             rows, cols = buffer_shape(dims, kind)
             s_rows, s_cols = scale_shape(rows, cols, g)
@@ -134,7 +139,7 @@ def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = 
 
 
 def checkpoint_tables(checkpoint: Checkpoint, nodes: Sequence[int] | int, page: str | int = "4k",
-                      fmt: str = "bf16", group: int | None = None, scale_dtype: str = "fp32",
+                      fmt: str = "bf16", group: int | None = None, scale_dtype: str | None = None,
                       layers: Iterable[int] | None = None, progress: bool = False
                       ) -> dict[int, dict[str, SegmentTable]]:
     """Tables of every MoE layer of a checkpoint, from its headers only.
@@ -183,7 +188,7 @@ class PlacementMismatch:
 @dataclass
 class StoreLayer:
     """One layer's buffers (``weights[kind]``), the tables in use and the theoretical ones;
-    for int8/int4 also the scale buffers (``scales[kind]``) and their tables."""
+    for the quantized formats also the scale buffers (``scales[kind]``) and their tables."""
 
     layer: int
     weights: dict[str, np.ndarray]
@@ -220,9 +225,10 @@ class ExpertStore:
         self.nodes = nodes
         self.page_bytes = page_bytes
         self.mismatches = mismatches
-        #: "bf16", "fp16", "fp32" (as in the file), "int8" or "int4"
+        #: "bf16", "fp16", "fp32" (as in the file), "int8", "int4" or "mxfp4"
         self.weight_format = weight_format or FLOAT_FORMATS[checkpoint.dtype]
-        #: scale group size and scale dtype name ("fp16", "bf16", "fp32"); None unless int8/int4
+        #: scale group size and scale dtype name ("fp16", "bf16", "fp32", "e8m0"); None
+        #: for float formats
         self.group = group
         self.scale_dtype = scale_dtype
 
@@ -237,13 +243,13 @@ class ExpertStore:
         ``nodes``: node ids (or a count N for 0..N-1) to interleave over; None = the
         memory layer's default (all allowed nodes). ``page``: "4k" or "2m".
         ``layers``: a subset of MoE layer ids (default all).
-        ``weight_format``: None keeps the file's format; "int8"/"int4" quantizes a
+        ``weight_format``: None keeps the file's format; "int8"/"int4"/"mxfp4" quantizes a
         BF16/F16/F32 checkpoint while copying (``group``, default 128, and
-        ``scale_dtype``, default "fp16"); a quantized checkpoint loads as it is (its own
+        ``scale_dtype``, default "fp16"; mxfp4 takes group 32 and e8m0 only); a quantized checkpoint loads as it is (its own
         group and scale dtype; asking for others is refused, as is converting it). GGUF
         files and FP8 checkpoints are converted while copying, one expert matrix at a
         time, into what ``checkpoint.importer.resolve`` makes of the request (None: Q8_0
-        -> int8 and Q4_0 -> int4 without loss, K-quants -> int8/int4 group 32, FP8 ->
+        -> int8, Q4_0 -> int4 and MXFP4 -> mxfp4 without loss, K-quants -> int8/int4 group 32, FP8 ->
         bf16; docs/checkpoints.md, "Formats").
         """
         from numa_moe.placement import memory
@@ -297,7 +303,7 @@ class ExpertStore:
 
     def weights(self, layer: int, kind: str) -> np.ndarray:
         """The stacked buffer of ``kind`` (gate/up [E*I, H], down [E*H, I]); for int8 the
-        int8 values of that shape, for int4 the packed uint8 values [rows, cols / 2]."""
+        int8 values of that shape, for int4 and mxfp4 the packed uint8 values [rows, cols / 2]."""
         return self.layer(layer).weights[_check_kind(kind)]
 
     @property
@@ -343,7 +349,7 @@ class ExpertStore:
 
     def expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Views (gate [I, H], up [I, H], down [H, I]) of one expert's values, no copy
-        (int4: uint8 [I, H/2], [I, H/2], [H, I/2])."""
+        (int4, mxfp4: uint8 [I, H/2], [I, H/2], [H, I/2])."""
         self._check_expert(expert)
         return tuple(self.weights(layer, kind)[slice(*expert_rows(self.dims, kind, expert))]
                      for kind in KINDS)
@@ -414,7 +420,7 @@ class _LayerLoader:
 
     def _allocate(self, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The value buffer of a kind's stack and, when quantized, its scale buffer."""
-        value_cols = cols // 2 if self.fmt == "int4" else cols
+        value_cols = cols // 2 if nibble_packed(self.fmt) else cols
         buffer = self.memory.interleaved_empty((rows, value_cols), self.value_dtype,
                                                nodes=self.nodes, page=self.page)
         scales = None
@@ -460,9 +466,9 @@ class _LayerLoader:
         return table, theory, was_measured
 
 
-# store format -> numpy dtype name of its value buffers
-_VALUE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8",
-                 "int4": "uint8"}
+# store format -> numpy dtype of its value buffers
+_VALUE_DTYPES = {**{fmt: NUMPY_DTYPES[code] for code, fmt in FLOAT_FORMATS.items()},
+                 **{fmt: NUMPY_DTYPES[code] for fmt, code in QUANT_DTYPES.items()}}
 
 
 def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int | None,
@@ -494,13 +500,13 @@ def _store_format(checkpoint: Checkpoint, weight_format: str | None, group: int 
     own = FLOAT_FORMATS[checkpoint.dtype]
     if wanted in (None, own):
         if group is not None or scale_dtype is not None:
-            raise ValueError(f"group and scale_dtype apply to weight_format 'int8'/'int4', not {own}")
+            raise ValueError(f"group and scale_dtype apply to weight_format "
+                             f"{'/'.join(map(repr, QUANT_FORMATS))}, not {own}")
         return own, None, None, False
-    if wanted not in ("int8", "int4"):
+    if wanted not in QUANT_FORMATS:
         raise ValueError(f"{root}: routed experts are {checkpoint.dtype}; the store loads them as "
-                         f"{own} or quantizes them to int8/int4, not to {wanted}")
-    group = DEFAULT_GROUP if group is None else group
-    scale_dtype = "fp16" if scale_dtype is None else scale_dtype
+                         f"{own} or quantizes them to {'/'.join(QUANT_FORMATS)}, not to {wanted}")
+    group, scale_dtype = scale_layout(wanted, group, scale_dtype)
     d = checkpoint.dims
     for kind, cols in (("gate/up", d.hidden_size), ("down", d.intermediate_size)):
         if cols % group:
