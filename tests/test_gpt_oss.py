@@ -176,3 +176,19 @@ def test_cli_make_checkpoint_like_gpt_oss_real_shapes(tmp_path):
     assert "x 4 experts, H=2880, I=2880, top-k=4" in result.output and "gpt-oss MXFP4" in result.output
     t = _tensors(tmp_path / "ck")
     assert tuple(t["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape) == (4, 5760, 90, 16)
+
+
+def test_cli_simulate_like_gpt_oss_120b():
+    from numa_moe_cli.main import cli
+
+    result = CliRunner().invoke(cli, ["simulate", "--like", "gpt-oss-120b", "--machine", "xeon-6430",
+                                      "--layers", "2", "--samples", "2", "--tokens", "1,4"])
+    assert result.exit_code == 0, result.output
+    assert "gpt-oss-120b H=2880 I=2880 E=128 top-4, 2 MoE layer(s)" in result.output
+
+
+def test_run_refuses_like_beside_a_checkpoint(mxfp4_checkpoint):
+    from numa_moe_cli.main import cli
+
+    result = CliRunner().invoke(cli, ["run", str(mxfp4_checkpoint), "--like", "gpt-oss-20b"])
+    assert result.exit_code == 2 and "give them or CHECKPOINT" in result.output
