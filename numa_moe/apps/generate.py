@@ -291,7 +291,8 @@ def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64,
                 os.environ["NUMA_MOE_ISA"] = previous_isa
     tps = tokens / shares["total_s"]
     report = GenerateReport(like, layers, experts_n, vocab, prompt_tokens, tokens, baseline_attention,
-                            isa or attention.default_isa(), base_tps, tps, new_tokens == base_tokens,
+                            "transformers eager" if gpt_oss else isa or attention.default_isa(), base_tps, tps,
+                            new_tokens == base_tokens,
                             shares={k: shares[k] for k in ("experts", "attention", "rest")},
                             baseline_shares={k: base_shares[k] for k in ("experts", "attention", "rest")})
     if not report.identical:

@@ -139,11 +139,11 @@ def unsupported_reason(moe_config, weight_format: str = "bf16", group: int = 128
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     if moe_config.activation != MoEActivation.SILU:
-        return f"activation {moe_config.activation.value} (numa-moe computes gated SiLU only)"
+        return f"activation {moe_config.activation.value} (this plugin runs gated SiLU only)"
     if moe_config.in_dtype != torch.bfloat16:
         return f"activation dtype {moe_config.in_dtype} (numa-moe computes bf16 only; run with dtype=bfloat16)"
     if moe_config.has_bias:
-        return "expert bias (numa-moe's experts have none)"
+        return "expert bias (this plugin hands numa-moe no biases)"
     if moe_config.use_ep:
         return "expert parallelism (numa-moe holds all of a rank's experts; use tensor parallelism)"
     if any(getattr(moe_config, name, None) is not None for name in ("swiglu_limit", "swiglu_alpha", "swiglu_beta")):
