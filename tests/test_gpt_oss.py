@@ -192,3 +192,23 @@ def test_run_refuses_like_beside_a_checkpoint(mxfp4_checkpoint):
 
     result = CliRunner().invoke(cli, ["run", str(mxfp4_checkpoint), "--like", "gpt-oss-20b"])
     assert result.exit_code == 2 and "give them or CHECKPOINT" in result.output
+
+
+def test_simulate_mxfp4_counts_the_e8m0_scales():
+    from numa_moe.apps.simulate import workload_like
+
+    w = workload_like("gpt-oss-120b", "mxfp4")
+    assert (w.group, w.scale_dtype) == (32, "e8m0")
+    # 4 bits a weight plus one byte per 32: 4.25 bits
+    assert w.expert_bytes() == 3 * 2880 * 2880 * 17 // 32
+    with pytest.raises(ValueError, match="takes group 32 only"):
+        type(w)("x", 64, 64, 4, 2, 1, "mxfp4", group=64)
+
+
+def test_cli_simulate_gpt_oss_in_mxfp4():
+    from numa_moe_cli.main import cli
+
+    result = CliRunner().invoke(cli, ["simulate", "--like", "gpt-oss-120b", "--machine", "xeon-6430",
+                                      "--format", "mxfp4", "--samples", "2", "--tokens", "1", "--layers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "E=128 top-4, 2 MoE layer(s), mxfp4, 4k pages" in result.output
