@@ -212,3 +212,24 @@ def test_cli_simulate_gpt_oss_in_mxfp4():
                                       "--format", "mxfp4", "--samples", "2", "--tokens", "1", "--layers", "2"])
     assert result.exit_code == 0, result.output
     assert "E=128 top-4, 2 MoE layer(s), mxfp4, 4k pages" in result.output
+
+
+def test_store_gate_and_up_are_transformers_gate_and_up(mxfp4_checkpoint):
+    """transformers' own MXFP4 conversion (the one GptOssForCausalLM loads the released
+    checkpoint with) gives gate_up_proj [E, H, 2I]; its [..., ::2] / [..., 1::2] are the
+    store's gate / up, its down_proj [E, I, H] the store's down transposed."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    t = _tensors(mxfp4_checkpoint)
+    p = "model.layers.1.mlp.experts."
+    gate_up = mxfp4.convert_moe_packed_tensors(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"],
+                                               dtype=torch.float32)
+    down = mxfp4.convert_moe_packed_tensors(t[p + "down_proj_blocks"], t[p + "down_proj_scales"],
+                                            dtype=torch.float32)
+    assert tuple(gate_up.shape) == (3, 64, 192) and tuple(down.shape) == (3, 96, 64)
+    store = ExpertStore.load(mxfp4_checkpoint, nodes=1, progress=False, weight_format="bf16")
+    loaded = store.layer(1)
+    as_f32 = lambda a: np.asarray(a).astype(np.float32)  # noqa: E731
+    for e in range(3):
+        np.testing.assert_array_equal(as_f32(loaded.gate[e * 96:(e + 1) * 96]), gate_up[e][:, 0::2].T.numpy())
+        np.testing.assert_array_equal(as_f32(loaded.up[e * 96:(e + 1) * 96]), gate_up[e][:, 1::2].T.numpy())
+        np.testing.assert_array_equal(as_f32(loaded.down[e * 64:(e + 1) * 64]), down[e].T.numpy())
