@@ -1,8 +1,9 @@
 """``open_checkpoint``: the one way in to a checkpoint, whatever its file format.
 
 A path (or a Hugging Face repo id in the local cache) names safetensors files (one file,
-an index or a directory), or one GGUF file; gpt-oss checkpoints have their own layout; safetensors experts stored as FP8 get their
-block scales attached. The format modules below this one know nothing of each other.
+an index or a directory), or one GGUF file; gpt-oss safetensors checkpoints have a layout
+of their own; safetensors experts stored as FP8 get their block scales attached. The
+format modules below this one know nothing of each other.
 """
 
 from __future__ import annotations
