@@ -49,7 +49,8 @@ _E8M0_NAN = 0xFF
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A ``rows x cols`` weight in the contract's layout: ``q`` int8 ``[rows, cols]``
-    (INT8) or uint8 ``[rows, cols / 2]`` (INT4, packed), ``scales`` ``[rows, cols / group]``."""
+    (INT8) or uint8 ``[rows, cols / 2]`` (INT4 and MXFP4, packed), ``scales`` ``[rows, cols /
+    group]`` (e8m0 for MXFP4)."""
 
     fmt: str
     group: int

@@ -186,8 +186,8 @@ def test_dims_from_metadata_and_what_is_reported_apart(tmp_path, rng):
     assert m.file_offset == info.file_offset + 3 * m.nbytes and info.nbytes == E * m.nbytes
 
 
-@pytest.mark.parametrize("types", [uniform(T.Q8_0), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
-                         ids=["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("types", [uniform(T.Q8_0), uniform(T.MXFP4), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
+                         ids=["Q8_0", "MXFP4", "Q4_K_M"])
 def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     from numa_moe.layer.moe_layer import MoELayer
     from numa_moe.placement.topology import Topology
@@ -205,7 +205,7 @@ def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     expected = moe_reference(x, ids, weights, gates, ups, downs)
     # int8 activations (blocks of 32) on top of the int8 weights; requantized K-quants add
     # their own error (< 1% relative, test above)
-    assert rel_error(y, expected) < (0.02 if types["gate"] == T.Q8_0 else 0.03)
+    assert rel_error(y, expected) < (0.02 if types["gate"] in (T.Q8_0, T.MXFP4) else 0.03)
 
 
 def _cli(args):
@@ -270,6 +270,23 @@ def test_run_takes_a_gguf_file(tmp_path, rng):
     assert "import: GGUF Q4_0 -> int4, group 32, fp16 scales (exact)" in result.output
     assert "vs torch reference" in result.output and "[ok]" in result.output
     assert json.loads(out.read_text())["weight_format"] == "int4"
+
+
+def test_run_takes_mxfp4_experts(tmp_path, rng):
+    """An MXFP4 GGUF runs on its own bytes; a BF16 one runs --format mxfp4 (quantized while
+    loading); both checked by run's step-1 comparison with the torch loop on the same
+    (dequantized) weights."""
+    path = write_gguf(tmp_path / "mx.gguf", rng, uniform(T.MXFP4), layers=(0,))
+    result = _cli(["run", path, "--steps", 1, "--tokens", 3, "--json", tmp_path / "mx.json"])
+    assert result.exit_code == 0, result.output
+    assert "import: GGUF MXFP4 -> mxfp4, group 32, e8m0 scales (exact)" in result.output
+    assert "mxfp4 experts (group 32)" in result.output and "[ok]" in result.output
+    assert json.loads((tmp_path / "mx.json").read_text())["weight_format"] == "mxfp4"
+    path = write_gguf(tmp_path / "bf.gguf", rng, uniform(T.BF16), layers=(0,))
+    result = _cli(["run", path, "--steps", 1, "--format", "bf16", "--format", "mxfp4"])
+    assert result.exit_code == 0, result.output
+    assert "import: GGUF BF16 -> mxfp4, group 32, e8m0 scales (requantized)" in result.output
+    assert result.output.count("[ok]") == 2
 
 
 def test_quantize_refuses_a_gguf_file_and_points_to_loading_it(tmp_path, rng):

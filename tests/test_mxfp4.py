@@ -193,3 +193,27 @@ def test_scale_layout_fills_the_formats_own():
     assert q.scale_layout("int8", default_group=32) == (32, "fp16")
     assert q.groups_for("mxfp4") == (32,) and q.scale_dtypes_for("mxfp4") == ("e8m0",)
     assert "e8m0" not in q.scale_dtypes_for("int8")
+
+
+@pytest.mark.parametrize("n_nodes", [1, 2, 3])
+def test_layer_on_mxfp4_experts_against_a_float64_loop(rng, n_nodes):
+    """MoELayer.from_tensors(weight_format="mxfp4") against the float64 loop over the
+    dequantized experts (numa_moe.quant, checked above against gguf): the kernels' only
+    other error is the int8 quantization of the tokens per block of 32 (docs/quantization.md)."""
+    from moe_reference import moe_reference, random_bf16, rel_error
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.placement.topology import Topology
+
+    experts, inter, hidden, tokens = 4, 96, 128, 7
+    gate_up = random_bf16(rng, (experts, 2 * inter, hidden), hidden ** -0.5)
+    down = random_bf16(rng, (experts, hidden, inter), inter ** -0.5)
+    layer = MoELayer.from_tensors(gate_up, down, topology=Topology.virtual(n_nodes), tables="theoretical",
+                                  weight_format="mxfp4")
+    assert layer.weight_format == "mxfp4"
+    deq = [[q.dequantize(q.quantize(m.astype(np.float32), "mxfp4")) for m in mats]
+           for mats in (gate_up[:, :inter], gate_up[:, inter:], down)]
+    x = random_bf16(rng, (tokens, hidden))
+    ids = np.stack([rng.choice(experts, 2, replace=False) for _ in range(tokens)])
+    weights = rng.random((tokens, 2)).astype(np.float32)
+    y = layer.forward_numpy(x, ids, weights, out_dtype="float32")
+    assert rel_error(y, moe_reference(x, ids, weights, *deq)) < 0.02

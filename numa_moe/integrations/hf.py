@@ -52,7 +52,7 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
     """Replace the expert computation of every supported sparse-MoE block of ``model``;
     returns the MoELayers (one per block, in module order). ``weight_format`` "int8",
     "int4" or "mxfp4" quantizes the experts while copying them (``group`` columns per
-    scale, default 128; mxfp4 32; docs/quantization.md). Raises ValueError when the model
+    scale, default 128; mxfp4: 32; docs/quantization.md). Raises ValueError when the model
     has no supported block."""
     found = find_expert_modules(model)
     if not found:

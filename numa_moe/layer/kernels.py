@@ -94,7 +94,7 @@ def forced_isa() -> str | None:
 def isa_for_tokens(m: int, fmt: str = "bf16") -> str:
     """The ISA an ``MoELayer`` without an ``isa`` of its own (and with the default
     ``amx_min_tokens``) runs an expert of `m` tokens with: ``NUMA_MOE_ISA`` if set, else
-    AMX from the weight format's crossover (bf16 1, int8 and int4 5 tokens) where this CPU
+    AMX from the weight format's crossover (bf16 1, int8, int4 and mxfp4 5 tokens) where this CPU
     runs it, else the fastest other."""
     return forced_isa() or _native.kernel_isa_for_tokens(int(m), fmt)
 
@@ -150,7 +150,7 @@ def expert_ffn(
     """``out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T`` for one expert.
 
     x: ``[T, H]`` bf16; w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (all bf16, row-major,
-    torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 with group scales,
+    torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 / mxfp4 with group scales,
     tokens then quantized per group of columns, docs/quantization.md). token_index: the
     rows of x to use (default all, in order). isa: default the ISA an MoE layer runs an
     expert of that many tokens with (isa_for_tokens).

@@ -15,8 +15,8 @@ Routing rule: a token that lists the same expert several times gets that expert 
 with the weights summed (the same sum the transformers loop computes with index_add_).
 
 Kernel choice, per expert from its own token count and weight format: AMX (AMX-BF16, or
-AMX-INT8 for int8 / int4 weights, when the CPU and OS allow it) from ``amx_min_tokens``
-tokens (default: 1 for bf16, 5 for int8 and int4, where AMX-INT8 starts to read
+AMX-INT8 for int8 / int4 / mxfp4 weights, when the CPU and OS allow it) from ``amx_min_tokens``
+tokens (default: 1 for bf16, 5 for int8, int4 and mxfp4, where AMX-INT8 starts to read
 faster than AVX-512-VNNI; docs/kernels.md), otherwise AVX-512 (BF16, or VNNI for integer weights),
 AVX2, the scalar reference; never the AMX software model unless forced. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
 
