@@ -13,7 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BF16", "is_torch", "bf16_bits", "as_index_array", "is_bf16_dtype", "output_view", "check_cpu_tensors"]
+__all__ = ["BF16", "is_torch", "bf16_bits", "as_index_array", "as_float_vector", "is_bf16_dtype", "output_view",
+           "check_cpu_tensors"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -61,6 +62,22 @@ def as_index_array(name: str, value: Any) -> np.ndarray:
     if array.dtype.kind not in "iu" and array.size:
         raise TypeError(f"{name}: expected integers, got dtype {array.dtype}")
     return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def as_float_vector(name: str, value: Any) -> np.ndarray | None:
+    """A 1-D float input (a bias) as a C-contiguous float32 array, None staying None: numpy,
+    ml_dtypes or torch floats (bf16 and fp16 widen exactly). Integers and other shapes are
+    refused; the native code checks the length and that every value is finite."""
+    if value is None:
+        return None
+    if is_torch(value):
+        value = value.detach().float().cpu().numpy()
+    array = np.asarray(value)
+    if array.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D vector, got shape {array.shape}")
+    if array.dtype.kind != "f" and array.dtype != BF16 and array.size:
+        raise TypeError(f"{name}: expected floats, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype=np.float32)
 
 
 def is_bf16_dtype(dtype: Any) -> bool:

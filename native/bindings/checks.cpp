@@ -1,5 +1,6 @@
 #include "bindings/checks.hpp"
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -154,6 +155,23 @@ void check_range(int64_t begin, int64_t end, int64_t size, int64_t align, const 
     const bool aligned = align <= 1 || (begin % align == 0 && (end % align == 0 || end == size));
     NUMA_MOE_CHECK(begin >= 0 && end <= size && begin <= end && aligned, what, " = [", begin, ", ", end,
                    ") must lie in [0, ", size, ")", align > 1 ? message(" with multiples of ", align, " (except the end)") : "");
+}
+
+const float* bias_vector(const py::object& bias, int64_t n, const std::string& name) {
+    if (bias.is_none()) return nullptr;
+    const py::array a = checked_array(bias, name, Kind::f32, 1);
+    NUMA_MOE_CHECK(a.shape(0) == n, name, ": length ", a.shape(0), ", expected ", n);
+    const float* values = static_cast<const float*>(a.data());
+    for (int64_t i = 0; i < n; ++i)
+        NUMA_MOE_CHECK(std::isfinite(values[i]), name, ": entry ", i, " is not finite (", values[i], ")");
+    return values;
+}
+
+kernels::Activation activation_of(double alpha, double limit, double up_offset) {
+    NUMA_MOE_CHECK(std::isfinite(alpha) && alpha > 0, "activation alpha must be finite and > 0, got ", alpha);
+    NUMA_MOE_CHECK(limit > 0, "activation limit must be > 0 (inf: no clamp), got ", limit);
+    NUMA_MOE_CHECK(std::isfinite(up_offset), "activation up_offset must be finite, got ", up_offset);
+    return kernels::Activation{static_cast<float>(alpha), static_cast<float>(limit), static_cast<float>(up_offset)};
 }
 
 namespace {

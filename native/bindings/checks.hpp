@@ -88,6 +88,13 @@ PartList part_list(const py::list& parts, const std::string& name);
 // (end may also be size).
 void check_range(int64_t begin, int64_t end, int64_t size, int64_t align, const std::string& what);
 
+// An expert's bias: None (nullptr), or a contiguous float32 [n] of finite values.
+const float* bias_vector(const py::object& bias, int64_t n, const std::string& name);
+
+// The activation's parameters (kernel_api.hpp Activation), checked: alpha finite and > 0,
+// limit > 0 (infinity: no clamp), up_offset finite.
+kernels::Activation activation_of(double alpha, double limit, double up_offset);
+
 }  // namespace numa_moe::bindings
 
 namespace numa_moe::engine {

@@ -139,22 +139,38 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
         .def("add_expert",
              [](PyLayer& l, py::array gate, py::array up, py::array down, py::list gate_segments,
                 py::list up_segments, py::list down_segments, bool verify_partition, py::object gate_scales,
-                py::object up_scales, py::object down_scales) {
+                py::object up_scales, py::object down_scales, py::object gate_bias, py::object up_bias,
+                py::object down_bias) {
                  const std::string name = message("expert ", l.core->n_experts());
+                 const int64_t inter = l.core->intermediate(), hidden = l.core->hidden();
+                 const kernels::ExpertEpilogue epilogue{kernels::Activation{},  // the layer's, set by add_expert
+                                                        bias_vector(gate_bias, inter, name + " gate_bias"),
+                                                        bias_vector(up_bias, inter, name + " up_bias")};
                  ExpertParts parts{matrix_part(gate, gate_scales, gate_segments, name + " gate"),
                                    matrix_part(up, up_scales, up_segments, name + " up"),
-                                   matrix_part(down, down_scales, down_segments, name + " down")};
+                                   matrix_part(down, down_scales, down_segments, name + " down"), epilogue,
+                                   bias_vector(down_bias, hidden, name + " down_bias")};
                  {
                      NoGil released;
                      l.core->add_expert(std::move(parts), verify_partition);
                  }
-                 l.keep_alive.insert(l.keep_alive.end(), {gate, up, down, gate_scales, up_scales, down_scales});
+                 l.keep_alive.insert(l.keep_alive.end(),
+                                     {gate, up, down, gate_scales, up_scales, down_scales, gate_bias, up_bias, down_bias});
              },
              py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("gate_segments"), py::arg("up_segments"),
              py::arg("down_segments"), py::arg("verify_partition") = true, py::arg("gate_scales") = py::none(),
-             py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(),
-             "Adds the next expert: gate, up [I, H] and down [H, I] bf16 (uint16 views), or int8 / uint8 (int4; mxfp4 with float8_e8m0fnu scales) "
-             "with their group scales, and, per matrix, a list with one int64 [n, 5] segment array per pool node.")
+             py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(), py::arg("gate_bias") = py::none(),
+             py::arg("up_bias") = py::none(), py::arg("down_bias") = py::none(),
+             "Adds the next expert: gate, up [I, H] and down [H, I] bf16 (uint16 views), or int8 / uint8 (int4; mxfp4 "
+             "with float8_e8m0fnu scales) with their group scales, and, per matrix, a list with one int64 [n, 5] "
+             "segment array per pool node; optional float32 biases: gate_bias, up_bias [I], down_bias [H].")
+        .def("set_activation",
+             [](PyLayer& l, double alpha, double limit, double up_offset) {
+                 l.core->set_activation(activation_of(alpha, limit, up_offset));
+             },
+             py::arg("alpha") = 1.0, py::arg("limit") = INFINITY, py::arg("up_offset") = 0.0,
+             "The experts' activation: g = min(g, limit), u = clamp(u, -limit, limit), "
+             "g / (1 + exp(-alpha g)) * (u + up_offset); the defaults are silu(g) * u.")
         .def("set_isa",
              [](PyLayer& l, std::optional<std::string> name) {
                  if (!name) l.core->set_isa(false, kernels::Isa::ref);

@@ -59,7 +59,8 @@ void py_matmul_segments(const std::string& isa, const py::array& weight, const p
 // silu_mul_pack over [i_begin, i_end) from partials [I, m]; returns act [m, I] (uint16
 // bf16 bits, unpacked from the ISA layout; columns outside the range are 0).
 py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, const py::list& up_parts,
-                           int64_t i_begin, int64_t i_end) {
+                           int64_t i_begin, int64_t i_end, double alpha, double limit, double up_offset,
+                           const py::object& gate_bias, const py::object& up_bias) {
     const KernelOps& ops = ops_for(isa);
     const PartList gate = part_list(gate_parts, "gate_parts");
     const PartList up = part_list(up_parts, "up_parts");
@@ -67,6 +68,9 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
                    "up_parts: must match gate_parts in number and shape [I, m]");
     const int64_t inter = gate.rows, m = gate.cols;
     check_range(i_begin, i_end, inter, 32, "[i_begin, i_end)");
+    const kernels::ExpertEpilogue epilogue{activation_of(alpha, limit, up_offset),
+                                           bias_vector(gate_bias, inter, "gate_bias"),
+                                           bias_vector(up_bias, inter, "up_bias")};
     py::array_t<uint16_t> result({m, inter});
     auto* res = result.mutable_data();
     {
@@ -75,7 +79,7 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
         AlignedBuffer packed = aligned_buffer(bytes);
         std::memset(packed.get(), 0, bytes);
         ops.silu_mul_pack(gate.pointers.data(), up.pointers.data(), static_cast<int>(gate.pointers.size()), m,
-                          i_begin, i_end, m, inter, packed.get());
+                          i_begin, i_end, m, inter, epilogue, packed.get());
         const auto* src = static_cast<const bf16*>(packed.get());
         const kernels::TokenLayout layout = ops.token_layout(m);
         for (int64_t t = 0; t < m; ++t)
@@ -85,7 +89,7 @@ py::array py_silu_mul_pack(const std::string& isa, const py::list& gate_parts, c
 }
 
 void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end,
-                     const py::array& token_index, const py::array& token_weight, py::array& y) {
+                     const py::array& token_index, const py::array& token_weight, py::array& y, const py::object& bias) {
     const KernelOps& ops = ops_for(isa);
     const PartList down = part_list(parts, "parts");
     const int64_t hidden = down.rows, m = down.cols;
@@ -96,36 +100,45 @@ void py_combine_down(const std::string& isa, const py::list& parts, int64_t h_be
     check_array(token_weight, "token_weight", Kind::f32, 1);
     NUMA_MOE_CHECK(token_weight.shape(0) == m, "token_weight: length ", token_weight.shape(0), " != m");
     check_range(h_begin, h_end, hidden, 1, "[h_begin, h_end)");
+    const float* b = bias_vector(bias, hidden, "bias");
     const auto* idx = static_cast<const int64_t*>(token_index.data());
     const auto* tw = static_cast<const float*>(token_weight.data());
     auto* yp = static_cast<float*>(y.mutable_data());
     NoGil released;
-    ops.combine_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, idx, tw, yp,
+    ops.combine_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, idx, tw, b, yp,
                      hidden);
 }
 
-void py_store_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end, py::array& out) {
+void py_store_down(const std::string& isa, const py::list& parts, int64_t h_begin, int64_t h_end, py::array& out,
+                   const py::object& bias) {
     const KernelOps& ops = ops_for(isa);
     const PartList down = part_list(parts, "parts");
     const int64_t hidden = down.rows, m = down.cols;
     const bool out_bf16 = check_output(out, "out", m, hidden);
     check_range(h_begin, h_end, hidden, 1, "[h_begin, h_end)");
+    const float* b = bias_vector(bias, hidden, "bias");
     void* dst = out.mutable_data();
     NoGil released;
-    ops.store_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, dst, hidden,
+    ops.store_down(down.pointers.data(), static_cast<int>(down.pointers.size()), m, h_begin, h_end, m, b, dst, hidden,
                    out_bf16);
 }
 
 void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index, const py::array& w_gate,
                    const py::array& w_up, const py::array& w_down, const py::object& gate_segments,
                    const py::object& up_segments, const py::object& down_segments, py::array& out, int threads,
-                   const py::object& gate_scales, const py::object& up_scales, const py::object& down_scales) {
+                   const py::object& gate_scales, const py::object& up_scales, const py::object& down_scales,
+                   double alpha, double limit, double up_offset, const py::object& gate_bias, const py::object& up_bias,
+                   const py::object& down_bias) {
     engine::ExpertFfnArgs args = expert_ffn_args(x, token_index, weight_operand(w_gate, gate_scales, "w_gate"),
                                                  weight_operand(w_up, up_scales, "w_up"),
                                                  weight_operand(w_down, down_scales, "w_down"), threads);
     args.gate_segments = read_segments(gate_segments, "gate_segments", args.intermediate, args.hidden);
     args.up_segments = read_segments(up_segments, "up_segments", args.intermediate, args.hidden);
     args.down_segments = read_segments(down_segments, "down_segments", args.hidden, args.intermediate);
+    args.epilogue = kernels::ExpertEpilogue{activation_of(alpha, limit, up_offset),
+                                            bias_vector(gate_bias, args.intermediate, "gate_bias"),
+                                            bias_vector(up_bias, args.intermediate, "up_bias")};
+    args.down_bias = bias_vector(down_bias, args.hidden, "down_bias");
     args.out_bf16 = check_output(out, "out", args.m, args.hidden);
     args.out = out.mutable_data();
     const KernelOps& ops = ops_for(isa, args.format, args.gate.group);
@@ -167,18 +180,25 @@ void register_kernels(py::module_& m) {
           "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4, mxfp4 with float8_e8m0fnu scales) and tokens are quantized per group "
           "of the weights as the kernels do.");
     m.def("silu_mul_pack", &py_silu_mul_pack, py::arg("isa"), py::arg("gate_parts"), py::arg("up_parts"),
-          py::arg("i_begin"), py::arg("i_end"), "act[t, i] = bf16(silu(sum gate) * sum up), unpacked to [m, I] uint16.");
+          py::arg("i_begin"), py::arg("i_end"), py::arg("alpha") = 1.0, py::arg("limit") = INFINITY,
+          py::arg("up_offset") = 0.0, py::arg("gate_bias") = py::none(), py::arg("up_bias") = py::none(),
+          "act[t, i] = bf16(activation(sum gate (+ gate_bias), sum up (+ up_bias))), unpacked to [m, I] uint16; "
+          "the activation's defaults are silu(g) * u.");
     m.def("combine_down", &py_combine_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),
-          py::arg("token_index"), py::arg("token_weight"), py::arg("y"),
-          "y[token_index[t], h] += token_weight[t] * sum_p parts[p][h, t].");
+          py::arg("token_index"), py::arg("token_weight"), py::arg("y"), py::arg("bias") = py::none(),
+          "y[token_index[t], h] += token_weight[t] * (sum_p parts[p][h, t] (+ bias[h])).");
     m.def("store_down", &py_store_down, py::arg("isa"), py::arg("parts"), py::arg("h_begin"), py::arg("h_end"),
-          py::arg("out"), "out[t, h] = sum_p parts[p][h, t] (stored, bf16 or float32) for h in [h_begin, h_end).");
+          py::arg("out"), py::arg("bias") = py::none(),
+          "out[t, h] = sum_p parts[p][h, t] (+ bias[h]) (stored, bf16 or float32) for h in [h_begin, h_end).");
     m.def("expert_ffn", &py_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"), py::arg("w_gate"),
           py::arg("w_up"), py::arg("w_down"), py::arg("gate_segments"), py::arg("up_segments"),
           py::arg("down_segments"), py::arg("out"), py::arg("threads") = 0, py::arg("gate_scales") = py::none(),
-          py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(),
-          "out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T; out is float32 or bfloat16 [m, H]; with scales the "
-          "weights are int8 (or uint8: int4, mxfp4 with float8_e8m0fnu scales). Ctrl-C interrupts it.");
+          py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(), py::arg("alpha") = 1.0,
+          py::arg("limit") = INFINITY, py::arg("up_offset") = 0.0, py::arg("gate_bias") = py::none(),
+          py::arg("up_bias") = py::none(), py::arg("down_bias") = py::none(),
+          "out = act(x[idx] Wg^T + gate_bias, x[idx] Wu^T + up_bias) Wd^T + down_bias (act: silu(g) * u by default; "
+          "biases optional float32); out is float32 or bfloat16 [m, H]; with scales the weights are int8 (or uint8: "
+          "int4, mxfp4 with float8_e8m0fnu scales). Ctrl-C interrupts it.");
     m.def("process_pool_start_count", &engine::process_pool_start_count,
           "Thread creations over the process pool of the single-expert path so far (none per call).");
     m.def("affinity_cpu_count", &engine::affinity_cpu_count, "CPUs in this process's affinity mask.");

@@ -33,7 +33,8 @@ bool expert_ffn(const kernels::KernelOps& ops, const ExpertFfnArgs& a, const std
                    a.gate.group, " handed to kernels of group ", ops.group);
     ExpertParts parts{whole_or_segments(a.gate, a.format, a.intermediate, a.hidden, a.gate_segments),
                       whole_or_segments(a.up, a.format, a.intermediate, a.hidden, a.up_segments),
-                      whole_or_segments(a.down, a.format, a.hidden, a.intermediate, a.down_segments)};
+                      whole_or_segments(a.down, a.format, a.hidden, a.intermediate, a.down_segments), a.epilogue,
+                      a.down_bias};
     prepare_matrix(parts.gate, team.node_participants(), "gate_segments", false);
     prepare_matrix(parts.up, team.node_participants(), "up_segments", false);
     prepare_matrix(parts.down, team.node_participants(), "down_segments", false);

@@ -1,5 +1,6 @@
-// One expert's FFN, out = (silu(x Wg^T) * (x Wu^T)) Wd^T: the one-expert, one-node case of
-// the pipeline (pipeline.hpp), on the process pool (process_pool.hpp).
+// One expert's FFN, out = act(x Wg^T + b_g, x Wu^T + b_u) Wd^T + b_d (act: silu(g) * u by
+// default, kernels::Activation; the biases optional): the one-expert, one-node case of the
+// pipeline (pipeline.hpp), on the process pool (process_pool.hpp).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,8 @@ struct ExpertFfnArgs {
     kernels::Format format = kernels::Format::bf16;  // of all three
     // Segment lists per matrix; empty = the whole matrix as one segment.
     std::vector<Segment> gate_segments, up_segments, down_segments;
+    kernels::ExpertEpilogue epilogue;  // the activation, gate / up biases (fp32 [intermediate] or null)
+    const float* down_bias = nullptr;  // fp32 [hidden] or null
     void* out = nullptr;  // [m, hidden] row-major, bf16 or fp32 (overwritten)
     bool out_bf16 = false;
     int threads = 1;

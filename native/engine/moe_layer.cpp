@@ -38,7 +38,13 @@ void MoELayerCore::add_expert(ExpertParts parts, bool verify_partition) {
     prepare_matrix(parts.gate, team_.node_participants(), name + " gate", verify_partition);
     prepare_matrix(parts.up, team_.node_participants(), name + " up", verify_partition);
     prepare_matrix(parts.down, team_.node_participants(), name + " down", verify_partition);
+    parts.epilogue.activation = activation_;
     experts_.push_back(std::move(parts));
+}
+
+void MoELayerCore::set_activation(const kernels::Activation& activation) {
+    activation_ = activation;
+    for (ExpertParts& parts : experts_) parts.epilogue.activation = activation;
 }
 
 void MoELayerCore::set_isa(bool forced, Isa isa) {

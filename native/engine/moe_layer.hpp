@@ -46,9 +46,15 @@ public:
     const std::shared_ptr<WorkerPool>& pool() const { return pool_; }
     const ExpertParts& expert(int64_t e) const { return experts_.at(e); }
 
-    // Takes ownership of the description; checks shapes and segments (and, with
-    // verify_partition, that each matrix's segments partition it).
+    // Takes ownership of the description (its biases stay the caller's memory); checks
+    // shapes and segments (and, with verify_partition, that each matrix's segments
+    // partition it). The expert gets the layer's activation.
     void add_expert(ExpertParts parts, bool verify_partition);
+
+    // The activation of every expert, those added so far and later (kernel_api.hpp; default
+    // silu(g) * u).
+    void set_activation(const kernels::Activation& activation);
+    const kernels::Activation& activation() const { return activation_; }
 
     // forced: run every expert with this ISA (std::invalid_argument when this CPU cannot);
     // otherwise the rule in isa_for_tokens.
@@ -81,6 +87,7 @@ private:
     Team team_;
     int64_t hidden_, intermediate_;
     std::vector<ExpertParts> experts_;
+    kernels::Activation activation_;
     bool isa_forced_ = false;
     Isa forced_isa_ = Isa::ref;
     int64_t amx_min_tokens_ = 0;

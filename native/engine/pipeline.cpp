@@ -365,13 +365,13 @@ void StepRun::token_block(size_t a, Range tb, const ThreadInfo& ti) {
     if (team_.aborted()) return;
     const float* g = gate;
     const float* u = up;
-    t.ops->silu_mul_pack(&g, &u, 1, mb, 0, I, mb, I, pact);
+    t.ops->silu_mul_pack(&g, &u, 1, mb, 0, I, mb, I, p.epilogue, pact);
     if (output_.store) {
         matmul_rows(t, p.down, p.down.node_segments[0], Range{0, H}, pact, mb, I, down, mb);
         const size_t element = output_.out_bf16 ? sizeof(bf16) : sizeof(float);
         const float* d = down;
-        t.ops->store_down(&d, 1, mb, 0, H, mb, static_cast<uint8_t*>(output_.out) + tb.begin * H * element, H,
-                          output_.out_bf16);
+        t.ops->store_down(&d, 1, mb, 0, H, mb, p.down_bias,
+                          static_cast<uint8_t*>(output_.out) + tb.begin * H * element, H, output_.out_bf16);
         return;
     }
     matmul_rows(t, p.down, p.down.node_segments[0], Range{0, H}, pact, mb, I, partial(0, a, 2) + tb.begin, t.m);
@@ -441,7 +441,7 @@ void StepRun::silu(Range rows, size_t a) const {
     if (rows.empty()) return;
     const ExpertTask& t = tasks_[a];
     t.ops->silu_mul_pack(partial_ptrs(a, 0), partial_ptrs(a, 1), n_nodes_, t.m, rows.begin, rows.end, t.m,
-                         shape_.intermediate, packed() + placed_[a].packed_act);
+                         shape_.intermediate, t.parts->epilogue, packed() + placed_[a].packed_act);
 }
 
 void StepRun::down(const Group& g, const ThreadInfo& ti) {
@@ -484,7 +484,7 @@ void StepRun::combine(size_t a, Range h) const {
     if (h.empty()) return;
     const ExpertTask& t = tasks_[a];
     t.ops->combine_down(partial_ptrs(a, 2), n_nodes_, t.m, h.begin, h.end, t.m, t.y_rows, t.y_weights,
-                        static_cast<float*>(arena_.y.get()), y_ld_);
+                        t.parts->down_bias, static_cast<float*>(arena_.y.get()), y_ld_);
 }
 
 // y -> out, columns h (after the last group).
@@ -506,8 +506,8 @@ void StepRun::epilogue(const Group& g, Range h) const {
     if (output_.store) {
         if (placed_[g.begin].token_block > 0) return;  // stored by its token blocks
         const ExpertTask& t = tasks_[g.begin];
-        t.ops->store_down(partial_ptrs(g.begin, 2), n_nodes_, t.m, h.begin, h.end, t.m, output_.out, shape_.hidden,
-                          output_.out_bf16);
+        t.ops->store_down(partial_ptrs(g.begin, 2), n_nodes_, t.m, h.begin, h.end, t.m, t.parts->down_bias,
+                          output_.out, shape_.hidden, output_.out_bf16);
         return;
     }
     if (g.first) clear_y(h);

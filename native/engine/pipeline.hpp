@@ -3,10 +3,11 @@
 //   gather   each expert's tokens, once, into its ISA's packed operand (KernelOps.gather)
 //   gate/up  node n's threads multiply node n's segments of W_gate and W_up, claiming row
 //            chunks (cut by weight bytes) in turn; fp32 partials [I, m] per node
-//   silu     sum_n g_n, sum_n u_n (node order fixed), silu(g) * u packed for the down
-//            projection (KernelOps.silu_mul_pack)
+//   silu     sum_n g_n, sum_n u_n (node order fixed), the biases, the activation (silu(g) * u
+//            or another of kernels::Activation) packed for the down projection
+//            (KernelOps.silu_mul_pack)
 //   down     node partials [H, m] of W_down, split as gate/up
-//   epilogue sum_n d_n, then either y[token] += w * d (KernelOps.combine_down, experts in
+//   epilogue sum_n d_n (+ the down bias), then either y[token] += w * d (KernelOps.combine_down, experts in
 //            ascending order: deterministic and independent of the thread count) and y ->
 //            out after the last group, or, for one expert whose slot t is output row t,
 //            out[t] = d straight away (KernelOps.store_down)
@@ -59,6 +60,10 @@ struct MatrixPart {
 
 struct ExpertParts {
     MatrixPart gate, up, down;  // all three in one format (check_one_format)
+    // The layer's activation and the expert's gate / up biases (silu_mul_pack), and its down
+    // bias (fp32 [H] or null: combine_down, store_down).
+    kernels::ExpertEpilogue epilogue;
+    const float* down_bias = nullptr;
 };
 
 // Gate, up and down of an expert in one weight format and, for integer formats, one group:

@@ -150,8 +150,10 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
 }
 
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
-    silu_mul_pack_avx512(pairs_layout(m), gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, packed);
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, const ExpertEpilogue& epilogue,
+                   void* packed) {
+    silu_mul_pack_avx512(pairs_layout(m), gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, i_total, epilogue,
+                         packed);
 }
 
 }  // namespace

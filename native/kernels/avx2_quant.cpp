@@ -248,7 +248,8 @@ void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, i
 // reference's bit for bit.
 template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, const ExpertEpilogue& epilogue,
+                   void* packed) {
     const TokenOperand<F, G> out(packed, m, i_total);
     out.zero_padding(i_begin / G, i_end / G);
     alignas(32) float block[G];
@@ -256,7 +257,7 @@ void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts,
     alignas(32) int8_t q[G];
     for (int64_t t = 0; t < m; ++t) {
         for (int64_t b0 = i_begin; b0 < i_end; b0 += G) {
-            silu_mul_rows(gate_parts, up_parts, n_parts, ld, b0, G, t, block);
+            silu_mul_rows(gate_parts, up_parts, n_parts, ld, b0, G, t, epilogue, block);
             for (int64_t i = 0; i < G / 8; ++i) v[i] = _mm256_load_ps(block + 8 * i);
             float scale;
             quantize_block<G>(v, q, &scale);

@@ -50,9 +50,20 @@ struct Exp512Ops {
 
 inline __m512 exp512(__m512 x) { return exp_poly<Exp512Ops>(x); }
 
-inline __m512 silu512(__m512 x) {
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
+// kernel_api.hpp's Activation in vectors, bf16.hpp's activate with exp512: the clamps take
+// the limit as the first operand, so that a NaN (returned from the second) passes through.
+struct Activation512 {
+    explicit Activation512(const Activation& a)
+        : alpha(_mm512_set1_ps(a.alpha)), limit(_mm512_set1_ps(a.limit)), negative_limit(_mm512_set1_ps(-a.limit)),
+          up_offset(_mm512_set1_ps(a.up_offset)) {}
+    __m512 operator()(__m512 g, __m512 u) const {
+        g = _mm512_min_ps(limit, g);
+        u = _mm512_max_ps(negative_limit, _mm512_min_ps(limit, u));
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(alpha, g)));
+        return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), _mm512_add_ps(u, up_offset));
+    }
+    __m512 alpha, limit, negative_limit, up_offset;
+};
 
 // In-register 16x16 fp32 transpose: r[i][j] -> r[j][i]. Always inlined: a call would
 // make the caller save every live vector (all zmm registers are caller-saved), and the
@@ -127,15 +138,32 @@ inline __m512 sum_parts(const float* const* parts, int n_parts, int64_t offset, 
     return sum;
 }
 
+// sum_parts plus bias[row] (none: no addition, so that the sum keeps its bits).
+inline __m512 biased_sum(const float* const* parts, int n_parts, int64_t row, int64_t ld, int64_t t0, __mmask16 mask,
+                         const float* bias) {
+    const __m512 sum = sum_parts(parts, n_parts, row * ld + t0, mask);
+    return bias ? _mm512_add_ps(sum, _mm512_set1_ps(bias[row])) : sum;
+}
+
+// The activation of row i for tokens t0 .. t0 + 15; lanes off `mask` are 0 (the padding
+// tokens of the operand, which the biases would otherwise make non-zero).
+inline __m512 activation_rows(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
+                              int64_t i, int64_t t0, __mmask16 mask, const ExpertEpilogue& e,
+                              const Activation512& activate) {
+    return _mm512_maskz_mov_ps(mask, activate(biased_sum(gate_parts, n_parts, i, ld, t0, mask, e.gate_bias),
+                                              biased_sum(up_parts, n_parts, i, ld, t0, mask, e.up_bias)));
+}
+
 inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-// silu(g) * u over 16 rows x 16 tokens blocks, written in the token layout `layout`
-// (kernel_api.hpp): plain, pairs (AMX), or the token-lane column blocks; padding tokens
-// (m <= t < m_pad) are written as zeros.
+// The activation (with the biases) over 16 rows x 16 tokens blocks, written in the token
+// layout `layout` (kernel_api.hpp): plain, pairs (AMX), or the token-lane column blocks;
+// padding tokens (m <= t < m_pad) are written as zeros.
 inline void silu_mul_pack_avx512(TokenLayout layout, const float* const* gate_parts, const float* const* up_parts,
                                  int n_parts, int64_t ld, int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total,
-                                 void* packed) {
+                                 const ExpertEpilogue& epilogue, void* packed) {
     bf16* act = static_cast<bf16*>(packed);
+    const Activation512 activate(epilogue.activation);
     const int64_t m_pad = padded_tokens(layout, m);
     const int64_t block = layout.block_columns;
     for (int64_t i0 = i_begin; i0 < i_end; i0 += 16) {
@@ -150,10 +178,7 @@ inline void silu_mul_pack_avx512(TokenLayout layout, const float* const* gate_pa
                     v[ii] = _mm512_setzero_ps();
                     continue;
                 }
-                const int64_t offset = (i0 + ii) * ld + t0;
-                const __m512 g = sum_parts(gate_parts, n_parts, offset, tmask);
-                const __m512 u = sum_parts(up_parts, n_parts, offset, tmask);
-                v[ii] = _mm512_mul_ps(silu512(g), u);  // masked-off tokens: silu(0) * 0 = 0
+                v[ii] = activation_rows(gate_parts, up_parts, n_parts, ld, i0 + ii, t0, tmask, epilogue, activate);
             }
             if (block == 2) {
                 // Pair row i/2 holds (act[t][i], act[t][i+1]) interleaved over t.
@@ -188,10 +213,11 @@ inline void silu_mul_pack_avx512(TokenLayout layout, const float* const* gate_pa
     }
 }
 
-// y[token_index[t]][h] += token_weight[t] * sum_p parts[p][h * ld + t], the transpose done
-// in registers 16 x 16 at a time.
+// y[token_index[t]][h] += token_weight[t] * (sum_p parts[p][h * ld + t] + bias[h]), the
+// transpose done in registers 16 x 16 at a time.
 inline void combine_down_avx512(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end,
-                         int64_t m, const int64_t* token_index, const float* token_weight, float* y, int64_t ldy) {
+                                int64_t m, const int64_t* token_index, const float* token_weight, const float* bias,
+                                float* y, int64_t ldy) {
     for (int64_t t0 = 0; t0 < m; t0 += 16) {
         const int64_t nt = m - t0 < 16 ? m - t0 : 16;
         const __mmask16 tmask = tail_mask16(nt);
@@ -200,7 +226,7 @@ inline void combine_down_avx512(const float* const* parts, int n_parts, int64_t 
             const int64_t nh = h_end - h0 < 16 ? h_end - h0 : 16;
             __m512 v[16];
             for (int hh = 0; hh < 16; ++hh)
-                v[hh] = hh < nh ? _mm512_mul_ps(weight, sum_parts(parts, n_parts, (h0 + hh) * ld + t0, tmask))
+                v[hh] = hh < nh ? _mm512_mul_ps(weight, biased_sum(parts, n_parts, h0 + hh, ld, t0, tmask, bias))
                                 : _mm512_setzero_ps();
             transpose16(v);
             const __mmask16 hmask = tail_mask16(nh);
@@ -212,14 +238,14 @@ inline void combine_down_avx512(const float* const* parts, int n_parts, int64_t 
     }
 }
 
-// out[t][h] = sum_p parts[p][h * ld + t] (bf16 or fp32), transposed 16 x 16 in registers
+// out[t][h] = sum_p parts[p][h * ld + t] + bias[h] (bf16 or fp32), transposed 16 x 16 in registers
 // like combine_down_avx512 and stored once: no fp32 rows to clear, add into and convert.
 // The 16 token rows of a tile share an L1 set when the rows are 4 KB apart (2048 bf16),
 // and still this beats clearing, combining into and converting fp32 rows (docs/kernels.md).
 // The bf16 rounding is vcvtneps2bf16's (nearest even, as float_to_bf16; it flushes
 // denormal inputs, which an FFN output does not reach in practice).
 inline void store_down_avx512(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end,
-                              int64_t m, void* out, int64_t ldo, bool out_bf16) {
+                              int64_t m, const float* bias, void* out, int64_t ldo, bool out_bf16) {
     for (int64_t t0 = 0; t0 < m; t0 += 16) {
         const int64_t nt = m - t0 < 16 ? m - t0 : 16;
         const __mmask16 tmask = tail_mask16(nt);
@@ -227,7 +253,7 @@ inline void store_down_avx512(const float* const* parts, int n_parts, int64_t ld
             const int64_t nh = h_end - h0 < 16 ? h_end - h0 : 16;
             __m512 v[16];
             for (int hh = 0; hh < 16; ++hh)
-                v[hh] = hh < nh ? sum_parts(parts, n_parts, (h0 + hh) * ld + t0, tmask) : _mm512_setzero_ps();
+                v[hh] = hh < nh ? biased_sum(parts, n_parts, h0 + hh, ld, t0, tmask, bias) : _mm512_setzero_ps();
             transpose16(v);
             const __mmask16 hmask = tail_mask16(nh);
             for (int tt = 0; tt < nt; ++tt) {
@@ -321,12 +347,13 @@ void quantize_tokens_avx512(const uint16_t* x, int64_t ldx, const int64_t* token
     }
 }
 
-// The gate/up epilogue, silu(g) * u quantized per token and group of the intermediate
+// The gate/up epilogue, the activation (with the biases) quantized per token and group of the intermediate
 // columns [i_begin, i_end): the partials are [row][token], the operand [token][column], so
 // 16 rows x 16 tokens tiles are transposed in registers, G / 16 per group.
 template <int64_t G, class Put>
 void quantize_silu_mul_avx512(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                              int64_t i_begin, int64_t i_end, int64_t m, Put&& put) {
+                              int64_t i_begin, int64_t i_end, int64_t m, const ExpertEpilogue& epilogue, Put&& put) {
+    const Activation512 activate(epilogue.activation);
     alignas(64) int8_t q[G];
     for (int64_t i0 = i_begin; i0 < i_end; i0 += G) {
         for (int64_t t0 = 0; t0 < m; t0 += 16) {
@@ -335,11 +362,9 @@ void quantize_silu_mul_avx512(const float* const* gate_parts, const float* const
             __m512 act[16][G / 16];  // [token][16 columns]
             for (int64_t sub = 0; sub < G / 16; ++sub) {
                 __m512 v[16];
-                for (int ii = 0; ii < 16; ++ii) {
-                    const int64_t offset = (i0 + sub * 16 + ii) * ld + t0;
-                    v[ii] = _mm512_mul_ps(silu512(sum_parts(gate_parts, n_parts, offset, tmask)),
-                                          sum_parts(up_parts, n_parts, offset, tmask));
-                }
+                for (int ii = 0; ii < 16; ++ii)
+                    v[ii] = activation_rows(gate_parts, up_parts, n_parts, ld, i0 + sub * 16 + ii, t0, tmask, epilogue,
+                                            activate);
                 transpose16(v);
                 for (int tt = 0; tt < 16; ++tt) act[tt][sub] = v[tt];
             }

@@ -238,10 +238,11 @@ void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, i
 
 template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, const ExpertEpilogue& epilogue,
+                   void* packed) {
     const TokenWriter<F, G> out(packed, m, i_total);
     out.fill_padding(i_begin, i_end);
-    quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m,
+    quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, epilogue,
                                 [&](int64_t t, int64_t b, const int8_t* q, float scale) { out.put(t, b, q, scale); });
 }
 

@@ -13,6 +13,7 @@
 //            H^T[rows, tokens]); kernels add into it (+=), callers zero it.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -121,6 +122,28 @@ inline TokenLayout pairs_layout(int64_t) { return TokenLayout{2, 1}; }
 
 }  // namespace NUMA_MOE_ISA_NS
 
+// The expert's gated activation, as data: for gate and up sums g, u of one row and token
+// (biases added, ExpertEpilogue),
+//     g = min(g, limit),  u = clamp(u, -limit, limit)
+//     act = g / (1 + exp(-alpha * g)) * (u + up_offset)
+// The default is silu(g) * u (Mixtral, Qwen, DeepSeek: the same expression and bits as
+// silu's x / (1 + exp(-x))); gpt-oss's clamped SwiGLU is {1.702, 7, 1}. A NaN stays NaN
+// through the clamps.
+struct Activation {
+    float alpha = 1.0f;
+    float limit = INFINITY;
+    float up_offset = 0.0f;
+};
+
+// What silu_mul_pack applies besides the matmuls' sums: the layer's activation and the
+// expert's gate / up biases (fp32 [I], indexed by intermediate row; null: none), added to
+// the node-summed partials before the clamps.
+struct ExpertEpilogue {
+    Activation activation;
+    const float* gate_bias = nullptr;
+    const float* up_bias = nullptr;
+};
+
 struct KernelOps {
     Isa isa;
     const char* name;
@@ -153,31 +176,32 @@ struct KernelOps {
     // The gate/up epilogue fused with the cross-node reduction: for rows i in
     // [i_begin, i_end) and tokens t < m,
     //     g = sum_p gate_parts[p][i * ld + t]   (p in order 0..n_parts-1: deterministic)
-    //     u = sum_p up_parts[p][i * ld + t]
-    //     act[t][i] = bf16(silu(g) * u)
+    //         (+ gate_bias[i])
+    //     u = sum_p up_parts[p][i * ld + t] (+ up_bias[i])
+    //     act[t][i] = bf16(activation(g, u))   (Activation above: silu(g) * u by default)
     // written into `packed`, the token operand (m tokens x k = i_total columns) of the down
     // projection. Disjoint [i_begin, i_end) ranges may run concurrently; i_begin and
     // i_end are multiples of row_align(*this) except i_end == i_total.
     void (*silu_mul_pack)(const float* const* gate_parts, const float* const* up_parts, int n_parts,
                           int64_t ld, int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total,
-                          void* packed);
+                          const ExpertEpilogue& epilogue, void* packed);
 
     // The down epilogue fused with the cross-node reduction and the top-k combine: for
     // h in [h_begin, h_end), t < m,
-    //     y[token_index[t] * ldy + h] += token_weight[t] * sum_p parts[p][h * ld + t]
-    // (partials transposed back to row-major tokens). Disjoint [h_begin, h_end) ranges
-    // may run concurrently.
+    //     y[token_index[t] * ldy + h] += token_weight[t] * (sum_p parts[p][h * ld + t] (+ bias[h]))
+    // (partials transposed back to row-major tokens; bias: the expert's down bias, fp32
+    // [H], or null). Disjoint [h_begin, h_end) ranges may run concurrently.
     void (*combine_down)(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin,
                          int64_t h_end, int64_t m, const int64_t* token_index,
-                         const float* token_weight, float* y, int64_t ldy);
+                         const float* token_weight, const float* bias, float* y, int64_t ldy);
 
     // The down epilogue of a single expert (expert_ffn): for h in [h_begin, h_end), t < m,
-    //     out[t * ldo + h] = sum_p parts[p][h * ld + t]
+    //     out[t * ldo + h] = sum_p parts[p][h * ld + t] (+ bias[h])
     // stored, not added, as bf16 (round to nearest even) when out_bf16, else as fp32: the
     // transpose of combine_down without an fp32 staging pass. Disjoint [h_begin, h_end)
     // ranges may run concurrently.
     void (*store_down)(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end,
-                       int64_t m, void* out, int64_t ldo, bool out_bf16);
+                       int64_t m, const float* bias, void* out, int64_t ldo, bool out_bf16);
 };
 
 // Row ranges handed to threads are multiples of this: 32 rows (the epilogues' register

@@ -44,38 +44,35 @@ void matmul_segments(const Weights& weights, const Segment* segments, int64_t n_
 }
 
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, const ExpertEpilogue& epilogue,
+                   void* packed) {
     bf16* act = static_cast<bf16*>(packed);
-    for (int64_t i = i_begin; i < i_end; ++i) {
-        for (int64_t t = 0; t < m; ++t) {
-            float g = 0.0f, u = 0.0f;
-            for (int p = 0; p < n_parts; ++p) {
-                g += gate_parts[p][i * ld + t];
-                u += up_parts[p][i * ld + t];
-            }
-            act[t * i_total + i] = float_to_bf16(silu(g) * u);
-        }
-    }
+    for (int64_t i = i_begin; i < i_end; ++i)
+        for (int64_t t = 0; t < m; ++t)
+            act[t * i_total + i] = float_to_bf16(activation_at(gate_parts, up_parts, n_parts, ld, i, t, epilogue));
+}
+
+// sum_p parts[p][h * ld + t] in part order, then the bias.
+float down_sum(const float* const* parts, int n_parts, int64_t ld, int64_t h, int64_t t, const float* bias) {
+    float sum = 0.0f;
+    for (int p = 0; p < n_parts; ++p) sum += parts[p][h * ld + t];
+    return bias ? sum + bias[h] : sum;
 }
 
 void combine_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end,
-                  int64_t m, const int64_t* token_index, const float* token_weight, float* y, int64_t ldy) {
+                  int64_t m, const int64_t* token_index, const float* token_weight, const float* bias, float* y,
+                  int64_t ldy) {
     for (int64_t t = 0; t < m; ++t) {
         float* y_row = y + token_index[t] * ldy;
-        for (int64_t h = h_begin; h < h_end; ++h) {
-            float sum = 0.0f;
-            for (int p = 0; p < n_parts; ++p) sum += parts[p][h * ld + t];
-            y_row[h] += token_weight[t] * sum;
-        }
+        for (int64_t h = h_begin; h < h_end; ++h) y_row[h] += token_weight[t] * down_sum(parts, n_parts, ld, h, t, bias);
     }
 }
 
 void store_down(const float* const* parts, int n_parts, int64_t ld, int64_t h_begin, int64_t h_end, int64_t m,
-                void* out, int64_t ldo, bool out_bf16) {
+                const float* bias, void* out, int64_t ldo, bool out_bf16) {
     for (int64_t t = 0; t < m; ++t) {
         for (int64_t h = h_begin; h < h_end; ++h) {
-            float sum = 0.0f;
-            for (int p = 0; p < n_parts; ++p) sum += parts[p][h * ld + t];
+            const float sum = down_sum(parts, n_parts, ld, h, t, bias);
             if (out_bf16)
                 static_cast<bf16*>(out)[t * ldo + h] = float_to_bf16(sum);
             else

@@ -131,13 +131,14 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
 
 template <int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
-                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, void* packed) {
+                   int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, const ExpertEpilogue& epilogue,
+                   void* packed) {
     int8_t* q = token_values(packed);
     float* scales = token_scales(packed, m, i_total);
     float block[G];
     for (int64_t t = 0; t < m; ++t) {
         for (int64_t b0 = i_begin; b0 < i_end; b0 += G) {
-            silu_mul_rows(gate_parts, up_parts, n_parts, ld, b0, G, t, block);
+            silu_mul_rows(gate_parts, up_parts, n_parts, ld, b0, G, t, epilogue, block);
             quantize_block<G>(block, q + t * i_total + b0, scales + t * (i_total / G) + b0 / G);
         }
     }

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from numa_moe import _native
-from numa_moe.arrays import BF16, as_index_array, bf16_bits, is_bf16_dtype, is_torch, output_view
+from numa_moe.activation import activation_named
+from numa_moe.arrays import BF16, as_float_vector, as_index_array, bf16_bits, is_bf16_dtype, is_torch, output_view
 from numa_moe.quant import QuantizedMatrix
 
 __all__ = [
@@ -146,8 +147,13 @@ def expert_ffn(
     gate_segments: Any = None,
     up_segments: Any = None,
     down_segments: Any = None,
+    activation: Any = None,
+    gate_bias: Any = None,
+    up_bias: Any = None,
+    down_bias: Any = None,
 ):
-    """``out = (silu(x[idx] Wg^T) * (x[idx] Wu^T)) Wd^T`` for one expert.
+    """``out = act(x[idx] Wg^T + gate_bias, x[idx] Wu^T + up_bias) Wd^T + down_bias`` for one
+    expert (act: silu(g) * u, or the ``activation`` given: numa_moe.activation).
 
     x: ``[T, H]`` bf16; w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (all bf16, row-major,
     torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 / mxfp4 with group scales,
@@ -158,6 +164,8 @@ def expert_ffn(
     preallocated ``[M, H]`` output of that dtype (same library as x). threads: worker
     threads (default: the CPUs in this process's affinity mask). *_segments: optional
     int64 ``[n, 5]`` segment lists restricting each matrix (default: whole matrix).
+    activation: None (silu), "silu", "gpt-oss" or a numa_moe.activation.Activation;
+    gate_bias, up_bias ``[I]`` and down_bias ``[H]``: optional 1-D floats.
     Returns the output (a torch tensor if x is one, else a numpy array).
     """
     use_torch = is_torch(x)
@@ -197,6 +205,10 @@ def expert_ffn(
         gate_scales=gate_scales,
         up_scales=up_scales,
         down_scales=down_scales,
+        gate_bias=as_float_vector("gate_bias", gate_bias),
+        up_bias=as_float_vector("up_bias", up_bias),
+        down_bias=as_float_vector("down_bias", down_bias),
+        **activation_named(activation).native_args(),
     )
     return out
 
@@ -216,28 +228,37 @@ def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *,
     return out
 
 
-def silu_mul_pack(gate_parts, up_parts, i_begin: int, i_end: int, *, isa: str | None = None) -> np.ndarray:
-    """Low-level: ``act[t, i] = bf16(silu(sum_p gate_parts[p][i, t]) * sum_p up_parts[p][i, t])``
-    for i in ``[i_begin, i_end)``; returned as ``[M, I]`` ml_dtypes.bfloat16 (the ISA's packed
+def silu_mul_pack(gate_parts, up_parts, i_begin: int, i_end: int, *, isa: str | None = None, activation: Any = None,
+                  gate_bias: Any = None, up_bias: Any = None) -> np.ndarray:
+    """Low-level: ``act[t, i] = bf16(act(g, u))`` with ``g = sum_p gate_parts[p][i, t] (+
+    gate_bias[i])``, ``u`` likewise, for i in ``[i_begin, i_end)`` (act: silu(g) * u, or
+    the ``activation`` given); returned as ``[M, I]`` ml_dtypes.bfloat16 (the ISA's packed
     layout unpacked; other columns 0)."""
-    act = _native.silu_mul_pack(_resolve_isa(isa), list(gate_parts), list(up_parts), int(i_begin), int(i_end))
+    act = _native.silu_mul_pack(_resolve_isa(isa), list(gate_parts), list(up_parts), int(i_begin), int(i_end),
+                                gate_bias=as_float_vector("gate_bias", gate_bias),
+                                up_bias=as_float_vector("up_bias", up_bias),
+                                **activation_named(activation).native_args())
     return act.view(BF16)
 
 
 def combine_down(parts, h_begin: int, h_end: int, token_index, token_weight, y: np.ndarray, *,
-                 isa: str | None = None) -> np.ndarray:
-    """Low-level: ``y[token_index[t], h] += token_weight[t] * sum_p parts[p][h, t]`` for h in
-    ``[h_begin, h_end)``; parts are float32 ``[H, M]``, y float32 ``[T, H]``."""
+                 isa: str | None = None, bias: Any = None) -> np.ndarray:
+    """Low-level: ``y[token_index[t], h] += token_weight[t] * (sum_p parts[p][h, t] (+
+    bias[h]))`` for h in ``[h_begin, h_end)``; parts are float32 ``[H, M]``, y float32
+    ``[T, H]``."""
     index = as_index_array("token_index", token_index)
     weight = np.ascontiguousarray(token_weight, dtype=np.float32)
-    _native.combine_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), index, weight, y)
+    _native.combine_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), index, weight, y,
+                         bias=as_float_vector("bias", bias))
     return y
 
 
-def store_down(parts, h_begin: int, h_end: int, out: np.ndarray, *, isa: str | None = None) -> np.ndarray:
-    """Low-level: ``out[t, h] = sum_p parts[p][h, t]`` for h in ``[h_begin, h_end)``, stored
+def store_down(parts, h_begin: int, h_end: int, out: np.ndarray, *, isa: str | None = None,
+               bias: Any = None) -> np.ndarray:
+    """Low-level: ``out[t, h] = sum_p parts[p][h, t] (+ bias[h])`` for h in ``[h_begin, h_end)``, stored
     (not added) and rounded to bf16 when `out` is bfloat16 (else float32); parts are float32
     ``[H, M]``, out ``[M, H]``. The single-expert down epilogue of `expert_ffn`."""
     target = out.view(np.uint16) if out.dtype == BF16 else out
-    _native.store_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), target)
+    _native.store_down(_resolve_isa(isa), list(parts), int(h_begin), int(h_end), target,
+                       bias=as_float_vector("bias", bias))
     return out

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from numa_moe import _native, quant
-from numa_moe.arrays import BF16, as_index_array, bf16_bits, check_cpu_tensors, is_torch
+from numa_moe.activation import activation_named
+from numa_moe.arrays import BF16, as_float_vector, as_index_array, bf16_bits, check_cpu_tensors, is_torch
 from numa_moe.formats import KINDS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
 from numa_moe.layer import kernels, registry
 from numa_moe.layer.kernels import weight_operand
@@ -99,10 +100,16 @@ class MoELayer:
         within the expert's matrix.
     topology: a numa_moe.placement.topology.Topology (default: current_topology()); its nodes must
         be the tables' nodes. node_cpus=(node_ids, cpu lists) may be given instead.
+    activation: the experts' activation, None / "silu" (silu(g) * u), "gpt-oss" or a
+        numa_moe.activation.Activation.
+    biases: None, or per expert None or (gate_bias [I], up_bias [I], down_bias [H]) of 1-D
+        floats (numpy or torch; an entry may be None), added to the gate and up sums before
+        the activation and to the expert's output before its routing weight.
     """
 
     def __init__(self, experts, tables, *, topology=None, node_cpus=None, isa: str | None = None,
-                 amx_min_tokens: int | None = None, pin: bool = True, verify_tables: bool = True, keep_alive=()):
+                 amx_min_tokens: int | None = None, pin: bool = True, verify_tables: bool = True, keep_alive=(),
+                 activation=None, biases=None):
         amx_min_tokens = _amx_min_tokens(amx_min_tokens)
         if node_cpus is None:
             topology = topology if topology is not None else default_topology()
@@ -113,6 +120,8 @@ class MoELayer:
             raise ValueError("MoELayer needs at least one expert")
         if len(tables) != len(experts):
             raise ValueError(f"{len(experts)} experts but {len(tables)} table sets")
+        self.activation = activation_named(activation)
+        expert_biases = _expert_biases(biases, len(experts))
         self.topology = topology
         self.node_ids = tuple(int(n) for n in node_ids)
         self.pool = worker_pool(cpus, pin=pin)
@@ -123,6 +132,7 @@ class MoELayer:
         self.intermediate, self.hidden = _matrix_shape(experts[0][0], "expert 0 gate")
         self.n_experts = len(experts)
         self._core = _native.MoELayerCore(self.pool, self.hidden, self.intermediate)
+        self._core.set_activation(**self.activation.native_args())
         self.weight_format = "bf16"
         for e, (weights, table_set) in enumerate(zip(experts, self.tables)):
             operands = [weight_operand(f"expert {e} {kind}", w) for w, kind in zip(weights, KINDS)]
@@ -133,9 +143,10 @@ class MoELayer:
                     raise ValueError(f"expert {e}: no table for its {kind} matrix")
                 segs[kind] = self._node_arrays(table_set[kind], f"expert {e} {kind}")
             scales = [s for _, s, _ in operands]
+            gate_bias, up_bias, down_bias = expert_biases[e]
             self._core.add_expert(mats.gate, mats.up, mats.down, segs["gate"], segs["up"], segs["down"],
                                   verify_partition=verify_tables, gate_scales=scales[0], up_scales=scales[1],
-                                  down_scales=scales[2])
+                                  down_scales=scales[2], gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias)
             self.weight_format = operands[0][2]
             self.experts.append(mats)
         self.isa = isa if isa is not None else kernels.forced_isa()
@@ -420,6 +431,23 @@ class MoELayer:
     def __repr__(self) -> str:
         return (f"MoELayer(experts={self.n_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
                 f"nodes={list(self.node_ids)}, threads={self.pool.n_threads}, isa={self.isa or 'auto'})")
+
+
+def _expert_biases(biases, n_experts: int) -> list[tuple]:
+    """Per expert (gate_bias, up_bias, down_bias) as float32 vectors or None."""
+    if biases is None:
+        return [(None, None, None)] * n_experts
+    if len(biases) != n_experts:
+        raise ValueError(f"biases: {len(biases)} entries for {n_experts} experts")
+    result = []
+    for e, entry in enumerate(biases):
+        if entry is None:
+            result.append((None, None, None))
+            continue
+        if len(entry) != 3:
+            raise ValueError(f"biases[{e}]: expected (gate_bias, up_bias, down_bias), got {len(entry)} entries")
+        result.append(tuple(as_float_vector(f"expert {e} {kind}_bias", b) for kind, b in zip(KINDS, entry)))
+    return result
 
 
 _thread_backend_checked = False
