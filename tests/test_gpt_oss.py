@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from numa_moe.activation import GPT_OSS
 from numa_moe.checkpoints.dispatch import open_checkpoint
 from numa_moe.checkpoints.synthetic import make_checkpoint
 from numa_moe.files import CheckpointError
@@ -91,7 +92,7 @@ def test_mxfp4_experts_load_exactly_with_gate_and_up_interleaved(mxfp4_checkpoin
 def test_biases_and_activation_come_from_the_checkpoint(mxfp4_checkpoint):
     t = _tensors(mxfp4_checkpoint)
     ck = open_checkpoint(mxfp4_checkpoint)
-    assert ck.activation == "gpt-oss" and ck.dims.top_k == 3 and ck.weight_format == "mxfp4"
+    assert ck.activation == GPT_OSS and ck.dims.top_k == 3 and ck.weight_format == "mxfp4"
     biases = ck.expert_biases(1)
     gate_up_b = t["model.layers.1.mlp.experts.gate_up_proj_bias"].float().numpy()
     down_b = t["model.layers.1.mlp.experts.down_proj_bias"].float().numpy()
@@ -233,3 +234,16 @@ def test_store_gate_and_up_are_transformers_gate_and_up(mxfp4_checkpoint):
         np.testing.assert_array_equal(as_f32(loaded.gate[e * 96:(e + 1) * 96]), gate_up[e][:, 0::2].T.numpy())
         np.testing.assert_array_equal(as_f32(loaded.up[e * 96:(e + 1) * 96]), gate_up[e][:, 1::2].T.numpy())
         np.testing.assert_array_equal(as_f32(loaded.down[e * 64:(e + 1) * 64]), down[e].T.numpy())
+
+
+def test_activation_follows_config_json(mxfp4_checkpoint):
+    path = mxfp4_checkpoint / "config.json"
+    config = json.loads(path.read_text())
+    config["swiglu_limit"] = 5.5
+    path.write_text(json.dumps(config))
+    act = open_checkpoint(mxfp4_checkpoint).activation
+    assert (act.alpha, act.limit, act.up_offset) == (GPT_OSS.alpha, 5.5, 1.0)
+    config["swiglu_limit"] = -1
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="swiglu_alpha / swiglu_limit: activation limit must be > 0"):
+        open_checkpoint(mxfp4_checkpoint)

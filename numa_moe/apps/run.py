@@ -34,7 +34,7 @@ def torch_moe_loop(x, ids, weights, gate_up, down, compute_dtype=None, biases=No
     gate_up [E, 2I, H] (gate rows first), down [E, H, I], torch tensors. compute_dtype
     (e.g. torch.float32) upcasts weights and activations for a reference; None computes
     in the weights' dtype as transformers does. ``biases`` (one (gate, up, down) tuple
-    per expert) and ``activation`` (as numa_moe.layer.activation.activation_named takes
+    per expert) and ``activation`` (as numa_moe.activation.activation_named takes
     it) as transformers' GptOssExperts applies them: biases before the activation, the
     down bias scaled by the routing weight with the rest."""
     import torch
@@ -62,7 +62,7 @@ def _torch_moe_loop_biased(x, ids, weights, gate_up, down, compute_dtype, biases
     import torch
     import torch.nn.functional as F
 
-    from numa_moe.layer.activation import activation_named
+    from numa_moe.activation import activation_named
 
     act = activation_named(activation)
     dtype = compute_dtype or x.dtype

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from numa_moe import quant as q
+from numa_moe.activation import GPT_OSS, Activation
 from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
 from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import (Checkpoint, ExpertLayer, ExpertMatrix, ModelDims, TensorInfo,
@@ -41,13 +42,9 @@ from numa_moe.checkpoints.safetensors import (Checkpoint, ExpertLayer, ExpertMat
 from numa_moe.files import CheckpointError, OpenFiles, short
 from numa_moe.formats import KINDS, NUMPY_DTYPES
 
-__all__ = ["is_gpt_oss", "open_gpt_oss", "GptOssImport", "GPT_OSS_ACTIVATION", "MODEL_TYPE"]
+__all__ = ["is_gpt_oss", "open_gpt_oss", "GptOssImport", "MODEL_TYPE"]
 
 MODEL_TYPE = "gpt_oss"
-# The activation the layer runs for gpt-oss (numa_moe.layer.activation.GPT_OSS), and the
-# config.json values it stands for.
-GPT_OSS_ACTIVATION = "gpt-oss"
-_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 _MX = q.MX_BLOCK
 
 _PREFIX = r"(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\."
@@ -68,12 +65,19 @@ def _config_int(config: dict, key: str, root: Path) -> int:
     return value
 
 
-def _check_activation(config: dict, root: Path) -> None:
-    for key, wanted in _SWIGLU.items():
-        value = config.get(key, wanted)
-        if not isinstance(value, (int, float)) or float(value) != wanted:
-            raise CheckpointError(f"{root}: config.json {key}={short(value)}; numa-moe runs gpt-oss "
-                                  f"experts with {', '.join(f'{k}={v}' for k, v in _SWIGLU.items())}")
+def _activation(config: dict, root: Path) -> Activation:
+    """The clamped SwiGLU of config.json's ``swiglu_alpha`` / ``swiglu_limit`` (transformers'
+    GptOssConfig defaults when absent: the released configs name only the limit)."""
+    values = {}
+    for key, field, default in (("swiglu_alpha", "alpha", GPT_OSS.alpha), ("swiglu_limit", "limit", GPT_OSS.limit)):
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{root}: config.json {key}={short(value)} is not a number")
+        values[field] = float(value)
+    try:
+        return Activation(up_offset=GPT_OSS.up_offset, **values)
+    except ValueError as err:
+        raise CheckpointError(f"{root}: config.json swiglu_alpha / swiglu_limit: {err}") from None
 
 
 def open_gpt_oss(root: Path, pattern: NamingPattern | None = None) -> Checkpoint:
@@ -86,7 +90,7 @@ def open_gpt_oss(root: Path, pattern: NamingPattern | None = None) -> Checkpoint
     config = read_config(root)
     if not is_gpt_oss(config):
         raise CheckpointError(f"{root}: config.json does not say model_type {MODEL_TYPE!r}")
-    _check_activation(config, root)
+    activation = _activation(config, root)
     H = _config_int(config, "hidden_size", root)
     I = _config_int(config, "intermediate_size", root)
     E = _config_int(config, "num_local_experts", root)
@@ -137,12 +141,12 @@ def open_gpt_oss(root: Path, pattern: NamingPattern | None = None) -> Checkpoint
                "intermediate_size": "config.json intermediate_size",
                "n_experts": "config.json num_local_experts",
                "top_k": "config.json num_experts_per_tok"}
-    importer = GptOssImport(mxfp4, dtype, biases)
+    importer = GptOssImport(mxfp4, dtype, biases, activation)
     return Checkpoint(root=root, files=files, tensors=tensors, config=config, naming=("gpt-oss",),
                       layers=layers, dims=ModelDims(H, I, E, top_k, sources),
                       router_tensors=tuple(routers), file_metadata=metadata, importer=importer,
-                      notes=[f"gpt-oss experts: {importer.source}, biases, activation "
-                             f"{GPT_OSS_ACTIVATION!r} (clamped SwiGLU)"])
+                      notes=[f"gpt-oss experts: {importer.source}, biases, clamped SwiGLU (alpha "
+                             f"{activation.alpha:g}, limit {activation.limit:g})"])
 
 
 def _expected_shapes(mxfp4: bool, E: int, H: int, I: int, root: Path) -> dict:
@@ -201,7 +205,7 @@ class GptOssImport(ExpertImport):
     dtype: str
     # layer -> (gate_up_proj_bias, down_proj_bias)
     bias_tensors: dict
-    activation: str | None = GPT_OSS_ACTIVATION
+    activation: Activation = GPT_OSS
 
     @property
     def source(self) -> str:

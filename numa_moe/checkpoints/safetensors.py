@@ -428,9 +428,9 @@ class Checkpoint:
         return f"safetensors {self.dtype}"
 
     @property
-    def activation(self) -> str | None:
-        """The experts' activation by name ("gpt-oss"), None for SiLU (every layout but
-        those whose importer says otherwise)."""
+    def activation(self):
+        """The experts' activation (a numa_moe.activation.Activation: gpt-oss's clamped
+        SwiGLU), None for SiLU (every layout but those whose importer says otherwise)."""
         return None if self.importer is None else self.importer.activation
 
     def expert_biases(self, layer: int, files: OpenFiles | None = None):

@@ -87,7 +87,7 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
 
 
 def _patch_gpt_oss(name: str, experts, release_weights: bool, layer_kwargs: dict) -> MoELayer:
-    from numa_moe.layer.activation import Activation
+    from numa_moe.activation import Activation
 
     gate_up = experts.gate_up_proj.detach()
     down = experts.down_proj.detach()
