@@ -252,3 +252,22 @@ def test_without_an_isa_each_m_runs_what_the_layer_runs_and_is_scored_against_it
         by_isa.setdefault(expected[m], []).append(str(m))
     described = "; ".join(f"{isa} at M = {', '.join(ms)}" for isa, ms in by_isa.items())
     assert f"isa auto ({described});" in status[0]
+
+
+def test_mxfp4_runs_count_its_one_byte_scales_and_have_no_torch_column(monkeypatch):
+    """mxfp4: e8m0 scales of 32 columns whatever --group says, one byte each; torch has no
+    MXFP4 CPU kernel, so the run says so and leaves its column empty."""
+    monkeypatch.setitem(kernel_bench.SHAPES, "tiny", (256, 128))
+    monkeypatch.setattr(kernel_bench, "MAX_ROTATION_BYTES", 2 << 20)
+    status = []
+    result = kernel_bench.run(shapes=["tiny"], m_values=[1, 5], repeats=3, min_seconds=0.0, page="4k",
+                              weight_format="mxfp4", group=128, progress=status.append)
+    elements = 3 * 256 * 128
+    assert result.group == 32
+    assert result.rows[0].weight_bytes == elements // 2 + elements // 32
+    assert any("torch has no CPU kernel for mxfp4" in line for line in status)
+    for row in result.rows:
+        assert row.ours_ms > 0 and row.torch_ms is None and row.speedup_vs_torch is None
+    copies = kernel_bench.expert_copies(np.random.default_rng(0), 256, 128, 2, "4k", "mxfp4", 128)
+    assert copies[0][3].dtype.name == "float8_e8m0fnu"
+    assert sum(a.nbytes for a in copies[0]) == result.rows[0].weight_bytes

@@ -152,6 +152,21 @@ def test_bench_layer_cli_with_integer_formats(monkeypatch, tmp_path):
         layer_bench.bench_layer(models=("qwen3-30b-a3b",), formats=("int8", "fp8"), echo=lambda s: None)
 
 
+def test_bench_layer_runs_mxfp4_with_its_own_group(monkeypatch):
+    """--format mxfp4 beside int4 at --group 64: mxfp4 keeps its 32-column e8m0 blocks,
+    and reads about as many bytes as int4 (4 bits a weight; a byte per 32 against two
+    per 64)."""
+    from numa_moe.apps.benchmarking import layer as layer_bench
+
+    monkeypatch.setitem(layer_bench.BENCH_MODELS, "tiny", (6, 2, 256, 128))
+    rows = layer_bench.bench_layer(models=("tiny",), tokens=(1,), repeats=2, echo=lambda s: None,
+                                   formats=("int4", "mxfp4"), group=64)
+    formats = rows[0]["formats"]
+    assert formats["int4"]["group"] == 64 and formats["mxfp4"]["group"] == 32
+    assert formats["mxfp4"]["read_mb"] == pytest.approx(formats["int4"]["read_mb"], rel=0.02)
+    assert formats["mxfp4"]["step_ms"] > 0 and formats["mxfp4"]["rel_error_vs_fp32"] < 0.4
+
+
 def test_run_refuses_a_non_bf16_checkpoint_with_a_message(tmp_path):
     # the store loads F32 experts, the MoE layer runs bf16 only: one line, not a traceback
     import json as json_module

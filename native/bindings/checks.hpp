@@ -44,10 +44,10 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
 // A weight format name: bf16, int8 or int4 (anything else is refused).
 kernels::Format weight_format_named(const std::string& name);
 
-// The KernelOps of an ISA name for a weight format; unknown or unavailable names are
-// refused.
+// The KernelOps of an ISA name for a weight format (and group; 0: the format's default,
+// kernels::default_group); unknown or unavailable names are refused.
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16,
-                                  int64_t group = kernels::kDefaultGroup);
+                                  int64_t group = 0);
 
 // An int64 [n, 5] array as segments, not yet checked against a matrix.
 std::vector<Segment> segment_array(const py::object& obj, const std::string& name);

@@ -38,7 +38,7 @@ from numa_moe.apps.benchmarking.yardsticks import (
     l3_bytes,
     ratio_cell,
 )
-from numa_moe.formats import QUANT_FORMATS
+from numa_moe.formats import FIXED_SCALES, QUANT_FORMATS, SCALE_DTYPES
 from numa_moe.layer import kernels
 from numa_moe.placement import memory
 from numa_moe.placement.pages import page_name
@@ -49,6 +49,7 @@ SHAPES: dict[str, tuple[int, int]] = {
     "qwen3-30b-a3b": (2048, 768),
     "deepseek-v3": (7168, 2048),
     "qwen3-235b": (4096, 1536),
+    "gpt-oss": (2880, 2880),  # 20b and 120b alike
 }
 M_VALUES = (1, 2, 4, 8, 16, 32, 128)
 ROTATION_TARGET_FACTOR = 4        # rotate over >= 4x the L3 size of weights
@@ -163,14 +164,21 @@ def _on_pages(array: np.ndarray, page: str) -> np.ndarray:
     return copy
 
 
+def format_scales(weight_format: str, group: int) -> tuple[int, str]:
+    """(group, scale dtype) the benchmark quantizes a format with: fp16 scales of `group`
+    columns, or the format's own (mxfp4: e8m0 per 32)."""
+    return FIXED_SCALES.get(weight_format, (group, "fp16"))
+
+
 def expert_bytes_read(hidden: int, inter: int, weight_format: str = "bf16", group: int = 128) -> int:
     """Bytes one call of an expert streams: its three matrices and, for the integer
-    formats, their fp16 scales (expert_copies' layout)."""
+    formats, their scales (expert_copies' layout)."""
     elements = 3 * hidden * inter
     if weight_format == "bf16":
         return 2 * elements
     per_weight = 1 if weight_format == "int8" else 0.5
-    return int(elements * per_weight) + elements // group * 2
+    group, scale_dtype = format_scales(weight_format, group)
+    return int(elements * per_weight) + elements // group * SCALE_DTYPES[scale_dtype].itemsize
 
 
 def expert_copies(rng: np.random.Generator, hidden: int, inter: int, copies: int, page: str,
@@ -182,7 +190,8 @@ def expert_copies(rng: np.random.Generator, hidden: int, inter: int, copies: int
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
     if weight_format == "bf16":
         return [tuple(random_weights(rng, shape, page) for shape in shapes) for _ in range(copies)]
-    templates = [quant.quantize(rng.standard_normal(shape, dtype=np.float32), weight_format, group)
+    group, scale_dtype = format_scales(weight_format, group)
+    templates = [quant.quantize(rng.standard_normal(shape, dtype=np.float32), weight_format, group, scale_dtype)
                  for shape in shapes]
     return [tuple(_on_pages(t.q, page) for t in templates) + tuple(_on_pages(t.scales, page) for t in templates)
             for _ in range(copies)]
@@ -259,7 +268,13 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     lines; `table`, when given, gets the lines of format_table as they become known
     (header, then each row, then the footer), so that a caller can print the table once
     while it fills. weight_format "int8" / "int4" runs quantized experts (group `group`,
-    fp16 scales; the bytes read count the scales) against PyTorch's own low-bit kernels."""
+    fp16 scales; the bytes read count the scales) against PyTorch's own low-bit kernels;
+    "mxfp4" its own e8m0 scales per 32 columns, without torch (it has no MXFP4 CPU kernel)."""
+    if weight_format in FIXED_SCALES:
+        group = FIXED_SCALES[weight_format][0]
+        if with_torch:
+            progress(f"torch has no CPU kernel for {weight_format} weights: no torch column")
+            with_torch = False
     shapes, page, isa = _checked_arguments(shapes, page, min_seconds, isa, weight_format, group, repeats)
     threads = _checked_threads(threads)
     _check_memory(shapes, m_values, weight_format, group, with_torch)

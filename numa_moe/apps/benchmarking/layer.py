@@ -9,8 +9,9 @@ touched (same buffers, so the same page size; as many pinned threads as the laye
 workers). Times are medians; the ceiling is the best read rate of the repetitions (a
 Yardstick: another tenant can only slow a read), applied to the median touched bytes.
 
-``formats`` adds layers of quantized experts (int8, int4: the same random experts,
-quantized once per format with numa_moe.quant, scales in fp16) to the same repetitions:
+``formats`` adds layers of quantized experts (int8, int4, mxfp4: the same random experts,
+quantized once per format with numa_moe.quant, scales in fp16, mxfp4's its own e8m0 per
+32) to the same repetitions:
 same routing, same threads, 1 node. Their bytes read (values + scales, as the layer
 reports them) are set against the same read rate, and their step against the BF16 one.
 The torch loop stays BF16 (it has no integer experts).
@@ -28,13 +29,17 @@ from numa_moe import quant
 from numa_moe.apps.benchmarking import native_loops
 from numa_moe.apps.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
 from numa_moe.apps.run import random_routing, torch_moe_loop, touched_bytes
-from numa_moe.formats import QUANT_FORMATS
+from numa_moe.formats import FIXED_SCALES, QUANT_FORMATS
 from numa_moe.layer.moe_layer import MoELayer
 
 BENCH_MODELS = {
     # name: (experts, top_k, hidden, intermediate)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
+    # gpt-oss's shapes; the layer runs the default activation (silu(g) * u) without biases:
+    # the epilogue's share of a step, not the weights it streams, is what those change
+    "gpt-oss-20b": (32, 4, 2880, 2880),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
 }
 
 
@@ -94,7 +99,8 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
             table_down = SegmentTable.theoretical(n_experts * hidden, inter, "bf16", 4096, topo.node_ids)
             layers[label] = MoELayer.from_stacked(gate_up, down, table_gate_up, table_down, topology=topo, isa=isa)
         quantized = {fmt: MoELayer.from_tensors(gate_up, down, topology=one_node, tables="theoretical",
-                                                weight_format=fmt, group=group, isa=isa) for fmt in int_formats}
+                                                weight_format=fmt, group=format_group(fmt, group), isa=isa)
+                     for fmt in int_formats}
         gate_up_t, down_t = memory.as_torch(gate_up), memory.as_torch(down)
         for n_tokens in tokens:
             _measure_peaks(peaks, {layers["1 node"].isa_for_tokens(m) for m in (1, n_tokens)},
@@ -174,7 +180,7 @@ def bench_layer(models=("qwen3-30b-a3b", "mixtral-8x7b"), tokens=(1, 16), repeat
                     "step_ms": step_ms, "read_mb": read_mb, "ceiling_ms": read_mb / ceiling.best,
                     "bf16_step_ratio": row["1 node ms"] / step_ms,
                     "rel_error_vs_fp32": error if fmt == "bf16" else format_errors[fmt],
-                    "group": None if fmt == "bf16" else group}
+                    "group": None if fmt == "bf16" else format_group(fmt, group)}
             rows.append(row)
             echo(format_bench_row(row, virtual_nodes))
             for fmt in quantized:
@@ -218,6 +224,11 @@ def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dic
             return None
         total += 2.0 * 3 * hidden * inter * int(m) / (peaks[isa].best * 1e9)
     return total
+
+
+def format_group(fmt: str, group: int) -> int:
+    """The group a quantized format runs with: its own where it fixes one (mxfp4: 32)."""
+    return FIXED_SCALES[fmt][0] if fmt in FIXED_SCALES else group
 
 
 def _integer_formats(formats) -> list[str]:
