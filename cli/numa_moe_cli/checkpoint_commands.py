@@ -10,7 +10,8 @@ import click
 
 from numa_moe_cli.options import check_apart, check_output, output_file, page_option, write_output
 
-_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b")
+_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b", "gpt-oss-20b",
+           "gpt-oss-120b")
 
 
 def _pattern_options(fn):
@@ -65,9 +66,9 @@ def _open(path: str, pattern: str | None, kinds: str | None):
               help="Accepted for compatibility; changes nothing. OUTPUT may be new, empty or an "
                    "earlier numa-moe output (replaced whole); a directory holding anything else "
                    "is refused.")
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default="bf16",
-              show_default=True,
-              help="Routed experts in bf16, or quantized as by `numa-moe quantize`.")
+@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default=None,
+              help="Routed experts in bf16, or quantized as by `numa-moe quantize` [default: bf16; "
+                   "gpt-oss: mxfp4, the released layout; bf16 is transformers' layout].")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
               help="Scale group size (int8/int4/mxfp4) [default: 128; mxfp4: 32].")
 @click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
@@ -83,7 +84,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
     try:
         out = make_checkpoint(output, like, layers, experts, seed, fused=fused, shared=shared,
                               max_shard_bytes=shard_mb << 20, progress=not quiet,
-                              overwrite=overwrite, weight_format=None if fmt == "bf16" else fmt,
+                              overwrite=overwrite, weight_format=fmt,
                               group=None if group is None else int(group), scale_dtype=scale_dtype)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
@@ -92,7 +93,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
     ck = open_checkpoint(out)
     size = sum(f.stat().st_size for f in ck.files)
     d = ck.dims
-    fmt = ck.dtype if ck.quant is None else ck.quant.describe()
+    fmt = ck.source_format if ck.quant is None else ck.quant.describe()
     click.echo(f"wrote {out}: {len(ck.files)} file(s), {size / 2**20:.1f} MiB; {like}: "
                f"{len(ck.layers)} MoE layer(s) x {d.n_experts} experts, H={d.hidden_size}, "
                f"I={d.intermediate_size}, top-k={d.top_k}, {fmt}, naming {', '.join(ck.naming)}")

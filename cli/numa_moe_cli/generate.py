@@ -10,7 +10,7 @@ import click
 
 from numa_moe_cli.options import check_output, isa_option, write_output, wrote
 
-LIKE = ("qwen3-30b-a3b", "qwen3-235b", "mixtral-8x7b")  # the qwen3_moe / mixtral entries of MODEL_SPECS
+LIKE = ("qwen3-30b-a3b", "qwen3-235b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b")  # the qwen3_moe / mixtral / gpt_oss entries of MODEL_SPECS
 
 
 @click.command("generate")
@@ -24,8 +24,9 @@ LIKE = ("qwen3-30b-a3b", "qwen3-235b", "mixtral-8x7b")  # the qwen3_moe / mixtra
               help="vocabulary size (small, so that the LM head does not dominate the step)")
 @click.option("--prompt", "prompt_tokens", default=16, show_default=True, type=click.IntRange(1),
               help="random prompt tokens")
-@click.option("--baseline", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True,
-              help="attention implementation of the unpatched transformers run")
+@click.option("--baseline", type=click.Choice(["sdpa", "eager"]), default=None,
+              help="attention implementation of the unpatched transformers run [default: sdpa; gpt-oss: "
+                   "eager, its only one, kept in the patched run too (attention sinks)]")
 @isa_option("the fastest (amx > avx512 > avx2 > ref)")
 @click.option("--seed", default=0, show_default=True, type=int, help="seed of the weights and the prompt")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,

@@ -27,9 +27,17 @@ from numa_moe_cli.options import check_apart, check_output, isa_option, page_opt
                    "(group 128, fp16 scales; mxfp4: group 32, e8m0 scales; docs/quantization.md); GGUF and FP8 experts are converted to "
                    "it (group 32; docs/checkpoints.md). Default: the checkpoint's own. Given "
                    "more than once, the job runs once per format and ends with their steps side by side.")
+@click.option("--like", default=None, metavar="MODEL",
+              help="Without CHECKPOINT: generate (once, into the cache) a checkpoint of this model's "
+                   "expert shapes, e.g. gpt-oss-120b (MXFP4, biases, its activation), qwen3-30b-a3b.")
+@click.option("--layers", type=click.IntRange(1), default=None,
+              help="With --like: MoE layers of the generated checkpoint (default per model).")
+@click.option("--experts", type=click.IntRange(1), default=None,
+              help="With --like: routed experts per layer (default per model).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the report as JSON to this file.")
-def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed, weight_formats, json_path):
+def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed, weight_formats, like, layers,
+                experts, json_path):
     """Load a checkpoint's routed experts interleaved and run decode-like MoE steps.
 
     CHECKPOINT (a path, or a Hugging Face repo id in the local cache) defaults to the
@@ -42,6 +50,8 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
 
     if nodes is not None and virtual_nodes is not None:
         raise click.UsageError("give --nodes or --virtual-nodes, not both")
+    if checkpoint is not None and (like, layers, experts) != (None, None, None):
+        raise click.UsageError("--like, --layers and --experts generate a checkpoint: give them or CHECKPOINT")
     if json_path:
         check_output(json_path, "--json")  # before the job, not after it
         if checkpoint is not None:
@@ -59,7 +69,7 @@ def run_command(checkpoint, tokens, steps, nodes, virtual_nodes, isa, page, seed
         for weight_format in weight_formats or (None,):
             reports.append(run_job(checkpoint, tokens=tokens, steps=steps, nodes=nodes, virtual_nodes=virtual_nodes,
                                    isa=isa, page=page, seed=seed, weight_format=weight_format, echo=click.echo,
-                                   progress=sys.stderr.isatty()))
+                                   progress=sys.stderr.isatty(), like=like, layers=layers, experts=experts))
     except BrokenPipeError:
         raise  # stdout closed (| head): the entry point ends quietly
     except (ValueError, OSError) as exc:

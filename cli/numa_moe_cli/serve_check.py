@@ -11,7 +11,7 @@ import click
 
 
 @click.command("serve-check")
-@click.option("--family", "families", type=click.Choice(["qwen3_moe", "mixtral", "deepseek_v2"]),
+@click.option("--family", "families", type=click.Choice(["qwen3_moe", "mixtral", "deepseek_v2", "gpt_oss"]),
               multiple=True, help="Model families to build and serve (default: all three).")
 @click.option("--mode", "modes", type=click.Choice(["eager", "compiled"]), multiple=True,
               help="vLLM execution modes (default: eager). 'compiled' is vLLM's torch.compile mode.")

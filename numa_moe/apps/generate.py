@@ -88,8 +88,9 @@ def _model_config(like: str, layers: int, experts: int | None, vocab: int, seed:
     if like not in MODEL_SPECS:
         raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
     spec = MODEL_SPECS[like]
-    if spec.model_type not in ("qwen3_moe", "mixtral"):
-        raise ValueError(f"generate supports the qwen3_moe and mixtral shapes, not {like} ({spec.model_type})")
+    if spec.model_type not in ("qwen3_moe", "mixtral", "gpt_oss"):
+        raise ValueError(f"generate supports the qwen3_moe, mixtral and gpt_oss shapes, not {like} "
+                         f"({spec.model_type})")
     experts = spec.default_experts if experts is None else experts
     if not 1 <= experts <= spec.n_experts:
         raise ValueError(f"experts must be in 1..{spec.n_experts} for {like} (the real model's count), "
@@ -101,6 +102,7 @@ def _model_config(like: str, layers: int, experts: int | None, vocab: int, seed:
     config.pop("numa_moe_synthetic")
     config.pop("architectures")
     config.pop("torch_dtype")
+    config.pop("quantization_config", None)  # the model is built in bf16, its experts too
     config.update(vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False)
     config.update(overrides)
     return config
@@ -210,16 +212,26 @@ def _shares(model, experts_modules, attention_timings: dict):
 
 
 def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64, experts: int | None = None,
-                 vocab: int = 4096, prompt_tokens: int = 16, seed: int = 0, baseline_attention: str = "sdpa",
+                 vocab: int = 4096, prompt_tokens: int = 16, seed: int = 0, baseline_attention: str | None = None,
                  topology=None, isa: str | None = None, echo=print, **overrides) -> GenerateReport:
     """Greedy decoding of `tokens` new tokens after a random prompt, unpatched then
     patched (see the module docstring); the report of both. overrides: config fields
-    (tiny models for tests: hidden_size=128, head_dim=64, ...)."""
+    (tiny models for tests: hidden_size=128, head_dim=64, ...). ``baseline_attention``
+    defaults to "sdpa"; gpt-oss's attention (with sinks) runs transformers' eager
+    implementation only, in both runs (numa-moe's decode attention has no sinks)."""
     from numa_moe.layer import attention
     from numa_moe.placement import memory
 
+    from numa_moe.checkpoints.synthetic import MODEL_SPECS
+
+    gpt_oss = like in MODEL_SPECS and MODEL_SPECS[like].model_type == "gpt_oss"
+    if baseline_attention is None:
+        baseline_attention = "eager" if gpt_oss else "sdpa"
     if baseline_attention not in ("sdpa", "eager"):
         raise ValueError(f"baseline attention must be sdpa or eager, got {baseline_attention!r}")
+    if gpt_oss and baseline_attention != "eager":
+        raise ValueError(f"{like}: transformers runs gpt-oss attention (with sinks) eager only, not "
+                         f"{baseline_attention}")
     if isa is not None and isa not in attention.available_isas():
         raise ValueError(f"isa {isa!r} is not available here (available: "
                          f"{', '.join(attention.available_isas())})")
@@ -252,9 +264,12 @@ def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64,
     echo(f"transformers ({baseline_attention} attention): {base_tps:.2f} tokens/s")
 
     patch_moe(model, topology=topology)
-    hf_attention.use_numa_attention(model)
-    timings: dict = {}
-    hf_attention.timings = timings
+    if gpt_oss:
+        timings = _timed_attention  # transformers' eager attention stays, timed as in the baseline
+    else:
+        hf_attention.use_numa_attention(model)
+        timings = {}
+        hf_attention.timings = timings
     previous_isa = None
     try:
         if isa is not None:
@@ -276,7 +291,8 @@ def run_generate(like: str = "qwen3-30b-a3b", layers: int = 4, tokens: int = 64,
                 os.environ["NUMA_MOE_ISA"] = previous_isa
     tps = tokens / shares["total_s"]
     report = GenerateReport(like, layers, experts_n, vocab, prompt_tokens, tokens, baseline_attention,
-                            isa or attention.default_isa(), base_tps, tps, new_tokens == base_tokens,
+                            "transformers eager" if gpt_oss else isa or attention.default_isa(), base_tps, tps,
+                            new_tokens == base_tokens,
                             shares={k: shares[k] for k in ("experts", "attention", "rest")},
                             baseline_shares={k: base_shares[k] for k in ("experts", "attention", "rest")})
     if not report.identical:

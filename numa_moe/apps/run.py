@@ -28,14 +28,20 @@ DEFAULT_LIKE = "qwen3-30b-a3b"
 
 # ---- references and yardsticks -------------------------------------------------------
 
-def torch_moe_loop(x, ids, weights, gate_up, down, compute_dtype=None):
+def torch_moe_loop(x, ids, weights, gate_up, down, compute_dtype=None, biases=None, activation=None):
     """The routed-expert loop the way transformers (Mixtral/Qwen3-MoE) writes it:
     one_hot mask, torch.where per expert, F.linear on the gathered rows, index_add_.
     gate_up [E, 2I, H] (gate rows first), down [E, H, I], torch tensors. compute_dtype
     (e.g. torch.float32) upcasts weights and activations for a reference; None computes
-    in the weights' dtype as transformers does."""
+    in the weights' dtype as transformers does. ``biases`` (one (gate, up, down) tuple
+    per expert) and ``activation`` (as numa_moe.activation.activation_named takes
+    it) as transformers' GptOssExperts applies them: biases before the activation, the
+    down bias scaled by the routing weight with the rest."""
     import torch
     import torch.nn.functional as F
+
+    if biases is not None or activation is not None:
+        return _torch_moe_loop_biased(x, ids, weights, gate_up, down, compute_dtype, biases, activation)
 
     cast = (lambda t: t.to(compute_dtype)) if compute_dtype is not None else (lambda t: t)
     final = torch.zeros(x.shape, dtype=compute_dtype or x.dtype)
@@ -49,6 +55,33 @@ def torch_moe_loop(x, ids, weights, gate_up, down, compute_dtype=None):
             g, u = F.linear(cast(x[token]), cast(gate_up[e])).chunk(2, dim=-1)
             out = F.linear(F.silu(g) * u, cast(down[e])) * cast(weights[token, pos, None])
             final.index_add_(0, token, out.to(final.dtype))
+    return final
+
+
+def _torch_moe_loop_biased(x, ids, weights, gate_up, down, compute_dtype, biases, activation):
+    import torch
+    import torch.nn.functional as F
+
+    from numa_moe.activation import activation_named
+
+    act = activation_named(activation)
+    dtype = compute_dtype or x.dtype
+    final = torch.zeros(x.shape, dtype=dtype)
+    n_experts, two_i, _ = gate_up.shape
+    with torch.no_grad():
+        for e in range(n_experts):
+            token, pos = torch.where(ids == e)
+            if token.numel() == 0:
+                continue
+            g, u = F.linear(x[token].to(dtype), gate_up[e].to(dtype)).chunk(2, dim=-1)
+            bias = (None, None, None) if biases is None or biases[e] is None else biases[e]
+            g, u = (t if b is None else t + torch.as_tensor(b).to(dtype) for t, b in zip((g, u), bias[:2]))
+            g = g.clamp(max=act.limit)
+            u = u.clamp(min=-act.limit, max=act.limit)
+            out = F.linear(g * torch.sigmoid(act.alpha * g) * (u + act.up_offset), down[e].to(dtype))
+            if bias[2] is not None:
+                out = out + torch.as_tensor(bias[2]).to(dtype)
+            final.index_add_(0, token, out * weights[token, pos, None].to(dtype))
     return final
 
 
@@ -129,24 +162,30 @@ def touched_bytes(layer: MoELayer, ids: np.ndarray) -> int:
 
 # ---- the main job ----------------------------------------------------------------------
 
-def default_checkpoint_dir(like: str = DEFAULT_LIKE, layers: int | None = None) -> Path:
+def default_checkpoint_dir(like: str = DEFAULT_LIKE, layers: int | None = None,
+                           experts: int | None = None) -> Path:
     from numa_moe.checkpoints.synthetic import MODEL_SPECS
 
+    if like not in MODEL_SPECS:
+        raise ValueError(f"unknown model {like!r}; choose one of {', '.join(MODEL_SPECS)}")
     n_layers = layers or MODEL_SPECS[like].default_layers
     cache = Path(os.environ.get("NUMA_MOE_CACHE", Path.home() / ".cache" / "numa-moe"))
-    return cache / f"{like}-{n_layers}"
+    return cache / (f"{like}-{n_layers}" + (f"-e{experts}" if experts is not None else ""))
 
 
-def ensure_default_checkpoint(like: str = DEFAULT_LIKE, layers: int | None = None, echo=print) -> Path:
-    """The generated embedded checkpoint, generated into the cache on first use."""
+def ensure_default_checkpoint(like: str = DEFAULT_LIKE, layers: int | None = None, echo=print,
+                              experts: int | None = None) -> Path:
+    """The generated checkpoint of ``like`` (the embedded one by default: its model's
+    default layers and experts, in its default format), generated into the cache on
+    first use."""
     from numa_moe.checkpoints.synthetic import make_checkpoint
 
-    path = default_checkpoint_dir(like, layers)
+    path = default_checkpoint_dir(like, layers, experts)
     if not (path / "config.json").exists():
         echo(f"generating the embedded checkpoint ({like}) into {path}")
         # The cache directory is numa-moe's own: a run interrupted by an older version
         # (files but no config.json) is replaced, not refused.
-        make_checkpoint(path, like=like, layers=layers, overwrite=True)
+        make_checkpoint(path, like=like, layers=layers, experts=experts, overwrite=True)
     return path
 
 
@@ -179,11 +218,17 @@ TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2, "mxfp4": 3e-2}
 def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, virtual_nodes: int | None = None,
             isa: str | None = None, page: str = "4k", seed: int = 0, tolerance: float | None = None,
             weight_format: str | None = None, echo: Callable[[str], None] = print,
-            progress: bool = True) -> RunReport:
+            progress: bool = True, like: str | None = None, layers: int | None = None,
+            experts: int | None = None) -> RunReport:
     """Load experts interleaved, build and verify the tables, run decode-like steps with
     random routing over every loaded MoE layer, check step 1 against the torch loop.
     weight_format "int8" / "int4" / "mxfp4" quantizes a BF16 checkpoint's experts while loading
-    (None: the checkpoint's own format)."""
+    (None: the checkpoint's own format). Without a checkpoint: the generated checkpoint
+    of ``like`` (default the embedded Qwen3-30B-A3B one) with ``layers`` / ``experts``
+    (default the model's small defaults, synthetic.MODEL_SPECS)."""
+    if checkpoint is not None and (like, layers, experts) != (None, None, None):
+        raise ValueError("like, layers and experts choose a generated checkpoint; give them or a "
+                         "checkpoint, not both")
     from numa_moe.placement.segments import MAX_NODES
 
     if tokens < 1 or steps < 1:
@@ -194,7 +239,8 @@ def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, vi
         raise ValueError(f"virtual_nodes must be in 1..{MAX_NODES} (the most NUMA nodes a Linux kernel "
                          f"supports), got {virtual_nodes}")
     topology, store_nodes = _job_topology(nodes, virtual_nodes)
-    path = Path(checkpoint) if checkpoint is not None else ensure_default_checkpoint(echo=echo)
+    path = Path(checkpoint) if checkpoint is not None else ensure_default_checkpoint(
+        like or DEFAULT_LIKE, layers, echo=echo, experts=experts)
     store, table_summary = _load_store(path, store_nodes, page, weight_format, progress, echo, tokens)
     tolerance = TOLERANCE.get(store.weight_format, 1e-2) if tolerance is None else tolerance
     layers = [MoELayer.from_store(store, layer, topology=topology, isa=isa) for layer in store.layers]
@@ -389,7 +435,8 @@ def check_against_torch(store, layers, xs, routes, outs) -> float:
         E, I, H = store.n_experts, store.intermediate_size, store.hidden_size
         gate_up = torch.cat([gate.view(E, I, H), up.view(E, I, H)], dim=1)
         ref = torch_moe_loop(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), torch.from_numpy(ids),
-                             torch.from_numpy(w), gate_up, down.view(E, H, I), compute_dtype=torch.float32)
+                             torch.from_numpy(w), gate_up, down.view(E, H, I), compute_dtype=torch.float32,
+                             biases=store.layer(layer_id).biases, activation=store.checkpoint.activation)
         ref = ref.numpy().astype(np.float64)
         err = np.linalg.norm(y.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30)
         if not np.all(np.isfinite(y.astype(np.float32))):

@@ -57,6 +57,10 @@ MACHINES_DIR = Path(__file__).parent / "machines"
 # wrong path (a log, a checkpoint) costs to read.
 MACHINE_FILE_LIMIT = 1 << 20
 FORMATS = ("bf16", "int8", "int4")
+# formats a workload may take: mxfp4 runs in the integer kernels at the int4 peak (its
+# e2m1 codes are multiplied as integers, docs/kernels.md); group 32, e8m0 scales
+WORKLOAD_FORMATS = (*FORMATS, "mxfp4")
+_PEAK_OF = {"mxfp4": "int4"}
 
 POLICIES = ("a", "b", "c", "d", "e")
 POLICY_NAMES = {
@@ -91,6 +95,7 @@ class Machine:
 
     def peak(self, fmt: str, isa: str | None = None) -> float:
         isa = isa or self.isa
+        fmt = _PEAK_OF.get(fmt, fmt)
         try:
             return float(self.peak_gflops_per_core[isa][fmt])
         except KeyError:
@@ -203,12 +208,19 @@ class Workload:
     layers: int
     fmt: str = "bf16"
     page: str = "4k"
-    group: int = 128          # scale group (int8/int4)
-    scale_dtype: str = "fp32"
+    group: int | None = None        # scale group: 128 for int8/int4, mxfp4's own 32
+    scale_dtype: str | None = None  # scale dtype: fp32 for int8/int4, mxfp4's own e8m0
 
     def __post_init__(self):
-        if self.fmt not in FORMATS:
-            raise ValueError(f"weight format must be one of {', '.join(FORMATS)}, got {self.fmt!r}")
+        if self.fmt not in WORKLOAD_FORMATS:
+            raise ValueError(f"weight format must be one of {', '.join(WORKLOAD_FORMATS)}, got {self.fmt!r}")
+        if self.fmt != "bf16":
+            from numa_moe.quant import scale_layout
+
+            group, scale_dtype = scale_layout(self.fmt, self.group, self.scale_dtype,
+                                              default_scale_dtype="fp32", any_group=True)
+            object.__setattr__(self, "group", group)
+            object.__setattr__(self, "scale_dtype", scale_dtype)
         page_name(self.page)
         for key in ("hidden", "intermediate", "n_experts", "top_k", "layers"):
             if getattr(self, key) < 1:
@@ -223,10 +235,10 @@ class Workload:
         return ModelDims(self.hidden, self.intermediate, self.n_experts, self.top_k)
 
     def expert_bytes(self) -> int:
-        """Weight bytes of one expert (gate, up, down), scales included for int8/int4."""
+        """Weight bytes of one expert (gate, up, down), scales included for int8/int4/mxfp4."""
         bits = weight_format(self.fmt).bits_per_element
         total = 3 * self.hidden * self.intermediate * bits // 8
-        if self.fmt in ("int8", "int4"):
+        if self.fmt != "bf16":
             sbits = weight_format(self.scale_dtype).bits_per_element
             total += (2 * self.intermediate * (self.hidden // self.group)
                       + self.hidden * (self.intermediate // self.group)) * sbits // 8

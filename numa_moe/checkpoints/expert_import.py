@@ -54,6 +54,13 @@ class ExpertImport:
     source: str = ""
     #: float formats the experts load as besides the quantized ones (their own, or bf16)
     float_formats: tuple[str, ...] = ("bf16",)
+    #: the experts' activation (numa_moe.activation.Activation), None for SiLU
+    activation = None
+
+    def biases(self, layer, files: OpenFiles | None = None):
+        """One (gate [I], up [I], down [H]) float32 tuple per expert of ``layer`` (an
+        ExpertLayer), None when the experts have no biases."""
+        return None
 
     def default(self) -> LoadFormat:
         """The format loaded when none is asked for."""

@@ -55,6 +55,8 @@ __all__ = [
     "scale_tensor_name",
     "QuantInfo",
     "QUANT_METADATA",
+    "read_tensors",
+    "read_config",
 ]
 
 # A header this long is not a plausible safetensors header (the library's own limit is 100 MB).
@@ -379,14 +381,8 @@ class Checkpoint:
         """The experts of the safetensors checkpoint at ``root`` (a file, an index or a
         directory, already resolved); ``numa_moe.checkpoints.dispatch.open_checkpoint``
         is the way in that also reads GGUF and attaches FP8 block scales."""
-        files, tensors, metadata = _read_tensors(root)
-        directory = root if root.is_dir() else root.parent
-        config = None
-        config_path = directory / "config.json"
-        if config_path.exists() or config_path.is_symlink():
-            config = read_json_file(config_path, "config.json")
-            if not isinstance(config, dict):
-                raise CheckpointError(f"{config_path}: a JSON object was expected")
+        files, tensors, metadata = read_tensors(root)
+        config = read_config(root)
         checkpoint = cls(root=root, files=files, tensors=tensors, config=config,
                          file_metadata=metadata)
         checkpoint.quant = _checkpoint_quant(metadata)
@@ -430,6 +426,20 @@ class Checkpoint:
         if self.quant is not None:
             return f"numa-moe {self.quant.describe()}"
         return f"safetensors {self.dtype}"
+
+    @property
+    def activation(self):
+        """The experts' activation (a numa_moe.activation.Activation: gpt-oss's clamped
+        SwiGLU), None for SiLU (every layout but those whose importer says otherwise)."""
+        return None if self.importer is None else self.importer.activation
+
+    def expert_biases(self, layer: int, files: OpenFiles | None = None):
+        """The biases of one layer's experts as ``MoELayer(biases=)`` takes them: one
+        (gate [I], up [I], down [H]) float32 tuple per expert; None when the experts have
+        none."""
+        if self.importer is None:
+            return None
+        return self.importer.biases(self.layers[layer], files)
 
     def expert_matrices(self):
         """Every routed-expert matrix, layer by layer, kind by kind, expert by expert."""
@@ -779,7 +789,21 @@ def _checkpoint_quant(metadata: dict[Path, dict]) -> QuantInfo | None:
     return next(iter(declared), None)
 
 
-def _read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:
+def read_config(root: Path) -> dict | None:
+    """The ``config.json`` beside a safetensors checkpoint (``root`` a directory or one
+    of its files), None when there is none."""
+    config_path = (root if root.is_dir() else root.parent) / "config.json"
+    if not (config_path.exists() or config_path.is_symlink()):
+        return None
+    config = read_json_file(config_path, "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: a JSON object was expected")
+    return config
+
+
+def read_tensors(root: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo], dict[Path, dict]]:
+    """(files, tensors by name, each file's ``__metadata__``) of the safetensors checkpoint
+    at ``root``: one file, an index, or a directory (sharded with an index, or not)."""
     if not root.is_dir():  # a file named on the command line (a FIFO or device is refused)
         if root.name.endswith(".json"):
             return _read_index(root)

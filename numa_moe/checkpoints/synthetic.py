@@ -25,6 +25,7 @@ import numpy as np
 from numa_moe.checkpoints.writer import (TensorPlan, building_directory, check_replaceable, real_output,
                                       write_safetensors)
 from numa_moe.formats import NUMPY_DTYPES
+from numa_moe.quant import MX_BLOCK
 
 __all__ = [
     "ModelSpec",
@@ -36,6 +37,7 @@ __all__ = [
 
 # One random block is generated at most this many elements at a time (memory bound).
 _CHUNK_ELEMENTS = 1 << 23
+_E8M0_BIAS = 127
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,9 @@ class ModelSpec:
     like: str
     model_type: str
     architecture: str
-    naming: str  # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3) or "mlp" (mlp.experts.E.*_proj)
+    # "mixtral" (block_sparse_moe.experts.E.w1/w2/w3), "mlp" (mlp.experts.E.*_proj) or
+    # "gpt-oss" (mlp.experts.gate_up_proj_blocks ..., numa_moe.checkpoints.gpt_oss)
+    naming: str
     hidden_size: int
     moe_intermediate_size: int
     n_experts: int
@@ -61,6 +65,14 @@ class ModelSpec:
     default_experts: int = 8
     extra_config: dict = field(default_factory=dict)
 
+
+# config.json keys of openai/gpt-oss-20b and -120b beside the expert shapes
+_GPT_OSS_CONFIG = {"swiglu_limit": 7.0, "sliding_window": 128, "rms_norm_eps": 1e-5,
+                   "attention_bias": True, "vocab_size": 201088,
+                   "quantization_config": {"quant_method": "mxfp4",
+                                           "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                      "model.layers.*.mlp.router",
+                                                                      "model.embed_tokens", "lm_head"]}}
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     spec.like: spec
@@ -87,8 +99,15 @@ MODEL_SPECS: dict[str, ModelSpec] = {
                   extra_config={"intermediate_size": 18432, "n_shared_experts": 1,
                                 "first_k_dense_replace": 0, "scoring_func": "sigmoid",
                                 "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4}),
+        ModelSpec("gpt-oss-20b", "gpt_oss", "GptOssForCausalLM", "gpt-oss", 2880, 2880, 32, 4, 24,
+                  64, 8, 64, default_layers=1, default_experts=8, extra_config=_GPT_OSS_CONFIG),
+        ModelSpec("gpt-oss-120b", "gpt_oss", "GptOssForCausalLM", "gpt-oss", 2880, 2880, 128, 4, 36,
+                  64, 8, 64, default_layers=1, default_experts=8, extra_config=_GPT_OSS_CONFIG),
     )
 }
+# The released layout of gpt-oss: MXFP4 experts (group 32, e8m0 scales); "bf16" writes the
+# layout transformers saves a dequantized GptOssForCausalLM in.
+GPT_OSS_FORMATS = ("mxfp4", "bf16")
 
 
 def _moe_prefix(spec: ModelSpec, layer: int) -> str:
@@ -98,10 +117,12 @@ def _moe_prefix(spec: ModelSpec, layer: int) -> str:
 
 def checkpoint_plan(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: int,
                     intermediate_size: int, fused: bool = False,
-                    shared: bool = True) -> list[TensorPlan]:
+                    shared: bool = True, gpt_oss_format: str = "mxfp4") -> list[TensorPlan]:
     """Every tensor of the generated checkpoint, in file order."""
     bf16 = NUMPY_DTYPES["BF16"]
     H, I, E = hidden_size, intermediate_size, n_experts
+    if spec.naming == "gpt-oss":
+        return _gpt_oss_plan(n_layers, E, H, I, gpt_oss_format)
     plan: list[TensorPlan] = []
     for layer in range(n_layers):
         prefix = _moe_prefix(spec, layer)
@@ -136,8 +157,36 @@ def checkpoint_plan(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size:
     return plan
 
 
+def _gpt_oss_plan(n_layers: int, E: int, H: int, I: int, fmt: str) -> list[TensorPlan]:
+    """The expert and router tensors of gpt-oss (numa_moe.checkpoints.gpt_oss): MXFP4 as
+    released (uint8 blocks and e8m0 scale bytes, gate and up rows interleaved), or BF16 as
+    transformers saves GptOssExperts ([E, H, 2I] and [E, I, H], gate and up columns
+    interleaved)."""
+    bf16, u8 = NUMPY_DTYPES["BF16"], NUMPY_DTYPES["U8"]
+    mx = MX_BLOCK
+    plan: list[TensorPlan] = []
+    for layer in range(n_layers):
+        prefix = f"model.layers.{layer}.mlp"
+        plan.append(TensorPlan(f"{prefix}.router.weight", (E, H), bf16, H))
+        plan.append(TensorPlan(f"{prefix}.router.bias", (E,), bf16, H))
+        experts = f"{prefix}.experts"
+        if fmt == "mxfp4":
+            plan += [TensorPlan(f"{experts}.gate_up_proj_blocks", (E, 2 * I, H // mx, mx // 2), u8, H),
+                     TensorPlan(f"{experts}.gate_up_proj_scales", (E, 2 * I, H // mx), u8, H)]
+        else:
+            plan.append(TensorPlan(f"{experts}.gate_up_proj", (E, H, 2 * I), bf16, H))
+        plan.append(TensorPlan(f"{experts}.gate_up_proj_bias", (E, 2 * I), bf16, H))
+        if fmt == "mxfp4":
+            plan += [TensorPlan(f"{experts}.down_proj_blocks", (E, H, I // mx, mx // 2), u8, I),
+                     TensorPlan(f"{experts}.down_proj_scales", (E, H, I // mx), u8, I)]
+        else:
+            plan.append(TensorPlan(f"{experts}.down_proj", (E, I, H), bf16, I))
+        plan.append(TensorPlan(f"{experts}.down_proj_bias", (E, H), bf16, I))
+    return plan
+
+
 def model_config(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: int,
-            intermediate_size: int, seed: int, fused: bool) -> dict:
+            intermediate_size: int, seed: int, fused: bool, gpt_oss_format: str = "mxfp4") -> dict:
     config = {
         "architectures": [spec.architecture],
         "model_type": spec.model_type,
@@ -150,7 +199,12 @@ def model_config(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: in
         "torch_dtype": "bfloat16",
     }
     config.update(spec.extra_config)
-    if spec.model_type == "mixtral":
+    if spec.model_type == "gpt_oss":
+        config["num_local_experts"] = n_experts
+        config["intermediate_size"] = intermediate_size
+        if gpt_oss_format != "mxfp4":  # transformers drops it when it saves dequantized
+            config.pop("quantization_config")
+    elif spec.model_type == "mixtral":
         config["num_local_experts"] = n_experts
         config["intermediate_size"] = intermediate_size
     elif spec.model_type == "deepseek_v3":
@@ -172,10 +226,24 @@ def model_config(spec: ModelSpec, n_layers: int, n_experts: int, hidden_size: in
 
 
 def _random_bytes(plan: TensorPlan, rng: np.random.Generator) -> Iterable[bytes]:
-    """The tensor's values in row-major chunks: normal(0, 1/sqrt(fan_in)) in its dtype."""
+    """The tensor's values in row-major chunks: normal(0, 1/sqrt(fan_in)) in its dtype;
+    MXFP4 blocks (uint8) uniform e2m1 codes, their scales (uint8 ``*_scales``) e8m0 bytes
+    around the power of two that puts the codes at that spread."""
     total = math.prod(plan.shape)
     scale = np.float32(1.0 / np.sqrt(plan.fan_in))
     done = 0
+    if plan.dtype == np.uint8:
+        # uniform codes have an RMS of about 3.2 (in e2m1 units)
+        center = _E8M0_BIAS + round(math.log2(float(scale) / 3.2))
+        while done < total:
+            count = min(_CHUNK_ELEMENTS, total - done)
+            if plan.name.endswith("_scales"):
+                block = rng.integers(center - 1, center + 2, count, dtype=np.uint8)
+            else:
+                block = rng.integers(0, 256, count, dtype=np.uint8)
+            yield block.tobytes()
+            done += count
+        return
     while done < total:
         count = min(_CHUNK_ELEMENTS, total - done)
         block = rng.standard_normal(count, dtype=np.float32)
@@ -213,7 +281,11 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     ``layers``/``experts`` default to the model's small defaults (``MODEL_SPECS``);
     ``hidden_size``/``intermediate_size`` override the real shapes (tests only).
     Output above ``max_shard_bytes`` is sharded with a ``model.safetensors.index.json``.
-    ``weight_format`` "int8"/"int4"/"mxfp4": the routed experts are then quantized
+    gpt-oss models are written in their own layouts (``numa_moe.checkpoints.gpt_oss``):
+    ``weight_format`` None or "mxfp4" the released MXFP4 one, "bf16" transformers' BF16 one
+    (``fused`` and ``shared`` do not apply).
+    Other models: ``weight_format`` None or "bf16" writes BF16;
+    "int8"/"int4"/"mxfp4": the routed experts are then quantized
     (``numa_moe.checkpoints.quantize``, ``group``, ``scale_dtype``, by default the format's
     own or 128 and fp16); the result equals generating the
     BF16 checkpoint and quantizing it.
@@ -233,6 +305,31 @@ def make_checkpoint(out_dir: str | os.PathLike, like: str = "qwen3-30b-a3b",
     if H < 1 or I < 1:
         raise ValueError(f"hidden_size and intermediate_size must be >= 1, got {H}, {I}")
     given = Path(out_dir)
+    if weight_format == "bf16":
+        weight_format = None if spec.naming != "gpt-oss" else "bf16"
+    if spec.naming == "gpt-oss":
+        # gpt-oss has its own file layouts (the released MXFP4 one by default): written
+        # directly, never by quantizing a BF16 checkpoint
+        gpt_oss_format = "mxfp4" if weight_format is None else weight_format
+        if gpt_oss_format not in GPT_OSS_FORMATS:
+            raise ValueError(f"{like} checkpoints are written in {' or '.join(GPT_OSS_FORMATS)} "
+                             f"(the released MXFP4 layout, or transformers' BF16 one), not "
+                             f"{gpt_oss_format}; quantize while loading instead (--format of run)")
+        if (group, scale_dtype) not in ((None, None), (MX_BLOCK, "e8m0")) and gpt_oss_format == "mxfp4" \
+                or gpt_oss_format == "bf16" and (group, scale_dtype) != (None, None):
+            raise ValueError(f"{like}: the released layout has MXFP4 group {MX_BLOCK} and e8m0 scales; "
+                             "group and scale dtype take no other values")
+        if gpt_oss_format == "mxfp4":
+            for what, cols in (("hidden_size", H), ("intermediate_size", I)):
+                if cols % MX_BLOCK:
+                    raise ValueError(f"{what} {cols} is not a multiple of the MXFP4 block {MX_BLOCK}")
+        _check_disk(given, checkpoint_plan(spec, n_layers, n_experts, H, I,
+                                           gpt_oss_format=gpt_oss_format), quantized=False)
+        check_replaceable(given, overwrite=True, command="make-checkpoint")
+        with building_directory(given) as build:
+            _write_checkpoint(build, spec, n_layers, n_experts, H, I, seed, True, False,
+                              max_shard_bytes, progress, like, gpt_oss_format)
+        return given
     _check_disk(given, checkpoint_plan(spec, n_layers, n_experts, H, I, fused=fused, shared=shared),
                 quantized=weight_format is not None)
     check_replaceable(given, overwrite=True, command="make-checkpoint")
@@ -271,8 +368,9 @@ def _check_disk(out: Path, plans: list[TensorPlan], quantized: bool) -> None:
 
 def _write_checkpoint(out: Path, spec: ModelSpec, n_layers: int, n_experts: int, H: int, I: int,
                       seed: int, fused: bool, shared: bool, max_shard_bytes: int, progress: bool,
-                      like: str) -> None:
-    plans = checkpoint_plan(spec, n_layers, n_experts, H, I, fused=fused, shared=shared)
+                      like: str, gpt_oss_format: str = "mxfp4") -> None:
+    plans = checkpoint_plan(spec, n_layers, n_experts, H, I, fused=fused, shared=shared,
+                            gpt_oss_format=gpt_oss_format)
     # One generator per tensor, derived from (seed, tensor index): the values do not
     # depend on how the tensors are sharded.
     seeds = np.random.SeedSequence(seed).spawn(len(plans))
@@ -295,5 +393,5 @@ def _write_checkpoint(out: Path, spec: ModelSpec, n_layers: int, n_experts: int,
             index = {"metadata": {"total_size": total},
                      "weight_map": {p.name: n for n, shard in zip(names, shards) for p in shard}}
             (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = model_config(spec, n_layers, n_experts, H, I, seed, fused)
+    config = model_config(spec, n_layers, n_experts, H, I, seed, fused, gpt_oss_format)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

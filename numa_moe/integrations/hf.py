@@ -13,7 +13,11 @@ patched experts have no backward.
 
 Supported: transformers >= 5 fused experts modules (``gate_up_proj`` [E, 2I, H] with
 gate rows first, ``down_proj`` [E, H, I], SiLU), as in MixtralExperts and
-Qwen3MoeExperts. Other structures raise a clear error naming the module.
+Qwen3MoeExperts; and GptOssExperts (``gate_up_proj`` [E, H, 2I] with gate and up in
+alternating columns, ``down_proj`` [E, I, H], biases ``gate_up_proj_bias`` [E, 2I] and
+``down_proj_bias`` [E, H], the clamped SwiGLU with the module's ``alpha`` and ``limit``):
+de-interleaved and transposed once while copied, biases and activation handed to the
+layer. Other structures raise a clear error naming the module.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 
 from numa_moe.layer.moe_layer import MoELayer
 
-SUPPORTED_EXPERTS = ("MixtralExperts", "Qwen3MoeExperts")
+SUPPORTED_EXPERTS = ("MixtralExperts", "Qwen3MoeExperts", "GptOssExperts")
+# experts modules laid out as transformers' GptOssExperts (module doc)
+_GPT_OSS_EXPERTS = ("GptOssExperts",)
 
 
 def _is_silu(act) -> bool:
@@ -46,7 +52,8 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
     """Replace the expert computation of every supported sparse-MoE block of ``model``;
     returns the MoELayers (one per block, in module order). ``weight_format`` "int8",
     "int4" or "mxfp4" quantizes the experts while copying them (``group`` columns per
-    scale, default 128; mxfp4: 32; docs/quantization.md). Raises ValueError when the model has no supported block."""
+    scale, default 128; mxfp4: 32; docs/quantization.md). Raises ValueError when the model
+    has no supported block."""
     found = find_expert_modules(model)
     if not found:
         names = sorted({type(m).__name__ for m in model.modules() if "expert" in type(m).__name__.lower()})
@@ -54,6 +61,11 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
                          f"{', '.join(SUPPORTED_EXPERTS)}; expert-like modules in this model: {names or 'none'})")
     layers = []
     for name, experts in found:
+        if type(experts).__name__ in _GPT_OSS_EXPERTS:
+            layers.append(_patch_gpt_oss(name, experts, release_weights, dict(
+                topology=topology, page=page, tables=tables, isa=isa, weight_format=weight_format, group=group,
+                **layer_kwargs)))
+            continue
         if not _is_silu(getattr(experts, "act_fn", None)):
             raise ValueError(f"patch_moe: {name} uses activation {type(experts.act_fn).__name__}, only SiLU is supported")
         gate_up = experts.gate_up_proj.detach()
@@ -72,6 +84,39 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
             experts.down_proj = torch.nn.Parameter(torch.empty(0, dtype=down.dtype), requires_grad=False)
         layers.append(layer)
     return layers
+
+
+def _patch_gpt_oss(name: str, experts, release_weights: bool, layer_kwargs: dict) -> MoELayer:
+    from numa_moe.activation import Activation
+
+    gate_up = experts.gate_up_proj.detach()
+    down = experts.down_proj.detach()
+    gate_up_bias = experts.gate_up_proj_bias.detach()
+    down_bias = experts.down_proj_bias.detach()
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[2] % 2:
+        raise ValueError(f"patch_moe: {name}: expected gate_up_proj [E, H, 2I] and down_proj [E, I, H], got "
+                         f"{list(gate_up.shape)} and {list(down.shape)}")
+    E, H, two_i = gate_up.shape
+    I = two_i // 2
+    if tuple(down.shape) != (E, I, H) or tuple(gate_up_bias.shape) != (E, two_i) \
+            or tuple(down_bias.shape) != (E, H):
+        raise ValueError(f"patch_moe: {name}: gate_up_proj {list(gate_up.shape)}, down_proj {list(down.shape)}, "
+                         f"gate_up_proj_bias {list(gate_up_bias.shape)} and down_proj_bias "
+                         f"{list(down_bias.shape)} do not fit one another ([E, H, 2I], [E, I, H], [E, 2I], [E, H])")
+    # [E, H, I, (gate, up)] -> [E, (gate, up), I, H]: gate rows first, in one copy
+    stacked = gate_up.view(E, H, I, 2).permute(0, 3, 2, 1).to(torch.bfloat16).reshape(E, two_i, H)
+    biases = [(gate_up_bias[e, 0::2].float(), gate_up_bias[e, 1::2].float(), down_bias[e].float())
+              for e in range(E)]
+    activation = Activation(alpha=float(experts.alpha), limit=float(experts.limit), up_offset=1.0)
+    layer = MoELayer.from_tensors(gate_up=stacked.contiguous(),
+                                  down=down.transpose(1, 2).to(torch.bfloat16).contiguous(),
+                                  biases=biases, activation=activation, **layer_kwargs)
+    experts._numa_moe_layer = layer
+    experts.forward = types.MethodType(_patched_gpt_oss_forward, experts)
+    if release_weights:
+        experts.gate_up_proj = torch.nn.Parameter(torch.empty(0, dtype=gate_up.dtype), requires_grad=False)
+        experts.down_proj = torch.nn.Parameter(torch.empty(0, dtype=down.dtype), requires_grad=False)
+    return layer
 
 
 def unpatch_moe(model) -> int:
@@ -99,6 +144,13 @@ def _patched_forward(self, hidden_states, top_k_index, top_k_weights):
     return y.to(hidden_states.dtype)
 
 
+def _patched_gpt_oss_forward(self, hidden_states, router_indices=None, routing_weights=None):
+    layer: MoELayer = self._numa_moe_layer
+    x = hidden_states.to(torch.bfloat16).contiguous()
+    y = layer(x, router_indices, routing_weights)
+    return y.to(hidden_states.dtype)
+
+
 class RoutingRecorder:
     """The expert ids the router chose, per supported experts module (one per MoE layer),
     per token, as the experts module received them (patched by ``patch_moe`` or not).
@@ -117,7 +169,7 @@ class RoutingRecorder:
 
     def _hook(self, index):
         def hook(module, args, kwargs):
-            ids = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            ids = kwargs.get("top_k_index", kwargs.get("router_indices", args[1] if len(args) > 1 else None))
             if ids is None:
                 raise ValueError(f"record_routing: {self.names[index]} was called without top_k_index")
             self.calls[index].append(ids.detach().to("cpu", torch.int64).reshape(-1, ids.shape[-1]).numpy().copy())

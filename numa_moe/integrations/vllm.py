@@ -11,9 +11,10 @@ weighted sum, through ``numa_moe.MoELayer`` (the torch op ``numa_moe::moe_forwar
 torch.compile traces).
 
 Supported: bf16 models whose MoE layers use vLLM's unquantized method with a gated SiLU
-(Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V2/V3 routed experts, ...), without expert bias
-or expert parallelism. Anything else keeps vLLM's own experts and logs one line saying
-why. Settings (environment, read in the worker when a layer is built):
+(Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V2/V3 routed experts, ...) without expert bias,
+or with gpt-oss's ``swigluoai`` (gate and up interleaved in ``w13``, expert biases, the
+clamped SwiGLU: numa_moe.activation.GPT_OSS); no expert parallelism. Anything else keeps
+vLLM's own experts and logs one line saying why. Settings (environment, read in the worker when a layer is built):
 
     NUMA_MOE_VLLM=0                       do not register (vLLM runs as if not installed)
     NUMA_MOE_VLLM_WEIGHT_FORMAT=bf16|int8|int4   quantize the experts at load (default bf16)
@@ -21,8 +22,9 @@ why. Settings (environment, read in the worker when a layer is built):
 
 Weights are held once. bf16: vLLM's ``w13_weight``/``w2_weight`` parameters are re-pointed
 at numa-moe's interleaved buffers (same [E, 2I, H] / [E, H, I] layout, no repacking), so
-vLLM's weight reloading writes straight into the buffers the kernel reads. int8/int4:
-vLLM's bf16 copies are released; reloading weights then raises a clear error.
+vLLM's weight reloading writes straight into the buffers the kernel reads. int8/int4, and
+gpt-oss's interleaved ``w13`` (de-interleaved into gate rows first while copied): vLLM's
+copies are released; reloading weights then raises a clear error.
 
 CPUs and nodes: the layer's workers are the CPUs vLLM bound this worker's OpenMP threads
 to (OMP_PLACES / KMP_AFFINITY / GOMP_CPU_AFFINITY, set from VLLM_CPU_OMP_THREADS_BIND),
@@ -138,15 +140,17 @@ def unsupported_reason(moe_config, weight_format: str = "bf16", group: int = 128
     ``weight_format``, or None."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    if moe_config.activation != MoEActivation.SILU:
-        return f"activation {moe_config.activation.value} (numa-moe computes gated SiLU only)"
+    if moe_config.activation not in (MoEActivation.SILU, MoEActivation.SWIGLUOAI):
+        return (f"activation {moe_config.activation.value} (this plugin runs gated SiLU and gpt-oss's "
+                "swigluoai only)")
     if moe_config.in_dtype != torch.bfloat16:
         return f"activation dtype {moe_config.in_dtype} (numa-moe computes bf16 only; run with dtype=bfloat16)"
-    if moe_config.has_bias:
-        return "expert bias (numa-moe's experts have none)"
+    if moe_config.has_bias and moe_config.activation != MoEActivation.SWIGLUOAI:
+        return "expert bias on a SiLU layer (this plugin takes biases with swigluoai only)"
     if moe_config.use_ep:
         return "expert parallelism (numa-moe holds all of a rank's experts; use tensor parallelism)"
     if any(getattr(moe_config, name, None) is not None for name in ("swiglu_limit", "swiglu_alpha", "swiglu_beta")):
+        # vLLM's swigluoai is alpha 1.702, limit 7 whatever these say; SiLU has none
         return "clamped/scaled SwiGLU parameters"
     if getattr(moe_config, "is_lora_enabled", False):
         return "LoRA on the experts"
@@ -178,14 +182,19 @@ def _define_classes():
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             fmt, group = weight_format_from_env()
             w13, w2 = layer.w13_weight, layer.w2_weight
-            moe_layer = MoELayer.from_tensors(gate_up=w13.detach(), down=w2.detach(),
-                                              topology=_this_worker_topology(), weight_format=fmt, group=group)
+            interleaved = is_swigluoai(self.moe_config)
+            if interleaved:
+                moe_layer = MoELayer.from_tensors(down=w2.detach(), topology=_this_worker_topology(),
+                                                  weight_format=fmt, group=group, **gpt_oss_experts(layer))
+            else:
+                moe_layer = MoELayer.from_tensors(gate_up=w13.detach(), down=w2.detach(),
+                                                  topology=_this_worker_topology(), weight_format=fmt, group=group)
             self.numa_moe_layer = moe_layer
             layer.numa_moe_layer = moe_layer  # for callers and tests: the layer's call counter
-            if fmt == "bf16":
+            if fmt == "bf16" and not interleaved:
                 share_weights(layer, moe_layer)
             else:
-                release_weights(layer, fmt)
+                release_weights(layer, fmt if fmt != "bf16" else "bf16 with gate rows first")
             _log_once(logging.INFO, f"numa-moe: computing the experts ({fmt}, {moe_layer.n_experts} experts "
                                     f"[{moe_layer.intermediate} x {moe_layer.hidden}]) on NUMA nodes "
                                     f"{list(moe_layer.node_ids)} with {moe_layer.pool.n_threads} CPUs")
@@ -236,6 +245,32 @@ def _define_classes():
     return NumaMoEExperts, NumaMoEUnquantizedFusedMoEMethod
 
 
+def is_swigluoai(moe_config) -> bool:
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    return moe_config.activation == MoEActivation.SWIGLUOAI
+
+
+def gpt_oss_experts(layer: torch.nn.Module) -> dict:
+    """MoELayer.from_tensors arguments of a swigluoai layer: gate and up, the even and
+    odd rows of vLLM's interleaved ``w13_weight`` [E, 2I, H], their biases from
+    ``w13_bias`` [E, 2I] (interleaved the same way), the down bias ``w2_bias`` [E, H],
+    and gpt-oss's activation (vLLM's swigluoai is alpha 1.702, limit 7, up + 1)."""
+    from numa_moe.activation import GPT_OSS
+
+    w13 = layer.w13_weight.detach()
+    gate_up_bias = getattr(layer, "w13_bias", None)
+    down_bias = getattr(layer, "w2_bias", None)
+    E = w13.shape[0]
+    biases = None
+    if gate_up_bias is not None or down_bias is not None:
+        biases = [(None if gate_up_bias is None else gate_up_bias.detach()[e, 0::2],
+                   None if gate_up_bias is None else gate_up_bias.detach()[e, 1::2],
+                   None if down_bias is None else down_bias.detach()[e]) for e in range(E)]
+    return {"gate": w13[:, 0::2].contiguous(), "up": w13[:, 1::2].contiguous(), "biases": biases,
+            "activation": GPT_OSS}
+
+
 def _as_torch_bf16(buffer) -> torch.Tensor:
     import numpy as np
 
@@ -258,12 +293,13 @@ def share_weights(layer: torch.nn.Module, moe_layer) -> None:
 
 
 def release_weights(layer: torch.nn.Module, fmt: str) -> None:
-    """Free vLLM's bf16 expert weights (numa-moe holds its own quantized copy); a later
-    weight reload fails with a message saying why instead of a shape error."""
+    """Free vLLM's bf16 expert weights (numa-moe holds its own copy, quantized or laid out
+    otherwise); a later weight reload fails with a message saying why instead of a shape
+    error."""
     def refuse(*_args, **_kwargs):
-        raise RuntimeError(f"numa-moe: this model's experts were quantized to {fmt} at load "
-                           f"({WEIGHT_FORMAT_ENV}={fmt}) and vLLM's bf16 copies released; reloading "
-                           f"expert weights is supported only with {WEIGHT_FORMAT_ENV}=bf16")
+        raise RuntimeError(f"numa-moe: this model's experts were copied as {fmt} at load and vLLM's "
+                           f"bf16 copies released; reloading expert weights is supported only for "
+                           f"SiLU experts with {WEIGHT_FORMAT_ENV}=bf16")
 
     for name in ("w13_weight", "w2_weight"):
         param = getattr(layer, name)

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v2")
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v2", "gpt_oss")
 MODES = ("eager", "compiled")
 # Two runs whose top-2 logprobs at a step lie closer than this are at a tie there: bf16
 # rounding in another kernel may pick either token, and the sequences part after it.
@@ -83,6 +83,10 @@ def make_model(out_dir, family: str = "qwen3_moe", shape: TinyShape = TinyShape(
         config = transformers.MixtralConfig(intermediate_size=shape.intermediate,
                                             num_local_experts=shape.experts, **common)
         model_cls = transformers.MixtralForCausalLM
+    elif family == "gpt_oss":  # interleaved gate / up, expert biases, the clamped SwiGLU
+        config = transformers.GptOssConfig(intermediate_size=shape.intermediate, num_local_experts=shape.experts,
+                                           sliding_window=128, **common)
+        model_cls = transformers.GptOssForCausalLM
     else:  # DeepSeek-V2: MLA attention, one shared expert beside the routed ones
         common.pop("head_dim")
         config = transformers.DeepseekV2Config(
@@ -99,6 +103,15 @@ def make_model(out_dir, family: str = "qwen3_moe", shape: TinyShape = TinyShape(
         model = model_cls(config)
     finally:
         torch.set_default_dtype(default_dtype)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                experts = layer.mlp.experts
+                # transformers starts the biases at zero, and small weights stay below the
+                # clamp: biases of every sign and gate / up values past the limit 7
+                experts.gate_up_proj.mul_(20)
+                experts.gate_up_proj_bias.normal_(0.0, 1.0)
+                experts.down_proj_bias.normal_(0.0, 0.5)
     model.save_pretrained(os.fspath(out), safe_serialization=True)
     make_tokenizer(out, shape.vocab)
     return out

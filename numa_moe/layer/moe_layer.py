@@ -281,8 +281,14 @@ class MoELayer:
         (no copy) and the tables it measured. Under a virtual topology (node ids the
         store's memory is not really on) the tables are the interleave rule over the
         virtual nodes instead, so the partitioned code path runs as it would on a real
-        machine with that many nodes."""
+        machine with that many nodes. The experts' biases and activation are the
+        checkpoint's (gpt-oss) unless given."""
         topology = topology if topology is not None else default_topology()
+        biases = store.layer(layer).biases
+        if biases is not None:
+            kwargs.setdefault("biases", biases)
+        if store.checkpoint.activation is not None:
+            kwargs.setdefault("activation", store.checkpoint.activation)
         experts, tables, keep = store_layer_experts(store, layer, topology)
         kwargs.setdefault("keep_alive", keep)
         return cls(experts, tables, topology=topology, **kwargs)

@@ -199,6 +199,9 @@ class StoreLayer:
     scale_tables: dict[str, SegmentTable] = field(default_factory=dict)
     scale_theoretical: dict[str, SegmentTable | None] = field(default_factory=dict)
     scale_measured: dict[str, bool] = field(default_factory=dict)
+    # one (gate [I], up [I], down [H]) float32 tuple per expert, None when the experts
+    # have no biases (as MoELayer(biases=) takes them)
+    biases: list | None = None
 
     @property
     def gate(self) -> np.ndarray:
@@ -416,6 +419,7 @@ class _LayerLoader:
                 out.scales[kind], out.scale_tables[kind] = scales, table
                 out.scale_theoretical[kind] = theory
                 out.scale_measured[kind] = was_measured
+        out.biases = self.checkpoint.expert_biases(layer, self.files)
         return out
 
     def _allocate(self, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -40,7 +40,7 @@ OVER_STOCK_MARGIN = 0.5  # numa-moe's within stock's + half of transformers' bf1
 # apart from each other), so that family is compared with stock vLLM as before: the tokens
 # both chose, their logprobs within bf16 rounding of the expert sums in another order
 # (measured: 0 on AVX-512, 0.021 on the AVX2 kernels)
-REFERENCE_FAMILIES = ("qwen3_moe", "mixtral")
+REFERENCE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 LOGPROB_TOLERANCE = 0.05
 # vLLM's own CPU experts: its portable grouped GEMM, or, where torch reports AMX tiles, the
 # AMX subclass vLLM's oracle picks instead.
@@ -119,6 +119,7 @@ PLUGIN_RUNS = {
     ("mixtral", "eager"): dict(extra_env=IN_PROCESS, reload=True),
     ("qwen3_moe", "compiled"): dict(extra_env=IN_PROCESS),
     ("deepseek_v2", "eager"): dict(extra_env=IN_PROCESS),  # MLA, a shared expert beside the routed ones
+    ("gpt_oss", "eager"): dict(extra_env=IN_PROCESS),  # swigluoai: interleaved w13, biases
 }
 
 
@@ -293,9 +294,10 @@ def test_unsupported_reasons_name_the_problem():
 
     assert unsupported_reason(config()) is None
     assert unsupported_reason(config(), "int8", 128) is None
+    assert unsupported_reason(config(activation=MoEActivation.SWIGLUOAI, has_bias=True)) is None
     assert "activation gelu" in unsupported_reason(config(activation=MoEActivation.GELU))
     assert "torch.float16" in unsupported_reason(config(in_dtype=torch.float16))
-    assert "bias" in unsupported_reason(config(has_bias=True))
+    assert "bias on a SiLU layer" in unsupported_reason(config(has_bias=True))
     assert "expert parallelism" in unsupported_reason(config(use_ep=True))
     assert "SwiGLU" in unsupported_reason(config(swiglu_limit=7.0))
     assert "LoRA" in unsupported_reason(config(is_lora_enabled=True))
