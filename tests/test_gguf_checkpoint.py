@@ -208,6 +208,73 @@ def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     assert rel_error(y, expected) < (0.02 if types["gate"] in (T.Q8_0, T.MXFP4) else 0.03)
 
 
+def test_gpt_oss_gguf_experts_take_their_biases_and_clamped_swiglu(tmp_path, rng):
+    """A gpt-oss GGUF as llama.cpp's converter writes it: MXFP4 experts (gate and up already
+    apart), F32 biases blk.L.ffn_*_exps.bias. The store loads the weights exactly and the
+    biases as they are; the layer runs gpt-oss's activation with them, against a float64
+    model of the gguf package's dequantized weights (transformers' GptOssExperts formula)."""
+    from numa_moe.activation import GPT_OSS
+    from numa_moe.layer.moe_layer import MoELayer
+    from numa_moe.placement.topology import Topology
+    from test_activation import activation64
+
+    path = tmp_path / "gpt-oss.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_expert_count(E)
+    w.add_expert_used_count(2)
+    w.add_embedding_length(H)
+    w.add_expert_feed_forward_length(I)
+    biases = {}
+    for kind in KINDS:
+        x = (rng.standard_normal(SHAPES[kind]) / np.sqrt(SHAPES[kind][-1])).astype(np.float32)
+        w.add_tensor(f"blk.0.ffn_{kind}_exps.weight", gguf.quants.quantize(x, T.MXFP4), raw_dtype=T.MXFP4)
+        biases[kind] = rng.standard_normal((E, SHAPES[kind][1])).astype(np.float32)
+        w.add_tensor(f"blk.0.ffn_{kind}_exps.bias", biases[kind])
+    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((E, H)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    store = ExpertStore.load(path, progress=False)
+    assert store.weight_format == "mxfp4" and store.checkpoint.activation == GPT_OSS
+    loaded = store.checkpoint.expert_biases(0)
+    for e in range(E):
+        for kind, bias in zip(KINDS, loaded[e]):
+            np.testing.assert_array_equal(bias, biases[kind][e])
+    layer = MoELayer.from_store(store, 0, topology=Topology.virtual(2))
+    assert layer.activation == GPT_OSS
+    reference = package_dequantized(path)
+    gates, ups, downs = (reference[f"blk.0.ffn_{k}_exps.weight"].astype(np.float64) for k in KINDS)
+    tokens = 5
+    x = random_bf16(rng, (tokens, H))
+    ids = np.stack([rng.choice(E, 2, replace=False) for _ in range(tokens)])
+    weights = rng.random((tokens, 2)).astype(np.float32)
+    y = layer.forward_numpy(x, ids, weights, out_dtype="float32")
+    xf = x.astype(np.float64)
+    expected = np.zeros((tokens, H))
+    for t in range(tokens):
+        for j, e in enumerate(ids[t]):
+            act = activation64(gates[e] @ xf[t] + biases["gate"][e], ups[e] @ xf[t] + biases["up"][e], GPT_OSS)
+            expected[t] += weights[t, j] * (downs[e] @ act + biases["down"][e])
+    assert rel_error(y, expected) < 0.02
+    bad = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(bad), "gpt-oss")
+    w.add_expert_count(E)
+    w.add_embedding_length(H)
+    w.add_expert_feed_forward_length(I)
+    for kind in KINDS:
+        w.add_tensor(f"blk.0.ffn_{kind}_exps.weight", np.zeros(SHAPES[kind], np.float16))
+    w.add_tensor("blk.0.ffn_down_exps.bias", np.zeros((E, I), np.float32))  # I, not H
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"ffn_down_exps.bias'?: expert bias of ggml dims \[512, 4\], "
+                                              r"expected \[256, 4\]"):
+        open_checkpoint(bad)
+
+
 def _cli(args):
     from numa_moe_cli.main import cli
 

@@ -20,6 +20,11 @@ Conversion into the store's layout (``GGUFImport``, one expert matrix at a time)
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
   bf16). Types it cannot dequantize are refused when the file is opened.
 
+Expert biases (``blk.L.ffn_{gate,up,down}_exps.bias``, ``[E, I]`` / ``[E, H]``, as
+llama.cpp's converter writes gpt-oss's) load per expert as fp32; a ``gpt-oss`` file's
+experts take gpt-oss's clamped SwiGLU (``numa_moe.activation.GPT_OSS``: llama.cpp fixes
+its alpha 1.702 and limit 7 in code, not in the metadata).
+
 The file is parsed by ``gguf.GGUFReader`` (given an fd from ``open_checkpoint_file``).
 The reader builds a numpy view per metadata element and several per tensor record
 before anything can be checked, so ``_check_layout`` first walks the header, metadata
@@ -43,15 +48,20 @@ from pathlib import Path
 import numpy as np
 
 from numa_moe import quant as q
+from numa_moe.activation import GPT_OSS, Activation
 from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
-from numa_moe.checkpoints.safetensors import Checkpoint, ExpertLayer, ExpertMatrix, ModelDims, TensorInfo, read_matrix_into
-from numa_moe.files import CheckpointError, open_checkpoint_file, short
+from numa_moe.checkpoints.safetensors import (Checkpoint, ExpertLayer, ExpertMatrix, ModelDims, TensorInfo,
+                                              read_float_rows, read_matrix_into)
+from numa_moe.files import CheckpointError, OpenFiles, open_checkpoint_file, short
 from numa_moe.formats import KINDS
 
 __all__ = ["open_gguf", "gguf_file_of", "read_gguf", "GGUFImport", "supported_types", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
            "MAX_TENSORS", "MAX_METADATA_KEYS"]
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.weight")
+EXPERT_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.bias")
+# general.architecture -> the experts' activation, where it is not silu(g) * u
+ARCH_ACTIVATIONS = {"gpt-oss": GPT_OSS}
 _SHARED = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down|gate_inp)_shexp\.weight")
 _ROUTER = re.compile(r"blk\.(?P<layer>\d+)\.ffn_gate_inp\.weight")
 _DENSE = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down)\.weight")
@@ -462,11 +472,14 @@ def open_gguf(path: str | os.PathLike, pattern=None) -> Checkpoint:
     expected = {"gate": (n_experts, intermediate, hidden), "up": (n_experts, intermediate, hidden),
                 "down": (n_experts, hidden, intermediate)}
     by_layer: dict[int, dict[str, TensorInfo]] = defaultdict(dict)
+    biases: dict[int, dict[str, TensorInfo]] = defaultdict(dict)
     shared, routers, dense = [], [], set()
     for name, info in tensors.items():
         match = EXPERT_TENSOR.fullmatch(name)
         if match is not None:
             by_layer[int(match.group("layer"))][match.group("kind")] = info
+        elif (bias := EXPERT_BIAS.fullmatch(name)) is not None:
+            biases[int(bias.group("layer"))][bias.group("kind")] = info
         elif _SHARED.fullmatch(name):
             shared.append(info)
         elif _ROUTER.fullmatch(name):
@@ -493,7 +506,13 @@ def open_gguf(path: str | os.PathLike, pattern=None) -> Checkpoint:
             layer, hidden, intermediate, n_experts, "+".join(layer_types), matrices,
             next((r for r in routers if _ROUTER.fullmatch(r.name).group("layer") == str(layer)), None),
             tuple(s for s in shared if _SHARED.fullmatch(s.name).group("layer") == str(layer)))
-    importer = GGUFImport(tuple(sorted(types)))
+    bias_widths = {"gate": intermediate, "up": intermediate, "down": hidden}
+    for layer, kinds in biases.items():
+        if layer not in layers:
+            raise CheckpointError(f"{path}: block {layer} has expert biases but no routed experts")
+        for kind, info in kinds.items():
+            _check_bias(path, info, (n_experts, bias_widths[kind]))
+    importer = GGUFImport(tuple(sorted(types)), dict(biases), ARCH_ACTIVATIONS.get(arch))
     sources = {"hidden_size": f"GGUF {arch}.embedding_length",
                "intermediate_size": f"GGUF {ffn_key}",
                "n_experts": f"GGUF {arch}.expert_count",
@@ -508,6 +527,15 @@ def open_gguf(path: str | os.PathLike, pattern=None) -> Checkpoint:
                     shared_tensors=tuple(shared), router_tensors=tuple(routers), notes=notes,
                     file_metadata={path: {"general.architecture": arch}}, importer=importer)
     return ck
+
+
+def _check_bias(path: Path, info: TensorInfo, expected: tuple[int, int]) -> None:
+    if info.shape != expected:
+        raise CheckpointError(f"{path}: tensor {info.name!r}: expert bias of ggml dims {list(reversed(info.shape))}, "
+                              f"expected {list(reversed(expected))}")
+    if info.dtype not in GGML_FLOATS:
+        raise CheckpointError(f"{path}: tensor {info.name!r}: expert bias of ggml type {info.dtype}, expected one "
+                              f"of {', '.join(GGML_FLOATS)}")
 
 
 def _blocks(ids) -> str:
@@ -573,10 +601,28 @@ class GGUFImport(ExpertImport):
     """How a GGUF file's routed experts become the store's formats (module doc)."""
 
     types: tuple[str, ...]
+    # layer -> kind -> the experts' bias tensor ([E, I] or [E, H]); layers without: none
+    bias_tensors: dict = None
+    activation: Activation | None = None
 
     @property
     def source(self) -> str:
         return "GGUF " + "+".join(self.types)
+
+    def biases(self, layer: ExpertLayer, files: OpenFiles | None = None):
+        kinds = (self.bias_tensors or {}).get(layer.layer)
+        if not kinds:
+            return None
+        with OpenFiles() as own:
+            opened = files or own
+            rows = {kind: read_float_rows(info, opened) for kind, info in kinds.items()}
+        for kind, values in rows.items():
+            if not np.all(np.isfinite(values)):
+                e, i = (int(v) for v in np.argwhere(~np.isfinite(values))[0])
+                raise CheckpointError(f"{kinds[kind].path}: tensor {kinds[kind].name!r}: expert {e}'s bias "
+                                      f"entry {i} is not finite")
+        return [tuple(rows[kind][e].copy() if kind in rows else None for kind in KINDS)
+                for e in range(layer.n_experts)]
 
     @property
     def float_formats(self) -> tuple[str, ...]:

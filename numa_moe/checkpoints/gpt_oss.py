@@ -25,7 +25,6 @@ BF16 as bf16 (or quantized on request).
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from numa_moe.activation import GPT_OSS, Activation
 from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
 from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import (Checkpoint, ExpertLayer, ExpertMatrix, ModelDims, TensorInfo,
-                                              read_config, read_matrix_into, read_tensors)
+                                              read_config, read_float_rows, read_matrix_into, read_tensors)
 from numa_moe.files import CheckpointError, OpenFiles, short
 from numa_moe.formats import KINDS, NUMPY_DTYPES
 
@@ -268,19 +267,10 @@ class GptOssImport(ExpertImport):
         gate_up, down = self.bias_tensors[layer.layer]
         with OpenFiles() as own:
             opened = files or own
-            both = [_read_bias(t, opened) for t in (gate_up, down)]
+            both = [read_float_rows(t, opened) for t in (gate_up, down)]
         gate_up_b, down_b = both
         if not (np.all(np.isfinite(gate_up_b)) and np.all(np.isfinite(down_b))):
             raise CheckpointError(f"layer {layer.layer}: a NaN or infinite expert bias in "
                                   f"{short(gate_up.name)} or {short(down.name)}")
         return [(gate_up_b[e, 0::2].copy(), gate_up_b[e, 1::2].copy(), down_b[e].copy())
                 for e in range(layer.n_experts)]
-
-
-def _read_bias(info: TensorInfo, files: OpenFiles) -> np.ndarray:
-    rows = info.shape[0]
-    cols = math.prod(info.shape[1:])
-    values = np.empty((rows, cols), dtype=NUMPY_DTYPES[info.dtype])
-    read_matrix_into(ExpertMatrix(0, 0, "bias", info, info.file_offset, rows, cols), values,
-                     files.fd(info.path))
-    return values.astype(np.float32)

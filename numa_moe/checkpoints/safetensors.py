@@ -51,6 +51,7 @@ __all__ = [
     "overlapping_source",
     "tensor_nbytes",
     "read_matrix_into",
+    "read_float_rows",
     "read_scales_into",
     "scale_tensor_name",
     "QuantInfo",
@@ -889,6 +890,16 @@ def read_matrix_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = Non
     finally:
         if own:
             os.close(fd)
+
+
+def read_float_rows(info: TensorInfo, files: OpenFiles) -> np.ndarray:
+    """A small float tensor (expert biases [E, n], any float dtype NUMPY_DTYPES names) as
+    float32 ``[shape[0], prod(shape[1:])]``, read through ``files`` (an OpenFiles)."""
+    rows = info.shape[0]
+    cols = math.prod(info.shape[1:])
+    values = np.empty((rows, cols), dtype=NUMPY_DTYPES[info.dtype])
+    read_matrix_into(ExpertMatrix(0, 0, "bias", info, info.file_offset, rows, cols), values, files.fd(info.path))
+    return values.astype(np.float32)
 
 
 def read_scales_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = None) -> None:
