@@ -12,7 +12,7 @@ import pytest
 from numa_moe import _native, quant
 from numa_moe.layer import kernels
 
-from test_kernels_quant import FFN_BOUND, quantize_tokens
+from test_kernels_quant import FFN_BOUND, covered_rows, quantize_tokens
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -68,10 +68,7 @@ def test_matmul_segments_on_odd_segments_and_token_counts(rng, isa):
     segments = np.array([[3, 7, 10, 32, 160], [1, 3, 9, 0, 352], [5, 1, 19, 96, 128], [0, 5, 15, 320, 352],
                          [2, 3, 25, 64, 288]], np.int64)
     row_begin, row_end = 4, 71
-    covered = np.zeros(rows, bool)
-    for row0, stride, nrows, _, _ in segments:
-        covered[row0:row0 + stride * nrows:stride] = True
-    covered[:row_begin] = covered[row_end:] = False
+    covered = covered_rows(segments, rows, row_begin, row_end)
     for m in (1, 2, 3, 4, 5, 8, 12, 13, 16, 17, 33, 64):
         x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
         out = np.full((rows, m), np.nan, np.float32)

@@ -67,6 +67,18 @@ def check_whole_matrix(rng, qm, x, isa):
     np.testing.assert_array_equal(out, ref_out)
 
 
+def covered_rows(segments, rows, row_begin=0, row_end=None) -> np.ndarray:
+    """bool [rows]: the rows of the segments inside [row_begin, row_end), the rows a
+    matmul_segments call may write."""
+    covered = np.zeros(rows, bool)
+    for row0, stride, nrows, _, _ in segments:
+        covered[row0:row0 + stride * nrows:stride] = True
+    covered[:row_begin] = False
+    if row_end is not None:
+        covered[row_end:] = False
+    return covered
+
+
 def random_qm(rng, rows, cols, fmt, group, scale_dtype="fp16"):
     w = rng.standard_normal((rows, cols)).astype(np.float32) * cols ** -0.5
     return w, quant.quantize(w, fmt, group, scale_dtype)
@@ -81,9 +93,7 @@ def test_matmul_segments_matches_the_integer_reference(rng, fmt, isa, m):
     x[0, :group] = 0  # an all-zero block
     segments = np.array([[1, 3, 12, 64, 192], [0, 2, 20, 0, 64], [2, 5, 7, 192, 256]], np.int64)
     out = np.full((rows, m), np.nan, np.float32)
-    covered = np.zeros(rows, bool)
-    for row0, stride, nrows, _, _ in segments:
-        covered[row0:row0 + stride * nrows:stride] = True
+    covered = covered_rows(segments, rows)
     out[covered] = 0
     kernels.matmul_segments(qm, segments, x, out, isa=isa)
     x_q, x_s = quantize_tokens(x.astype(np.float32), group)
@@ -112,10 +122,7 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
     segments = (units * np.array([1, 1, 1, 128, 128])).astype(np.int64)  # 5 x 128 columns
     segments[3, 3] = cols - group  # a last segment of one group
     row_begin, row_end = 4, 71
-    covered = np.zeros(rows, bool)
-    for row0, stride, nrows, _, _ in segments:
-        covered[row0:row0 + stride * nrows:stride] = True
-    covered[:row_begin] = covered[row_end:] = False
+    covered = covered_rows(segments, rows, row_begin, row_end)
     for m in sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 31, 33, int(rng.integers(10, 64)), 64}):
         x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
         out = np.full((rows, m), np.nan, np.float32)
