@@ -11,8 +11,9 @@
 //            bf16; mxfp4 e8m0) s[r * scales_ld + c / G]
 //   tokens   the same int8 values and fp32 scales as ref_quant.cpp (per token and block of
 //            G columns), laid out by token count:
-//            plain (m < 5; at G = 32 m < 4)  q[t * k + c] (int4 at G = 128: each group's even columns,
-//                           then its odd ones), then scale[t * (k / G) + b]
+//            plain (m < 5; at G = 32 m < 4)  q[t * k + c] (the nibble formats at G = 128 and 32:
+//                           each 128-column block's even columns, then its odd ones; the
+//                           last block k % 128 columns if short), then scale[t * (k / G) + b]
 //            interleaved (5 (G = 32: 4) <= m <= 12; int4 to 16) the m tokens' values of each
 //                           weight dword side by side: int8 q[(c / 4) * 4m + 4t + c % 4];
 //                           int4 per 8 columns (a packed weight dword) each token's 4
@@ -40,7 +41,8 @@
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
 // negated. Register block: R rows x T tokens = up to 16 (row, token) pairs, one vector
 // each; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of group
-// totals, lane p = pair p, so the fp32 scale-and-add runs on 16 pairs at once, except at
+// totals, lane p = pair p (the nibble formats at G = 32: four vectors, one per group of a
+// 128-column step, reduce_quarters), so the fp32 scale-and-add runs on 16 pairs at once, except at
 // one token, where a block is 8 rows (8 pairs): 16 row streams read from memory more
 // slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens.
@@ -130,10 +132,24 @@ size_t packed_bytes(int64_t m, int64_t k) {
     return value_bytes<F>(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
 }
 
-// The few-token int4 kernel at G = 128 takes the even and the odd columns of a group
-// apart (pair_dots_split): its plain token operand holds each group as 64 even-column
-// bytes, then 64 odd-column ones.
-constexpr bool splits_nibbles(Format format, int64_t group) { return format == Format::int4 && group == 128; }
+// The few-token nibble kernels at G = 128 and G = 32 take the even and the odd columns of
+// a 128-column block apart (pair_dots_split): their plain token operand holds each block
+// (the last one k % 128 columns, if short) as its even-column bytes, then its odd ones.
+constexpr int64_t kSplitColumns = 128;
+constexpr bool splits_nibbles(Format format, int64_t group) {
+    return format != Format::int8 && (group == 128 || group == 32);
+}
+
+// Where the even columns of token row bytes [c, ...) start in the split operand (the odd
+// ones: half_block bytes on), c inside the block that starts at column c / 128 * 128.
+struct SplitAt {
+    SplitAt(int64_t k, int64_t c) {
+        const int64_t block = c / kSplitColumns * kSplitColumns;
+        half_block = (k - block < kSplitColumns ? k - block : kSplitColumns) / 2;
+        even = block + (c - block) / 2;
+    }
+    int64_t even, half_block;
+};
 
 // The bias that makes the weights the unsigned operand: int8 w + 128, a nibble format's
 // value + its codebook's bias.
@@ -169,9 +185,11 @@ struct TokenWriter {
         if (!lanes) {
             uint8_t* dst = values + t * k + b * G;
             if constexpr (splits_nibbles(F, G)) {
+                const SplitAt at(k, b * G);
+                uint8_t* even = values + t * k + at.even;
                 for (int64_t c = 0; c < G; c += 2) {
-                    dst[c / 2] = static_cast<uint8_t>(q[c]);
-                    dst[G / 2 + c / 2] = static_cast<uint8_t>(q[c + 1]);
+                    even[c / 2] = static_cast<uint8_t>(q[c]);
+                    even[at.half_block + c / 2] = static_cast<uint8_t>(q[c + 1]);
                 }
             } else {
                 std::memcpy(dst, q, G);
@@ -381,19 +399,39 @@ void scale_tile(const RowBlock<R>& b, const Weights& w, const float* xs, int64_t
     for (int i = 0; i < kChunkGroups; ++i) tile[i] = v[i];
 }
 
+// The totals of each 128-bit lane of the 16 pair vectors: 128-bit lane l of s2[i] holds
+// those of pairs 4i .. 4i + 3 (pairwise unpack-and-add within 128-bit lanes).
+inline void reduce_within_lanes(const __m512i v[kPairs], __m512i s2[4]) {
+    __m512i s1[8];
+    for (int i = 0; i < 8; ++i)
+        s1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * i], s1[2 * i + 1]),
+                                 _mm512_unpackhi_epi64(s1[2 * i], s1[2 * i + 1]));
+}
+
 // v[p] lanes 0-7: partial sums of pair p's first half, lanes 8-15 its second. Returns the
 // half totals, lane p = pair p: pairwise unpack-and-add within 128-bit lanes, then across.
 inline void reduce_pairs(const __m512i v[kPairs], __m512i* first, __m512i* second) {
-    __m512i s1[8], s2[4];
-    for (int i = 0; i < 8; ++i)
-        s1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)  // 128-bit lane l of s2[i]: lane group l summed, pairs 4i .. 4i + 3
-        s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * i], s1[2 * i + 1]),
-                                 _mm512_unpackhi_epi64(s1[2 * i], s1[2 * i + 1]));
+    __m512i s2[4];
+    reduce_within_lanes(v, s2);
     const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[0], s2[1], 0x88), _mm512_shuffle_i32x4(s2[0], s2[1], 0xdd));
     const __m512i c = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[2], s2[3], 0x88), _mm512_shuffle_i32x4(s2[2], s2[3], 0xdd));
     *first = _mm512_shuffle_i32x4(a, c, 0x88);
     *second = _mm512_shuffle_i32x4(a, c, 0xdd);
+}
+
+// v[p] lanes 4q .. 4q + 3: partial sums of pair p's quarter q. quarter[q] lane p = pair
+// p's total of quarter q: the lane totals, then a 4 x 4 transpose of 128-bit lanes.
+inline void reduce_quarters(const __m512i v[kPairs], __m512i quarter[4]) {
+    __m512i s2[4];
+    reduce_within_lanes(v, s2);
+    const __m512i a = _mm512_shuffle_i32x4(s2[0], s2[1], 0x44), b = _mm512_shuffle_i32x4(s2[0], s2[1], 0xee);
+    const __m512i c = _mm512_shuffle_i32x4(s2[2], s2[3], 0x44), d = _mm512_shuffle_i32x4(s2[2], s2[3], 0xee);
+    quarter[0] = _mm512_shuffle_i32x4(a, c, 0x88);
+    quarter[1] = _mm512_shuffle_i32x4(a, c, 0xdd);
+    quarter[2] = _mm512_shuffle_i32x4(b, d, 0x88);
+    quarter[3] = _mm512_shuffle_i32x4(b, d, 0xdd);
 }
 
 // The pair vectors of `steps` 64-column steps (the last one 32 columns when !full) from
@@ -426,20 +464,24 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
     }
 }
 
-// int4 at G = 128: the group at column c is 64 weight bytes a row, and the tokens' even
-// and odd columns are apart (splits_nibbles), so the low nibbles of the bytes meet the even
-// columns and the high ones the odd: three operations unpack 128 columns (one ternary
-// logic (w & 0x0f) ^ 8 per nibble, after a shift for the high ones) where column order
-// takes five per 64.
-template <int R, int T>
-inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, __m512i v[kPairs],
+// The nibble formats at G = 128 and 32: columns [c, c + n) of one 128-column block, 64
+// weight bytes a row when whole. The tokens' even and odd columns are apart
+// (splits_nibbles), so the low nibbles of the bytes meet the even columns and the high
+// ones the odd: int4 unpacks 128 columns in three operations (one ternary logic
+// (w & 0x0f) ^ 8 per nibble, after a shift for the high ones) where column order takes
+// five per 64; mxfp4 looks each nibble up instead of the xor. Lane 4i .. 4i + 3 of v[p]
+// sums columns c + 8i .. c + 8i + 7: a group of 32 is a quarter of the vector.
+template <Format F, int R, int T>
+inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, int64_t n, __m512i v[kPairs],
                             LinePrefetcher& pf) {
-    const __m512i bias = _mm512_set1_epi8(8), low = _mm512_set1_epi8(0x0f);
+    const __m512i bias = _mm512_set1_epi8(kBias<F>), low = _mm512_set1_epi8(0x0f);
     constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
+    const __mmask64 mask = n == kSplitColumns ? ~0ull : (1ull << (n / 2)) - 1;
+    const SplitAt at(k, c);
     __m512i even[T], odd[T];
     for (int t = 0; t < T; ++t) {
-        even[t] = _mm512_loadu_si512(xq + t * k + c);
-        odd[t] = _mm512_loadu_si512(xq + t * k + c + 64);
+        even[t] = _mm512_maskz_loadu_epi8(mask, xq + t * k + at.even);
+        odd[t] = _mm512_maskz_loadu_epi8(mask, xq + t * k + at.even + at.half_block);
         __m512i correction = _mm512_setzero_si512();
         dpbusd(correction, bias, even[t]);
         dpbusd(correction, bias, odd[t]);
@@ -450,9 +492,15 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     const int64_t offset = c / 2;
     for (int r = 0; r < R; ++r) {
         pf.next();
-        const __m512i packed = _mm512_loadu_si512(b.w[r] + offset);
-        const __m512i lo = _mm512_ternarylogic_epi32(packed, low, bias, kAndXor);
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low, bias, kAndXor);
+        const __m512i packed = _mm512_maskz_loadu_epi8(mask, b.w[r] + offset);
+        __m512i lo, hi;
+        if constexpr (F == Format::int4) {
+            lo = _mm512_ternarylogic_epi32(packed, low, bias, kAndXor);
+            hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low, bias, kAndXor);
+        } else {
+            lo = biased_codes<F>(_mm512_and_si512(packed, low));
+            hi = biased_codes<F>(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+        }
         for (int t = 0; t < T; ++t) {
             dpbusd(v[r * T + t], lo, even[t]);
             dpbusd(v[r * T + t], hi, odd[t]);
@@ -460,17 +508,36 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     }
 }
 
-// out[r][t] += sum over the groups of [c0, c1) of float(dot) * (s_w * s_x), in group
-// order, for the R rows of b and T tokens from xq / xs. G = 32: a step holds two groups
-// (the two halves of the reduction); G >= 64: a group is G / 64 steps, summed in int32.
+// The steps of pair_micro for the nibble formats at G = 32: chunks of 16 groups and steps of one
+// 128-column block, both aligned to absolute columns so that a step never crosses a chunk;
+// one reduction gives a step's (up to) four group totals.
+template <Format F, int R, int T>
+inline void pair_steps_split32(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k,
+                               int64_t c0, int64_t c1, LinePrefetcher& pf, __m512& acc, __m512 tile[kChunkGroups]) {
+    constexpr int64_t G = 32, kChunkColumns = kChunkGroups * G;
+    static_assert(kChunkColumns % kSplitColumns == 0, "a step never crosses a chunk");
+    for (int64_t cc = c0, ce; cc < c1; cc = ce) {
+        ce = (cc / kChunkColumns + 1) * kChunkColumns < c1 ? (cc / kChunkColumns + 1) * kChunkColumns : c1;
+        scale_tile<R, T>(b, w, xs, k / G, cc / G, (ce - cc) / G, tile);
+        for (int64_t c = cc, e; c < ce; c = e) {
+            e = (c / kSplitColumns + 1) * kSplitColumns < ce ? (c / kSplitColumns + 1) * kSplitColumns : ce;
+            __m512i v[kPairs], quarter[4];
+            pair_dots_split<F, R, T>(b, xq, k, c, e - c, v, pf);
+            reduce_quarters(v, quarter);
+            const int64_t i = (c - cc) / G;
+            for (int q = 0; q < (e - c) / G; ++q)
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(quarter[q]), tile[i + q]));
+        }
+    }
+}
+
+// The steps of pair_micro in column order from c0: G = 32 (int8) two groups a 64-column
+// step (the two halves of the reduction); G >= 64 a group is G / 64 steps, summed in int32
+// (int4 at G = 128: one 128-column block, pair_dots_split).
 template <Format F, int64_t G, int R, int T>
-void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k, int64_t c0,
-                int64_t c1) {
-    static_assert(R * T <= kPairs, "one vector of pairs");
+inline void pair_steps(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k,
+                       int64_t c0, int64_t c1, LinePrefetcher& pf, __m512& acc, __m512 tile[kChunkGroups]) {
     constexpr int kSteps = G >= kStepColumns ? static_cast<int>(G / kStepColumns) : 1;
-    __m512 acc = _mm512_setzero_ps();
-    __m512 tile[kChunkGroups];
-    LinePrefetcher pf(b.pf, column_bytes<F>(c0), column_bytes<F>(c1), b.w_step);
     for (int64_t cc = c0; cc < c1; cc += kChunkGroups * G) {
         const int64_t ce = cc + kChunkGroups * G < c1 ? cc + kChunkGroups * G : c1;
         scale_tile<R, T>(b, w, xs, k / G, cc / G, (ce - cc) / G, tile);
@@ -485,7 +552,7 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
                 if (full) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(second), tile[i + 1]));
             } else {
                 if constexpr (splits_nibbles(F, G))
-                    pair_dots_split<R, T>(b, xq, k, c, v, pf);
+                    pair_dots_split<F, R, T>(b, xq, k, c, kSplitColumns, v, pf);
                 else
                     pair_dots<F, R, T, kSteps>(b, xq, k, c, true, v, pf);
                 reduce_pairs(v, &first, &second);
@@ -493,6 +560,21 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
             }
         }
     }
+}
+
+// out[r][t] += sum over the groups of [c0, c1) of float(dot) * (s_w * s_x), in group
+// order, for the R rows of b and T tokens from xq / xs.
+template <Format F, int64_t G, int R, int T>
+void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k, int64_t c0,
+                int64_t c1) {
+    static_assert(R * T <= kPairs, "one vector of pairs");
+    __m512 acc = _mm512_setzero_ps();
+    __m512 tile[kChunkGroups];
+    LinePrefetcher pf(b.pf, column_bytes<F>(c0), column_bytes<F>(c1), b.w_step);
+    if constexpr (G == 32 && splits_nibbles(F, G))
+        pair_steps_split32<F, R, T>(b, w, xq, xs, k, c0, c1, pf, acc, tile);
+    else
+        pair_steps<F, G, R, T>(b, w, xq, xs, k, c0, c1, pf, acc, tile);
     alignas(64) float sums[kPairs];
     _mm512_store_ps(sums, acc);
     for (int r = 0; r < b.rows; ++r)
