@@ -11,9 +11,9 @@
 //            bf16; mxfp4 e8m0) s[r * scales_ld + c / G]
 //   tokens   the same int8 values and fp32 scales as ref_quant.cpp (per token and block of
 //            G columns), laid out by token count:
-//            plain (m < 5; at G = 32 m < 4)  q[t * k + c] (the nibble formats at G = 128 and 32:
-//                           each 128-column block's even columns, then its odd ones; the
-//                           last block k % 128 columns if short), then scale[t * (k / G) + b]
+//            plain (m < 5; at G = 32 m < 4)  q[t * k + c] (the nibble formats: each 128-column
+//                           block's even columns, then its odd ones; the last block k % 128
+//                           columns if short), then scale[t * (k / G) + b]
 //            interleaved (5 (G = 32: 4) <= m <= 12; int4 to 16) the m tokens' values of each
 //                           weight dword side by side: int8 q[(c / 4) * 4m + 4t + c % 4];
 //                           int4 per 8 columns (a packed weight dword) each token's 4
@@ -41,8 +41,8 @@
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
 // negated. Register block: R rows x T tokens = up to 16 (row, token) pairs, one vector
 // each; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of group
-// totals, lane p = pair p (the nibble formats at G = 32: four vectors, one per group of a
-// 128-column step, reduce_quarters), so the fp32 scale-and-add runs on 16 pairs at once, except at
+// totals, lane p = pair p (the nibble formats step 128 columns: at G = 32 four vectors, one
+// per group, reduce_quarters; at 64 the two halves of the tree), so the fp32 scale-and-add runs on 16 pairs at once, except at
 // one token, where a block is 8 rows (8 pairs): 16 row streams read from memory more
 // slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens.
@@ -132,13 +132,11 @@ size_t packed_bytes(int64_t m, int64_t k) {
     return value_bytes<F>(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
 }
 
-// The few-token nibble kernels at G = 128 and G = 32 take the even and the odd columns of
-// a 128-column block apart (pair_dots_split): their plain token operand holds each block
-// (the last one k % 128 columns, if short) as its even-column bytes, then its odd ones.
+// The few-token kernels of the nibble formats take the even and the odd columns of a
+// 128-column block apart (pair_dots_split): their plain token operand holds each block (the
+// last one k % 128 columns, if short) as its even-column bytes, then its odd ones.
 constexpr int64_t kSplitColumns = 128;
-constexpr bool splits_nibbles(Format format, int64_t group) {
-    return format != Format::int8 && (group == 128 || group == 32);
-}
+constexpr bool splits_nibbles(Format format) { return format != Format::int8; }
 
 // Where the even columns of token row bytes [c, ...) start in the split operand (the odd
 // ones: half_block bytes on), c inside the block that starts at column c / 128 * 128.
@@ -184,7 +182,7 @@ struct TokenWriter {
         }
         if (!lanes) {
             uint8_t* dst = values + t * k + b * G;
-            if constexpr (splits_nibbles(F, G)) {
+            if constexpr (splits_nibbles(F)) {
                 const SplitAt at(k, b * G);
                 uint8_t* even = values + t * k + at.even;
                 for (int64_t c = 0; c < G; c += 2) {
@@ -464,24 +462,26 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
     }
 }
 
-// The nibble formats at G = 128 and 32: columns [c, c + n) of one 128-column block, 64
+// The nibble formats: columns [c, c + n) of one 128-column block, 64
 // weight bytes a row when whole. The tokens' even and odd columns are apart
 // (splits_nibbles), so the low nibbles of the bytes meet the even columns and the high
 // ones the odd: int4 unpacks 128 columns in three operations (one ternary logic
 // (w & 0x0f) ^ 8 per nibble, after a shift for the high ones) where column order takes
 // five per 64; mxfp4 looks each nibble up instead of the xor. Lane 4i .. 4i + 3 of v[p]
-// sums columns c + 8i .. c + 8i + 7: a group of 32 is a quarter of the vector.
-template <Format F, int R, int T>
+// sums columns c + 8i .. c + 8i + 7: a group of 32 is a quarter of the vector, of 64 a half.
+// kWhole (n = 128) loads without masks.
+template <Format F, int R, int T, bool kWhole>
 inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, int64_t n, __m512i v[kPairs],
                             LinePrefetcher& pf) {
     const __m512i bias = _mm512_set1_epi8(kBias<F>), low = _mm512_set1_epi8(0x0f);
     constexpr int kAndXor = 0x6a;  // ternarylogic(a, b, c) = (a & b) ^ c
-    const __mmask64 mask = n == kSplitColumns ? ~0ull : (1ull << (n / 2)) - 1;
+    const __mmask64 mask = kWhole ? ~0ull : (1ull << (n / 2)) - 1;
+    const auto load = [mask](const void* p) { return kWhole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(mask, p); };
     const SplitAt at(k, c);
     __m512i even[T], odd[T];
     for (int t = 0; t < T; ++t) {
-        even[t] = _mm512_maskz_loadu_epi8(mask, xq + t * k + at.even);
-        odd[t] = _mm512_maskz_loadu_epi8(mask, xq + t * k + at.even + at.half_block);
+        even[t] = load(xq + t * k + at.even);
+        odd[t] = load(xq + t * k + at.even + at.half_block);
         __m512i correction = _mm512_setzero_si512();
         dpbusd(correction, bias, even[t]);
         dpbusd(correction, bias, odd[t]);
@@ -492,7 +492,7 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     const int64_t offset = c / 2;
     for (int r = 0; r < R; ++r) {
         pf.next();
-        const __m512i packed = _mm512_maskz_loadu_epi8(mask, b.w[r] + offset);
+        const __m512i packed = load(b.w[r] + offset);
         __m512i lo, hi;
         if constexpr (F == Format::int4) {
             lo = _mm512_ternarylogic_epi32(packed, low, bias, kAndXor);
@@ -508,32 +508,42 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     }
 }
 
-// The steps of pair_micro for the nibble formats at G = 32: chunks of 16 groups and steps of one
-// 128-column block, both aligned to absolute columns so that a step never crosses a chunk;
-// one reduction gives a step's (up to) four group totals.
-template <Format F, int R, int T>
-inline void pair_steps_split32(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k,
-                               int64_t c0, int64_t c1, LinePrefetcher& pf, __m512& acc, __m512 tile[kChunkGroups]) {
-    constexpr int64_t G = 32, kChunkColumns = kChunkGroups * G;
+// The steps of pair_micro for the nibble formats at G = 32 and 64: one 128-column block a
+// step (G = 32: four groups, a group per 128-bit lane of the pair vectors; 64: two, a group
+// per half), in chunks of 16 groups whose scale products scale_tile builds. Steps and
+// chunks are aligned to absolute columns, so that a step never crosses a chunk, and a
+// segment that starts or ends off the 128-column grid takes a partial step there. (G = 128
+// takes pair_steps, whose steps are whole groups: this loop measured 5-8% slower there at
+// 4 tokens.)
+template <Format F, int64_t G, int R, int T>
+inline void pair_steps_split(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k,
+                             int64_t c0, int64_t c1, LinePrefetcher& pf, __m512& acc, __m512 tile[kChunkGroups]) {
+    constexpr int64_t kChunkColumns = kChunkGroups * G;
     static_assert(kChunkColumns % kSplitColumns == 0, "a step never crosses a chunk");
     for (int64_t cc = c0, ce; cc < c1; cc = ce) {
         ce = (cc / kChunkColumns + 1) * kChunkColumns < c1 ? (cc / kChunkColumns + 1) * kChunkColumns : c1;
         scale_tile<R, T>(b, w, xs, k / G, cc / G, (ce - cc) / G, tile);
         for (int64_t c = cc, e; c < ce; c = e) {
             e = (c / kSplitColumns + 1) * kSplitColumns < ce ? (c / kSplitColumns + 1) * kSplitColumns : ce;
-            __m512i v[kPairs], quarter[4];
-            pair_dots_split<F, R, T>(b, xq, k, c, e - c, v, pf);
-            reduce_quarters(v, quarter);
+            __m512i v[kPairs], totals[4];
+            if (e - c == kSplitColumns)
+                pair_dots_split<F, R, T, true>(b, xq, k, c, e - c, v, pf);
+            else
+                pair_dots_split<F, R, T, false>(b, xq, k, c, e - c, v, pf);
+            if constexpr (G == 32)
+                reduce_quarters(v, totals);
+            else
+                reduce_pairs(v, &totals[0], &totals[1]);
             const int64_t i = (c - cc) / G;
             for (int q = 0; q < (e - c) / G; ++q)
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(quarter[q]), tile[i + q]));
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(totals[q]), tile[i + q]));
         }
     }
 }
 
-// The steps of pair_micro in column order from c0: G = 32 (int8) two groups a 64-column
+// The steps of pair_micro in column order from c0: int8 at G = 32 two groups a 64-column
 // step (the two halves of the reduction); G >= 64 a group is G / 64 steps, summed in int32
-// (int4 at G = 128: one 128-column block, pair_dots_split).
+// (the nibble formats at G = 128: one 128-column block, pair_dots_split).
 template <Format F, int64_t G, int R, int T>
 inline void pair_steps(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const float* xs, int64_t k,
                        int64_t c0, int64_t c1, LinePrefetcher& pf, __m512& acc, __m512 tile[kChunkGroups]) {
@@ -551,8 +561,8 @@ inline void pair_steps(const RowBlock<R>& b, const Weights& w, const int8_t* xq,
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(first), tile[i]));
                 if (full) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(second), tile[i + 1]));
             } else {
-                if constexpr (splits_nibbles(F, G))
-                    pair_dots_split<F, R, T>(b, xq, k, c, kSplitColumns, v, pf);
+                if constexpr (splits_nibbles(F))
+                    pair_dots_split<F, R, T, true>(b, xq, k, c, kSplitColumns, v, pf);
                 else
                     pair_dots<F, R, T, kSteps>(b, xq, k, c, true, v, pf);
                 reduce_pairs(v, &first, &second);
@@ -571,8 +581,8 @@ void pair_micro(const RowBlock<R>& b, const Weights& w, const int8_t* xq, const 
     __m512 acc = _mm512_setzero_ps();
     __m512 tile[kChunkGroups];
     LinePrefetcher pf(b.pf, column_bytes<F>(c0), column_bytes<F>(c1), b.w_step);
-    if constexpr (G == 32 && splits_nibbles(F, G))
-        pair_steps_split32<F, R, T>(b, w, xq, xs, k, c0, c1, pf, acc, tile);
+    if constexpr (splits_nibbles(F) && G < 128)
+        pair_steps_split<F, G, R, T>(b, w, xq, xs, k, c0, c1, pf, acc, tile);
     else
         pair_steps<F, G, R, T>(b, w, xq, xs, k, c0, c1, pf, acc, tile);
     alignas(64) float sums[kPairs];
