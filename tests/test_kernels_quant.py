@@ -145,15 +145,18 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
 
 
 @pytest.mark.parametrize(("fmt", "isa"), FORMAT_ISAS)
-def test_matmul_segments_on_odd_32_column_edges(rng, fmt, isa):
-    """Group 32 with k an odd multiple of 32 and segments that start and end on odd groups:
-    the 32-column edges of kernels that step 64 columns at a time (avx2 int4 reads each 64
-    columns' even, then odd token values, and k's last 32 columns as 16 + 16), against the
-    float64 reference and equal to ref bit for bit."""
-    rows, cols, group = 21, 7 * 32, 32
+@pytest.mark.parametrize("group", [32, 64])
+def test_matmul_segments_on_odd_group_edges(rng, fmt, isa, group):
+    """k an odd multiple of the group and segments that start and end on odd groups: the
+    edges of kernels that step 64 or 128 columns at a time (avx2 int4 reads each 64
+    columns' even, then odd token values, and k's last 32 columns as 16 + 16; the avx512
+    pairs read each 128 columns' even, then odd ones, and a block cut by a segment or by k
+    with masks), against the float64 reference and equal to ref bit for bit."""
+    rows, cols = 21, 7 * group
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype=str(rng.choice(sorted(quant.scale_dtypes_for(fmt)))))
-    segments = np.array([[0, 1, 7, 0, 96], [0, 1, 7, 96, cols], [7, 1, 7, 32, 160], [7, 1, 7, 0, 32],
-                         [7, 1, 7, 160, cols], [14, 1, 7, 0, cols]], np.int64)
+    units = np.array([[0, 1, 7, 0, 3], [0, 1, 7, 3, 7], [7, 1, 7, 1, 5], [7, 1, 7, 0, 1],
+                      [7, 1, 7, 5, 7], [14, 1, 7, 0, 7]], np.int64)
+    segments = units * np.array([1, 1, 1, group, group])
     for m in (1, 2, 3, 4, 5, 8, 9):
         x = rng.standard_normal((m, cols)).astype(BF16)
         start = rng.standard_normal((rows, m)).astype(np.float32)
