@@ -263,6 +263,21 @@ def _ggml_blocks(data, rows: int, cols: int, block_bytes: int, what: str) -> np.
     return raw.reshape(rows, cols // GGML_BLOCK, block_bytes)
 
 
+def _ggml_nibbles_paired(nibbles: np.ndarray) -> np.ndarray:
+    """The 16 code bytes of each ggml block of 32 (``[rows, blocks, 16]``: byte j holds
+    weight j in its low nibble, weight j + 16 in its high one) re-paired as the contract
+    packs nibbles, ``[rows, blocks * 16]``: byte i holds weights 2i and 2i + 1. Weights 2i
+    and 2i + 1 are the low (i < 8) or the high (i >= 8) nibbles of bytes 2i mod 16 and
+    2i + 1 mod 16, so each output byte is two masks and an or of an even and an odd input
+    byte, on the packed bytes (no unpacking)."""
+    rows, n_blocks, _ = nibbles.shape
+    even, odd = nibbles[:, :, 0::2], nibbles[:, :, 1::2]
+    paired = np.empty((rows, n_blocks, GGML_BLOCK // 2), dtype=np.uint8)
+    np.bitwise_or(even & 0x0F, (odd & 0x0F) << 4, out=paired[:, :, :GGML_BLOCK // 4])
+    np.bitwise_or(even >> 4, odd & 0xF0, out=paired[:, :, GGML_BLOCK // 4:])
+    return paired.reshape(rows, n_blocks * GGML_BLOCK // 2)
+
+
 def from_q8_0(data, rows: int, cols: int) -> QuantizedMatrix:
     """llama.cpp Q8_0 (per 32 weights: fp16 d, then 32 int8 q; w = d * q) into the
     contract's INT8 layout with group 32 and fp16 scales, without loss."""
@@ -281,11 +296,9 @@ def from_q4_0(data, rows: int, cols: int) -> QuantizedMatrix:
     contract's INT4 layout (group 32, fp16 scales, adjacent columns per byte), without loss."""
     blocks = _ggml_blocks(data, rows, cols, 2 + GGML_BLOCK // 2, "Q4_0")
     scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(rows, cols // GGML_BLOCK)
-    nibbles = blocks[:, :, 2:]
-    q = np.empty((rows, cols // GGML_BLOCK, GGML_BLOCK), dtype=np.int8)
-    q[:, :, :GGML_BLOCK // 2] = (nibbles & 0x0F).astype(np.int8) - 8
-    q[:, :, GGML_BLOCK // 2:] = (nibbles >> 4).astype(np.int8) - 8
-    return QuantizedMatrix("int4", GGML_BLOCK, pack_int4(q.reshape(rows, cols)), scales.copy())
+    packed = _ggml_nibbles_paired(blocks[:, :, 2:])
+    packed ^= 0x88  # q + 8 -> q's two's complement nibble: (q + 8) ^ 8 = q mod 16, per nibble
+    return QuantizedMatrix("int4", GGML_BLOCK, packed, scales.copy())
 
 
 
@@ -305,12 +318,7 @@ def from_gguf_mxfp4(data, rows: int, cols: int) -> QuantizedMatrix:
     blocks = _ggml_blocks(data, rows, cols, 1 + GGML_BLOCK // 2, "MXFP4")
     scales = blocks[:, :, 0].copy().view(ml_dtypes.float8_e8m0fnu)
     _check_e8m0(scales, "MXFP4")
-    nibbles = blocks[:, :, 1:]
-    codes = np.empty((rows, cols // GGML_BLOCK, GGML_BLOCK), dtype=np.uint8)
-    codes[:, :, :GGML_BLOCK // 2] = nibbles & 0x0F
-    codes[:, :, GGML_BLOCK // 2:] = nibbles >> 4
-    codes = codes.reshape(rows, cols)
-    return QuantizedMatrix("mxfp4", MX_BLOCK, (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales)
+    return QuantizedMatrix("mxfp4", MX_BLOCK, _ggml_nibbles_paired(blocks[:, :, 1:]), scales)
 
 
 def from_mxfp4_blocks(blocks, scales) -> QuantizedMatrix:
