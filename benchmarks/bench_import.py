@@ -126,7 +126,7 @@ def main() -> None:
     hidden, inter = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     cases = [("Q8_0", dict.fromkeys(KINDS, "Q8_0"), None), ("Q4_0", dict.fromkeys(KINDS, "Q4_0"), None),
-             ("BF16", dict.fromkeys(KINDS, "BF16"), None),
+             ("MXFP4", dict.fromkeys(KINDS, "MXFP4"), None), ("BF16", dict.fromkeys(KINDS, "BF16"), None),
              ("Q4_K_M", {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, None),
              ("Q4_K_M", {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, "int4")]
     with tempfile.TemporaryDirectory() as tmp:
