@@ -27,16 +27,18 @@ from numa_moe.formats import DEFAULT_GROUP, FIXED_SCALES, GROUPS, QUANT_FORMATS,
 
 __all__ = ["QuantizedMatrix", "check_arguments", "groups_for", "scale_dtypes_for", "scale_layout", "quantize", "dequantize", "values",
            "pack_int4", "unpack_int4", "error_bound", "from_q8_0", "from_q4_0", "from_gguf_mxfp4",
-           "from_mxfp4_blocks", "E2M1", "MX_BLOCK"]
+           "from_iq4_nl", "from_q5_0", "from_mxfp4_blocks", "E2M1", "IQ4_NL_VALUES", "MX_BLOCK"]
 
 # The largest |q| quantize() produces: symmetric, so INT4 leaves -8 unused (Q4_0 import
 # may still bring it); MXFP4's is e2m1's largest value.
 Q_MAX = {"int8": 127, "int4": 7, "mxfp4": 6}
 Q_MIN = {"int8": -127, "int4": -8, "mxfp4": -6}
-GGML_BLOCK = 32  # weights per Q8_0 / Q4_0 / MXFP4 block
+GGML_BLOCK = 32  # weights per Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 block
 MX_BLOCK = FIXED_SCALES["mxfp4"][0]  # weights per MXFP4 scale (the OCP MX block)
 # OCP e2m1: code -> value (bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa)
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+# IQ4_NL's codebook (ggml's kvalues_iq4nl): code -> the value its block's scale multiplies
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 # Magnitudes halfway between consecutive e2m1 codes 0..7, and whether a magnitude exactly
 # there rounds up (to the even code: ties to even)
 _E2M1_MIDPOINTS = (E2M1[:7] + E2M1[1:8]) / 2
@@ -276,6 +278,37 @@ def _ggml_nibbles_paired(nibbles: np.ndarray) -> np.ndarray:
     np.bitwise_or(even & 0x0F, (odd & 0x0F) << 4, out=paired[:, :, :GGML_BLOCK // 4])
     np.bitwise_or(even >> 4, odd & 0xF0, out=paired[:, :, GGML_BLOCK // 4:])
     return paired.reshape(rows, n_blocks * GGML_BLOCK // 2)
+
+
+def _ggml_nibble_codes(nibbles: np.ndarray) -> np.ndarray:
+    """The 4-bit codes of ggml blocks of 32 (``[rows, blocks, 16]``: byte j holds weight j
+    in its low nibble, weight j + 16 in its high one) in weight order, ``[rows, blocks,
+    32]`` uint8."""
+    return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
+
+
+def from_iq4_nl(data, rows: int, cols: int) -> QuantizedMatrix:
+    """llama.cpp IQ4_NL (per 32 weights: fp16 d, then 16 bytes of codes in Q4_0's order;
+    w = d * IQ4_NL_VALUES[code]) into the contract's INT8 layout (group 32, fp16 scales),
+    without loss: every codebook value is an int8 in [-127, 113]. The int8 values take 1.9x
+    the file's bytes (8.5 bits a weight against 4.5)."""
+    blocks = _ggml_blocks(data, rows, cols, 2 + GGML_BLOCK // 2, "IQ4_NL")
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(rows, cols // GGML_BLOCK)
+    q = IQ4_NL_VALUES[_ggml_nibble_codes(blocks[:, :, 2:])]
+    return QuantizedMatrix("int8", GGML_BLOCK, q.reshape(rows, cols), scales.copy())
+
+
+def from_q5_0(data, rows: int, cols: int) -> QuantizedMatrix:
+    """llama.cpp Q5_0 (per 32 weights: fp16 d, a little-endian uint32 whose bit j is weight
+    j's fifth bit, then 16 bytes of the low four bits in Q4_0's order; w = d * (q - 16), q
+    in [0, 31]) into the contract's INT8 layout (group 32, fp16 scales), without loss, at
+    1.5x the file's bytes (8.5 bits a weight against 5.5)."""
+    blocks = _ggml_blocks(data, rows, cols, 2 + 4 + GGML_BLOCK // 2, "Q5_0")
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(rows, cols // GGML_BLOCK)
+    high = np.ascontiguousarray(blocks[:, :, 2:6]).view("<u4")  # [rows, blocks, 1]
+    fifth = ((high >> np.arange(GGML_BLOCK, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    q = (_ggml_nibble_codes(blocks[:, :, 6:]) | fifth).astype(np.int8) - np.int8(16)
+    return QuantizedMatrix("int8", GGML_BLOCK, q.reshape(rows, cols), scales.copy())
 
 
 def from_q8_0(data, rows: int, cols: int) -> QuantizedMatrix:

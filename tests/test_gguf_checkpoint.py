@@ -1,6 +1,6 @@
 """GGUF checkpoints: tiny MoE files written by the ``gguf`` package's own writer, loaded
 into an ExpertStore and compared with the package's own dequantization (bit for bit for
-Q8_0, Q4_0 and the float types; within numa_moe.quant.error_bound for requantized
+Q8_0, Q4_0, MXFP4, IQ4_NL and Q5_0 (as int8) and the float types; within numa_moe.quant.error_bound for requantized
 K-quants), a MoELayer step against a float64 reference of the dequantized experts, the
 commands, and malformed files (one-line errors)."""
 
@@ -30,6 +30,7 @@ E, H, I = 4, 256, 512
 ARCH = "qwen3moe"
 SHAPES = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+RAW_BLOCKS = (*K_QUANTS, T.IQ4_NL)  # types the package dequantizes but does not quantize
 
 
 def _random_blocks(rng, qtype, shape):
@@ -40,7 +41,9 @@ def _random_blocks(rng, qtype, shape):
     raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
     blocks = raw.reshape(-1, size)
     d = (rng.random(len(blocks)) * 0.02 + 0.001).astype(np.float16)
-    if qtype == T.Q6_K:  # ql[128] qh[64] scales[16] d
+    if qtype == T.IQ4_NL:  # d, then the codes
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    elif qtype == T.Q6_K:  # ql[128] qh[64] scales[16] d
         blocks[:, size - 2:] = d.view(np.uint8).reshape(-1, 2)
     else:  # Q4_K / Q5_K: d, dmin first
         dmin = (rng.random(len(blocks)) * 0.01).astype(np.float16)
@@ -67,8 +70,8 @@ def write_gguf(path, rng, types, layers=(0, 1), metadata=True, extra=None, shape
             shape = (shapes or SHAPES)[kind]
             qtype = types[kind]
             name = f"blk.{layer}.ffn_{kind}_exps.weight"
-            if qtype in K_QUANTS or qtype == T.Q8_1:
-                w.add_tensor(name, _random_blocks(rng, qtype, shape) if qtype in K_QUANTS else
+            if qtype in RAW_BLOCKS or qtype == T.Q8_1:
+                w.add_tensor(name, _random_blocks(rng, qtype, shape) if qtype in RAW_BLOCKS else
                              rng.integers(0, 256, size=(*shape[:-1], shape[-1] // 32 * 40),
                                           dtype=np.uint8), raw_dtype=qtype)
                 continue
@@ -119,6 +122,7 @@ def uniform(qtype):
 
 @pytest.mark.parametrize("qtype, loaded", [
     (T.Q8_0, ("int8", 32, "fp16")), (T.Q4_0, ("int4", 32, "fp16")), (T.MXFP4, ("mxfp4", 32, "e8m0")),
+    (T.Q5_0, ("int8", 32, "fp16")),
     (T.BF16, ("bf16", None, None)), (T.F16, ("fp16", None, None)), (T.F32, ("fp32", None, None))],
     ids=lambda v: getattr(v, "name", None))
 def test_lossless_types_load_bit_for_bit(tmp_path, rng, qtype, loaded):
@@ -158,6 +162,22 @@ def test_k_quants_are_requantized_within_the_documented_bound(tmp_path, rng, fmt
         print(f"{types[kind].name} -> {fmt} g32: relative error {rel:.2e}, max "
               f"{np.abs(got - flat).max() / np.abs(flat).max():.2%} of max |w|")
         assert 0 < rel < rel_bound, kind
+
+
+def test_iq4_nl_loads_exactly_as_int8_and_by_default_requantized_as_int4(tmp_path, rng):
+    """IQ4_NL's codebook values are int8 under each block's fp16 scale: asked for int8 (group
+    32, fp16) it loads bit for bit; its default stays int4 at the file's bytes, requantized."""
+    path = write_gguf(tmp_path / "iq4.gguf", rng, uniform(T.IQ4_NL), layers=(0,))
+    ck = open_checkpoint(path)
+    assert ck.importer.default() == ck.importer.resolve(path, ck.dims, "int4", None, None)
+    assert not ck.importer.exact(ck.importer.default())
+    fmt = ck.importer.resolve(path, ck.dims, "int8", None, None)
+    assert ck.importer.describe(fmt) == "GGUF IQ4_NL -> int8, group 32, fp16 scales (exact)"
+    store = ExpertStore.load(ck, progress=False, weight_format="int8")
+    reference = package_dequantized(path)
+    for kind in KINDS:
+        got, want = store_values(store, 0, kind), reference[f"blk.0.ffn_{kind}_exps.weight"]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kind
 
 
 def test_requantizing_a_lossless_type_is_reported_as_such(tmp_path, rng):

@@ -93,6 +93,26 @@ def test_ggml_blocks_convert_without_loss(rng, q4):
     np.testing.assert_array_equal(quant.dequantize(qm).view(np.uint32), expected.view(np.uint32))
 
 
+def test_iq4_nl_and_q5_0_blocks_load_as_int8_without_loss(rng):
+    """IQ4_NL (hand-built blocks: the gguf package does not quantize it) and Q5_0 (the
+    package's quantizer) against the package's dequantization of the same bytes, element
+    for element; a block count that does not match the matrix is refused."""
+    gguf = pytest.importorskip("gguf")
+    rows, cols = 5, 160
+    d = (rng.standard_normal(rows * cols // 32) * 0.01).astype(np.float16)
+    iq4 = np.concatenate([d.view(np.uint8).reshape(-1, 2),
+                          rng.integers(0, 256, (rows * cols // 32, 16), dtype=np.uint8)], axis=1)
+    q5 = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), gguf.GGMLQuantizationType.Q5_0)
+    for reader, raw, qtype in ((quant.from_iq4_nl, iq4, gguf.GGMLQuantizationType.IQ4_NL),
+                               (quant.from_q5_0, q5, gguf.GGMLQuantizationType.Q5_0)):
+        qm = reader(raw.tobytes(), rows, cols)
+        assert (qm.fmt, qm.group, qm.scales.dtype) == ("int8", 32, np.float16)
+        theirs = np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), qtype), np.float32)
+        np.testing.assert_array_equal(quant.dequantize(qm).view(np.uint32), theirs.view(np.uint32))
+        with pytest.raises(ValueError, match=f"{qtype.name}: .* bytes for a 5 x 128 matrix"):
+            reader(raw.tobytes(), rows, 128)
+
+
 def test_ggml_data_of_the_wrong_size_or_range_is_refused(rng):
     raw, _ = ggml_blocks(rng, 2, 64, q4=False)
     with pytest.raises(ValueError, match="Q8_0: 136 bytes for a 2 x 96 matrix, expected 204"):

@@ -15,10 +15,14 @@ Conversion into the store's layout (``GGUFImport``, one expert matrix at a time)
 * Q8_0 -> int8 and Q4_0 -> int4, group 32, fp16 scales, and MXFP4 -> mxfp4, group 32,
   e8m0 scales: bytes re-arranged, no loss (``numa_moe.quant.from_q8_0`` / ``from_q4_0`` /
   ``from_gguf_mxfp4``; the block scales land in their own row-major tensor);
+* IQ4_NL and Q5_0 -> int8, group 32, fp16 scales, when that is the format asked for (Q5_0's
+  default; IQ4_NL's default is int4, requantized, at the file's bytes): each block's values
+  are int8 under its fp16 scale, so no loss, at 1.9x (IQ4_NL) and 1.5x (Q5_0) the file's
+  bytes (``from_iq4_nl`` / ``from_q5_0``);
 * BF16, F16, F32: copied as they are;
-* every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_0, IQ4_NL, ...):
+* every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_1, IQ4_XS, ...):
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
-  bf16). Types it cannot dequantize are refused when the file is opened.
+  bf16), as are the types above when another format is asked for. Types it cannot dequantize are refused when the file is opened.
 
 Expert biases (``blk.L.ffn_{gate,up,down}_exps.bias``, ``[E, I]`` / ``[E, H]``, as
 llama.cpp's converter writes gpt-oss's) load per expert as fp32; a ``gpt-oss`` file's
@@ -73,7 +77,12 @@ GGML_FLOATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 LOSSLESS = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
             "Q4_0": LoadFormat("int4", q.GGML_BLOCK, "fp16"),
             "MXFP4": LoadFormat("mxfp4", q.MX_BLOCK, "e8m0")}
-_LOSSLESS_READERS = {"Q8_0": q.from_q8_0, "Q4_0": q.from_q4_0, "MXFP4": q.from_gguf_mxfp4}
+# ... and the types that convert without loss into a format of more bits than their own
+# (not their default where that costs more than the requantized default's bytes)
+EXACT = {**LOSSLESS, "IQ4_NL": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
+         "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16")}
+_EXACT_READERS = {"Q8_0": q.from_q8_0, "Q4_0": q.from_q4_0, "MXFP4": q.from_gguf_mxfp4,
+                  "IQ4_NL": q.from_iq4_nl, "Q5_0": q.from_q5_0}
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
 INT4_DEFAULT_BITS = 4.5
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -554,7 +563,7 @@ def _expert_matrices(path: Path, layer: int, kind: str, info: TensorInfo,
             f"{where}: {what}: ggml dims {list(reversed(info.shape))}, expected {ggml_expected} "
             f"([cols, rows, experts] from {arch}.expert_count, embedding_length and the expert "
             f"feed-forward length)")
-    if info.dtype not in GGML_FLOATS and info.dtype not in LOSSLESS:
+    if info.dtype not in GGML_FLOATS and info.dtype not in EXACT:
         _check_dequantizable(info, where)
     n_experts, rows, cols = info.shape
     per_expert = info.nbytes // n_experts
@@ -591,7 +600,7 @@ def _check_dequantizable(info: TensorInfo, where: str) -> None:
 def supported_types() -> list[str]:
     """The ggml types routed experts may have: the floats, the exact loads and every
     other type the installed gguf package dequantizes."""
-    names = [*GGML_FLOATS, *LOSSLESS]
+    names = [*GGML_FLOATS, *EXACT]
     return names + [t.name for t in _gguf().GGMLQuantizationType
                     if t.name not in names and _dequantizable(t.name)]
 
@@ -648,9 +657,9 @@ class GGUFImport(ExpertImport):
         if t in GGML_FLOATS and fmt.fmt == GGML_FLOATS[t]:
             read_matrix_into(matrix, values, fd)
             return
-        if t in LOSSLESS and LOSSLESS[t] == fmt:
+        if t in EXACT and EXACT[t] == fmt:
             try:
-                qm = _LOSSLESS_READERS[t](_raw(matrix, fd), matrix.rows, matrix.cols)
+                qm = _EXACT_READERS[t](_raw(matrix, fd), matrix.rows, matrix.cols)
             except ValueError as err:
                 raise CheckpointError(f"{_where(matrix)}: {err}") from None
             block_scales = qm.scales.astype(np.float32)
@@ -679,7 +688,7 @@ class GGUFImport(ExpertImport):
 def _exact(type_name: str, fmt: LoadFormat) -> bool:
     if type_name in GGML_FLOATS:
         return GGML_FLOATS[type_name] == fmt.fmt
-    return LOSSLESS.get(type_name) == fmt
+    return EXACT.get(type_name) == fmt
 
 
 def _raw(matrix: ExpertMatrix, fd: int) -> np.ndarray:
