@@ -22,7 +22,8 @@ Conversion into the store's layout (``GGUFImport``, one expert matrix at a time)
 * BF16, F16, F32: copied as they are;
 * every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_1, IQ4_XS, ...):
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
-  bf16), as are the types above when another format is asked for. Types it cannot dequantize are refused when the file is opened.
+  bf16), as are the types above when another format is asked for. Types it cannot
+  dequantize are refused when the file is opened.
 
 Expert biases (``blk.L.ffn_{gate,up,down}_exps.bias``, ``[E, I]`` / ``[E, H]``, as
 llama.cpp's converter writes gpt-oss's) load per expert as fp32; a ``gpt-oss`` file's
