@@ -27,7 +27,7 @@ from numa_moe.formats import DEFAULT_GROUP, FIXED_SCALES, GROUPS, QUANT_FORMATS,
 
 __all__ = ["QuantizedMatrix", "check_arguments", "groups_for", "scale_dtypes_for", "scale_layout", "quantize", "dequantize", "values",
            "pack_int4", "unpack_int4", "error_bound", "from_q8_0", "from_q4_0", "from_gguf_mxfp4",
-           "from_iq4_nl", "from_q5_0", "from_mxfp4_blocks", "E2M1", "IQ4_NL_VALUES", "MX_BLOCK"]
+           "from_iq4_nl", "from_iq4_xs", "from_q5_0", "from_mxfp4_blocks", "E2M1", "IQ4_NL_VALUES", "MX_BLOCK"]
 
 # The largest |q| quantize() produces: symmetric, so INT4 leaves -8 unused (Q4_0 import
 # may still bring it); MXFP4's is e2m1's largest value.
@@ -255,14 +255,14 @@ def error_bound(w, qm: QuantizedMatrix) -> np.ndarray:
     return (half_step + clipped).reshape(rows, cols)
 
 
-def _ggml_blocks(data, rows: int, cols: int, block_bytes: int, what: str) -> np.ndarray:
-    if cols % GGML_BLOCK:
-        raise ValueError(f"{what}: cols={cols} is not a multiple of its {GGML_BLOCK}-weight blocks")
+def _ggml_blocks(data, rows: int, cols: int, block_bytes: int, what: str, block: int = GGML_BLOCK) -> np.ndarray:
+    if cols % block:
+        raise ValueError(f"{what}: cols={cols} is not a multiple of its {block}-weight blocks")
     raw = np.frombuffer(memoryview(data), dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8)
-    expected = rows * cols // GGML_BLOCK * block_bytes
+    expected = rows * cols // block * block_bytes
     if raw.size != expected:
         raise ValueError(f"{what}: {raw.size} bytes for a {rows} x {cols} matrix, expected {expected}")
-    return raw.reshape(rows, cols // GGML_BLOCK, block_bytes)
+    return raw.reshape(rows, cols // block, block_bytes)
 
 
 def _ggml_nibbles_paired(nibbles: np.ndarray) -> np.ndarray:
@@ -296,6 +296,25 @@ def from_iq4_nl(data, rows: int, cols: int) -> QuantizedMatrix:
     scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(rows, cols // GGML_BLOCK)
     q = IQ4_NL_VALUES[_ggml_nibble_codes(blocks[:, :, 2:])]
     return QuantizedMatrix("int8", GGML_BLOCK, q.reshape(rows, cols), scales.copy())
+
+
+def from_iq4_xs(data, rows: int, cols: int) -> QuantizedMatrix:
+    """llama.cpp IQ4_XS (per 256 weights: fp16 d, a uint16 of the 8 sub-blocks' high scale
+    bits (2 each), 4 bytes of their low scale bits (4 each, sub-block 2i in byte i's low
+    nibble), then 8 x 16 bytes of IQ4_NL codes in Q4_0's order; sub-block ib of 32 weights
+    has w = d * (ls - 32) * IQ4_NL_VALUES[code], ls its 6-bit scale) into the contract's
+    INT8 layout with group 32 and fp32 scales d * (ls - 32), without loss: the product of
+    an fp16 and a 6-bit integer is exact in fp32 (17 significant bits), and so is each
+    weight's one rounding, as ggml's. 2.1x the file's bytes (9 bits a weight against 4.25)."""
+    blocks = _ggml_blocks(data, rows, cols, 2 + 2 + 4 + 8 * GGML_BLOCK // 2, "IQ4_XS", block=8 * GGML_BLOCK)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).astype(np.float32)  # [rows, n, 1]
+    high = np.ascontiguousarray(blocks[:, :, 2:4]).view("<u2")  # [rows, n, 1]
+    sub = np.arange(8)
+    low = (blocks[:, :, 4 + sub // 2] >> (4 * (sub % 2)).astype(np.uint8)) & 0x0F
+    ls = low.astype(np.int32) | (((high >> (2 * sub).astype(np.uint16)) & 3).astype(np.int32) << 4)
+    scales = (d * (ls - 32).astype(np.float32)).reshape(rows, cols // GGML_BLOCK)
+    codes = _ggml_nibble_codes(blocks[:, :, 8:].reshape(rows, cols // GGML_BLOCK, GGML_BLOCK // 2))
+    return QuantizedMatrix("int8", GGML_BLOCK, IQ4_NL_VALUES[codes].reshape(rows, cols), scales)
 
 
 def from_q5_0(data, rows: int, cols: int) -> QuantizedMatrix:

@@ -30,7 +30,7 @@ E, H, I = 4, 256, 512
 ARCH = "qwen3moe"
 SHAPES = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
-RAW_BLOCKS = (*K_QUANTS, T.IQ4_NL)  # types the package dequantizes but does not quantize
+RAW_BLOCKS = (*K_QUANTS, T.IQ4_NL, T.IQ4_XS)  # types the package dequantizes but does not quantize
 
 
 def _random_blocks(rng, qtype, shape):
@@ -41,7 +41,7 @@ def _random_blocks(rng, qtype, shape):
     raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
     blocks = raw.reshape(-1, size)
     d = (rng.random(len(blocks)) * 0.02 + 0.001).astype(np.float16)
-    if qtype == T.IQ4_NL:  # d, then the codes
+    if qtype in (T.IQ4_NL, T.IQ4_XS):  # d, then (IQ4_XS) the sub-block scales and the codes
         blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
     elif qtype == T.Q6_K:  # ql[128] qh[64] scales[16] d
         blocks[:, size - 2:] = d.view(np.uint8).reshape(-1, 2)
@@ -178,6 +178,26 @@ def test_iq4_nl_loads_exactly_as_int8_and_by_default_requantized_as_int4(tmp_pat
     for kind in KINDS:
         got, want = store_values(store, 0, kind), reference[f"blk.0.ffn_{kind}_exps.weight"]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kind
+
+
+def test_iq4_xs_loads_exactly_as_int8_with_fp32_scales(tmp_path, rng):
+    """IQ4_XS's sub-block scales d * (ls - 32) are exact in fp32: asked for int8 with fp32
+    scales it loads with the package's values (random sub-block scales include ls = 32, a
+    zero scale over non-zero codes: those blocks load as zeros); int8 with fp16 scales is a
+    requantization."""
+    path = write_gguf(tmp_path / "iq4xs.gguf", rng, uniform(T.IQ4_XS), layers=(0,))
+    ck = open_checkpoint(path)
+    assert not ck.importer.exact(ck.importer.resolve(path, ck.dims, "int8", None, None))
+    fmt = ck.importer.resolve(path, ck.dims, "int8", None, "fp32")
+    assert ck.importer.describe(fmt) == "GGUF IQ4_XS -> int8, group 32, fp32 scales (exact)"
+    store = ExpertStore.load(ck, progress=False, weight_format="int8", scale_dtype="fp32")
+    reference = package_dequantized(path)
+    zero_blocks = 0
+    for kind in KINDS:
+        got, want = store_values(store, 0, kind), reference[f"blk.0.ffn_{kind}_exps.weight"]
+        np.testing.assert_array_equal(got, want, err_msg=kind)  # equal values (the sign of a zero aside)
+        zero_blocks += int(np.sum(np.all(want.reshape(-1, 32) == 0, axis=1)))
+    assert zero_blocks > 0, "no sub-block with a zero scale: the case is untested"
 
 
 def test_requantizing_a_lossless_type_is_reported_as_such(tmp_path, rng):

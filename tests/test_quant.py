@@ -93,9 +93,9 @@ def test_ggml_blocks_convert_without_loss(rng, q4):
     np.testing.assert_array_equal(quant.dequantize(qm).view(np.uint32), expected.view(np.uint32))
 
 
-def test_iq4_nl_and_q5_0_blocks_load_as_int8_without_loss(rng):
-    """IQ4_NL (hand-built blocks: the gguf package does not quantize it) and Q5_0 (the
-    package's quantizer) against the package's dequantization of the same bytes, element
+def test_iq4_nl_iq4_xs_and_q5_0_blocks_load_as_int8_without_loss(rng):
+    """IQ4_NL and IQ4_XS (hand-built blocks: the gguf package does not quantize them) and
+    Q5_0 (the package's quantizer) against the package's dequantization of the same bytes, element
     for element; a block count that does not match the matrix is refused."""
     gguf = pytest.importorskip("gguf")
     rows, cols = 5, 160
@@ -103,14 +103,20 @@ def test_iq4_nl_and_q5_0_blocks_load_as_int8_without_loss(rng):
     iq4 = np.concatenate([d.view(np.uint8).reshape(-1, 2),
                           rng.integers(0, 256, (rows * cols // 32, 16), dtype=np.uint8)], axis=1)
     q5 = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), gguf.GGMLQuantizationType.Q5_0)
-    for reader, raw, qtype in ((quant.from_iq4_nl, iq4, gguf.GGMLQuantizationType.IQ4_NL),
-                               (quant.from_q5_0, q5, gguf.GGMLQuantizationType.Q5_0)):
+    rows_xs, cols_xs = 3, 512  # IQ4_XS: blocks of 256
+    xs = rng.integers(0, 256, (rows_xs * cols_xs // 256, 136), dtype=np.uint8)
+    xs[:, :2] = (rng.random(len(xs)) * 0.02 + 0.001).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for reader, raw, qtype, shape in ((quant.from_iq4_nl, iq4, gguf.GGMLQuantizationType.IQ4_NL, (rows, cols)),
+                                      (quant.from_q5_0, q5, gguf.GGMLQuantizationType.Q5_0, (rows, cols)),
+                                      (quant.from_iq4_xs, xs, gguf.GGMLQuantizationType.IQ4_XS, (rows_xs, cols_xs))):
+        rows, cols = shape
         qm = reader(raw.tobytes(), rows, cols)
-        assert (qm.fmt, qm.group, qm.scales.dtype) == ("int8", 32, np.float16)
+        scale_dtype = np.float32 if qtype == gguf.GGMLQuantizationType.IQ4_XS else np.float16
+        assert (qm.fmt, qm.group, qm.scales.dtype) == ("int8", 32, scale_dtype)
         theirs = np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), qtype), np.float32)
         np.testing.assert_array_equal(quant.dequantize(qm).view(np.uint32), theirs.view(np.uint32))
-        with pytest.raises(ValueError, match=f"{qtype.name}: .* bytes for a 5 x 128 matrix"):
-            reader(raw.tobytes(), rows, 128)
+        with pytest.raises(ValueError, match=f"{qtype.name}: .* bytes for a {rows} x 256 matrix"):
+            reader(raw.tobytes(), rows, 256)
 
 
 def test_ggml_data_of_the_wrong_size_or_range_is_refused(rng):

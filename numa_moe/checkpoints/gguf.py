@@ -15,12 +15,13 @@ Conversion into the store's layout (``GGUFImport``, one expert matrix at a time)
 * Q8_0 -> int8 and Q4_0 -> int4, group 32, fp16 scales, and MXFP4 -> mxfp4, group 32,
   e8m0 scales: bytes re-arranged, no loss (``numa_moe.quant.from_q8_0`` / ``from_q4_0`` /
   ``from_gguf_mxfp4``; the block scales land in their own row-major tensor);
-* IQ4_NL and Q5_0 -> int8, group 32, fp16 scales, when that is the format asked for (Q5_0's
-  default; IQ4_NL's default is int4, requantized, at the file's bytes): each block's values
-  are int8 under its fp16 scale, so no loss, at 1.9x (IQ4_NL) and 1.5x (Q5_0) the file's
-  bytes (``from_iq4_nl`` / ``from_q5_0``);
+* IQ4_NL and Q5_0 -> int8, group 32, fp16 scales, and IQ4_XS -> int8, group 32, fp32
+  scales, when that is the format asked for (Q5_0's default; the IQ4 types default to int4,
+  requantized, at the file's bytes): each block's values are int8 under its scale (IQ4_XS:
+  d * (ls - 32), exact in fp32), so no loss, at 1.9x (IQ4_NL), 2.1x (IQ4_XS) and 1.5x (Q5_0)
+  the file's bytes (``from_iq4_nl`` / ``from_iq4_xs`` / ``from_q5_0``);
 * BF16, F16, F32: copied as they are;
-* every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_1, IQ4_XS, ...):
+* every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_1, NVFP4, ...):
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
   bf16), as are the types above when another format is asked for. Types it cannot
   dequantize are refused when the file is opened.
@@ -81,9 +82,10 @@ LOSSLESS = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
 # ... and the types that convert without loss into a format of more bits than their own
 # (not their default where that costs more than the requantized default's bytes)
 EXACT = {**LOSSLESS, "IQ4_NL": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
+         "IQ4_XS": LoadFormat("int8", q.GGML_BLOCK, "fp32"),
          "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16")}
 _EXACT_READERS = {"Q8_0": q.from_q8_0, "Q4_0": q.from_q4_0, "MXFP4": q.from_gguf_mxfp4,
-                  "IQ4_NL": q.from_iq4_nl, "Q5_0": q.from_q5_0}
+                  "IQ4_NL": q.from_iq4_nl, "IQ4_XS": q.from_iq4_xs, "Q5_0": q.from_q5_0}
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
 INT4_DEFAULT_BITS = 4.5
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -668,13 +670,17 @@ class GGUFImport(ExpertImport):
                 r, c = (int(i) for i in np.argwhere(~np.isfinite(block_scales))[0])
                 raise CheckpointError(f"{_where(matrix)}: a NaN or infinite block scale (row {r}, "
                                       f"block {c})")
-            values[...] = qm.q
-            scales[...] = qm.scales
-            if fmt.fmt == "mxfp4":
-                return  # e8m0 has no zero (from_gguf_mxfp4 refused NaN)
-            # ggml writes d = +-0 for an all-zero block (its q are all 0); the contract's
-            # scales are never 0, and +-1 gives the same zeros, signs included
+            # A block whose scale is +-0 holds zeros (ggml writes d = 0 for an all-zero
+            # block; IQ4_XS's sub-block scale d * (ls - 32) is 0 at ls = 32, whatever its
+            # codes, and IQ4's codebook has no 0): the contract's scales are never 0, so
+            # such a block becomes values 0 under the scale +-1, the same zeros (e8m0 has
+            # no zero: mxfp4 never takes this).
             zero = block_scales == 0
+            block_values = np.ascontiguousarray(qm.q)
+            if np.any(zero):
+                block_values.reshape(*zero.shape, -1)[zero] = 0
+            values[...] = block_values
+            scales[...] = qm.scales
             scales[zero] = np.copysign(1, block_scales[zero])
             return
         convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
