@@ -41,10 +41,10 @@
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
 // negated. Register block: R rows x T tokens = up to 16 (row, token) pairs, one vector
 // each; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of group
-// totals, lane p = pair p (the nibble formats step 128 columns: at G = 32 four vectors, one
-// per group, reduce_quarters; at 64 the two halves of the tree), so the fp32 scale-and-add runs on 16 pairs at once, except at
-// one token, where a block is 8 rows (8 pairs): 16 row streams read from memory more
-// slowly than 8 (docs/kernels.md).
+// totals, lane p = pair p (the nibble formats step 128 columns: at G = 32 four vectors,
+// one per group, reduce_quarters; at 64 the two halves of the tree), so the fp32
+// scale-and-add runs on 16 pairs at once, except at one token, where a block is 8 rows
+// (8 pairs): 16 row streams read from memory more slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens.
 // 5 (G = 32: 4) to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
 // each 64 bytes of the 16 rows transposed in registers so that lane r holds row r: every
@@ -462,10 +462,9 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
     }
 }
 
-// The nibble formats: columns [c, c + n) of one 128-column block, 64
-// weight bytes a row when whole. The tokens' even and odd columns are apart
-// (splits_nibbles), so the low nibbles of the bytes meet the even columns and the high
-// ones the odd: int4 unpacks 128 columns in three operations (one ternary logic
+// The nibble formats: columns [c, c + n) of one 128-column block, 64 weight bytes a row
+// when whole. The tokens' even and odd columns are apart (splits_nibbles), so the low
+// nibbles of the bytes meet the even columns and the high ones the odd: int4 unpacks 128 columns in three operations (one ternary logic
 // (w & 0x0f) ^ 8 per nibble, after a shift for the high ones) where column order takes
 // five per 64; mxfp4 looks each nibble up instead of the xor. Lane 4i .. 4i + 3 of v[p]
 // sums columns c + 8i .. c + 8i + 7: a group of 32 is a quarter of the vector, of 64 a half.
