@@ -475,16 +475,6 @@ inline void transpose8x64(__m512i r[8]) {
     r[7] = _mm512_shuffle_i64x2(u[3], u[7], 0xdd);
 }
 
-// 4 x 4 transpose of 128-bit elements: r[j] <- element j of every r[i].
-inline void transpose4x128(__m512i r[4]) {
-    const __m512i a = _mm512_shuffle_i64x2(r[0], r[1], 0x44), b = _mm512_shuffle_i64x2(r[0], r[1], 0xee);
-    const __m512i c = _mm512_shuffle_i64x2(r[2], r[3], 0x44), d = _mm512_shuffle_i64x2(r[2], r[3], 0xee);
-    r[0] = _mm512_shuffle_i64x2(a, c, 0x88);
-    r[1] = _mm512_shuffle_i64x2(a, c, 0xdd);
-    r[2] = _mm512_shuffle_i64x2(b, d, 0x88);
-    r[3] = _mm512_shuffle_i64x2(b, d, 0xdd);
-}
-
 // Writes the token-lane layout {2P, T} (P = 2 or 4; tokens padded with zeros to a multiple
 // of T): token t's columns [qB, qB + B) are one 4P-byte element, so this is a transpose of
 // 8-byte (P = 2) or 16-byte (P = 4) elements, [m tokens][k / B] -> [k / B][m_pad tokens],

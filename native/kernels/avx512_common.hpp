@@ -65,6 +65,16 @@ struct Activation512 {
     __m512 alpha, limit, negative_limit, up_offset;
 };
 
+// 4 x 4 transpose of 128-bit elements: r[j] <- element j of every r[i].
+inline void transpose4x128(__m512i r[4]) {
+    const __m512i a = _mm512_shuffle_i64x2(r[0], r[1], 0x44), b = _mm512_shuffle_i64x2(r[0], r[1], 0xee);
+    const __m512i c = _mm512_shuffle_i64x2(r[2], r[3], 0x44), d = _mm512_shuffle_i64x2(r[2], r[3], 0xee);
+    r[0] = _mm512_shuffle_i64x2(a, c, 0x88);
+    r[1] = _mm512_shuffle_i64x2(a, c, 0xdd);
+    r[2] = _mm512_shuffle_i64x2(b, d, 0x88);
+    r[3] = _mm512_shuffle_i64x2(b, d, 0xdd);
+}
+
 // In-register 16x16 fp32 transpose: r[i][j] -> r[j][i]. Always inlined: a call would
 // make the caller save every live vector (all zmm registers are caller-saved), and the
 // integer row-lane kernel calls it between its accumulators' updates.

@@ -181,7 +181,6 @@ struct TokenWriter {
             return;
         }
         if (!lanes) {
-            uint8_t* dst = values + t * k + b * G;
             if constexpr (splits_nibbles(F)) {
                 const SplitAt at(k, b * G);
                 uint8_t* even = values + t * k + at.even;
@@ -190,7 +189,7 @@ struct TokenWriter {
                     even[at.half_block + c / 2] = static_cast<uint8_t>(q[c + 1]);
                 }
             } else {
-                std::memcpy(dst, q, G);
+                std::memcpy(values + t * k + b * G, q, G);
             }
             scales[t * (k / G) + b] = scale;
             return;
@@ -422,14 +421,8 @@ inline void reduce_pairs(const __m512i v[kPairs], __m512i* first, __m512i* secon
 // v[p] lanes 4q .. 4q + 3: partial sums of pair p's quarter q. quarter[q] lane p = pair
 // p's total of quarter q: the lane totals, then a 4 x 4 transpose of 128-bit lanes.
 inline void reduce_quarters(const __m512i v[kPairs], __m512i quarter[4]) {
-    __m512i s2[4];
-    reduce_within_lanes(v, s2);
-    const __m512i a = _mm512_shuffle_i32x4(s2[0], s2[1], 0x44), b = _mm512_shuffle_i32x4(s2[0], s2[1], 0xee);
-    const __m512i c = _mm512_shuffle_i32x4(s2[2], s2[3], 0x44), d = _mm512_shuffle_i32x4(s2[2], s2[3], 0xee);
-    quarter[0] = _mm512_shuffle_i32x4(a, c, 0x88);
-    quarter[1] = _mm512_shuffle_i32x4(a, c, 0xdd);
-    quarter[2] = _mm512_shuffle_i32x4(b, d, 0x88);
-    quarter[3] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    reduce_within_lanes(v, quarter);
+    transpose4x128(quarter);
 }
 
 // The pair vectors of `steps` 64-column steps (the last one 32 columns when !full) from
