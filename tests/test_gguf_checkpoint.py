@@ -1,7 +1,8 @@
 """GGUF checkpoints: tiny MoE files written by the ``gguf`` package's own writer, loaded
 into an ExpertStore and compared with the package's own dequantization (bit for bit for
-Q8_0, Q4_0, MXFP4, IQ4_NL and Q5_0 (as int8) and the float types; within numa_moe.quant.error_bound for requantized
-K-quants), a MoELayer step against a float64 reference of the dequantized experts, the
+Q8_0, Q4_0, MXFP4, IQ4_NL and Q5_0 (as int8) and the float types, equal values for IQ4_XS
+(as int8 with fp32 scales); within numa_moe.quant.error_bound for requantized K-quants),
+a MoELayer step against a float64 reference of the dequantized experts, the
 commands, and malformed files (one-line errors)."""
 
 from __future__ import annotations
