@@ -39,6 +39,9 @@ def pytest_sessionstart(session):
     builds = [f"{isa} {build}" for isa in ("avx2", "avx2_emulated")
               if (build := _native.testing.avx2_integer_build(isa)) and isa in kernels.available_isas("int8")]
     reporter.write_line(f"AVX2 integer builds (vpmaddubsw, AVX-VNNI): {', '.join(builds) or 'none'}")
+    lookups = [f"{isa} {build}" for isa in ("avx512", "avx512_emulated")
+               if (build := _native.testing.avx512_mxfp4_build(isa)) and isa in kernels.available_isas("mxfp4")]
+    reporter.write_line(f"AVX-512 mxfp4 lookups (vpshufb, VBMI vpermb): {', '.join(lookups) or 'none'}")
 
 
 @pytest.fixture

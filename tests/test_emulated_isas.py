@@ -78,12 +78,31 @@ def test_the_avx2_integer_builds_are_both_tested():
         assert build["avx2_emulated"] == "maddubs"
 
 
+def test_the_avx512_mxfp4_builds_are_both_tested():
+    """avx512's mxfp4 table has two builds, the vpshufb lookup and VBMI's vpermb; avx512 runs
+    the one this CPU has, avx512_emulated the other (the vpermb one where AVX-512 is missing)."""
+    from numa_moe import _native
+
+    build = {isa: _native.testing.avx512_mxfp4_build(isa) for isa in ("avx512", "avx512_emulated")}
+    if "avx512_emulated" not in kernels.available_isas("mxfp4"):
+        pytest.skip("avx512_emulated is not built (NUMA_MOE_TEST_HOOKS) or not runnable here")
+    assert build["avx512_emulated"] in ("vpshufb", "vpermb")
+    if "avx512" in kernels.available_isas("mxfp4"):
+        expected = "vpermb" if _native.cpu_features()["avx512_vbmi"] else "vpshufb"
+        assert build["avx512"] == expected
+        assert {build["avx512"], build["avx512_emulated"]} == {"vpshufb", "vpermb"}
+    else:
+        assert build["avx512_emulated"] == "vpermb"
+    # the other formats have one build
+    assert _native.testing.avx512_mxfp4_build("avx2") == ""
+
+
 @pytest.mark.parametrize(("emulated", "native"), PAIRS)
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4"])
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 def test_integer_emulated_build_equals_native_bit_for_bit(rng, emulated, native, fmt, m):
     both_available(emulated, native, fmt)
-    rows, cols, group = 48, 384, int(rng.choice([32, 64, 128]))
+    rows, cols, group = 48, 384, 32 if fmt == "mxfp4" else int(rng.choice([32, 64, 128]))
     w = rng.standard_normal((rows, cols)).astype(np.float32) * cols**-0.5
     qm = quant.quantize(w, fmt, group, str(rng.choice(sorted(quant.scale_dtypes_for(fmt)))))
     x = rng.standard_normal((m, cols)).astype(BF16)

@@ -55,7 +55,8 @@ def test_detect_matches_the_kernel():
     cpuinfo = Path("/proc/cpuinfo").read_text()
     flags = set(next(l for l in cpuinfo.splitlines() if l.startswith("flags")).split(":")[1].split())
     for key, flag in [("avx2", "avx2"), ("avx512f", "avx512f"), ("avx512bw", "avx512bw"), ("avx512vl", "avx512vl"),
-                      ("avx512_bf16", "avx512_bf16"), ("avx512_vnni", "avx512_vnni"), ("amx_tile", "amx_tile"),
+                      ("avx512_bf16", "avx512_bf16"), ("avx512_vnni", "avx512_vnni"), ("avx512_vbmi", "avx512vbmi"),
+                      ("amx_tile", "amx_tile"),
                       ("amx_bf16", "amx_bf16"), ("amx_int8", "amx_int8"), ("fma", "fma"), ("f16c", "f16c"),
                       ("avx_vnni", "avx_vnni")]:
         assert topo.cpu_features[key] == (flag in flags), key

@@ -11,7 +11,7 @@ from numa_moe.placement.topology import format_cpulist
 _FEATURES = [
     ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("avx_vnni", "AVX-VNNI"), ("avx512f", "AVX512F"), ("avx512bw", "AVX512BW"),
     ("avx512vl", "AVX512VL"), ("avx512_bf16", "AVX512_BF16"), ("avx512_vnni", "AVX512_VNNI"),
-    ("amx_tile", "AMX-TILE"), ("amx_bf16", "AMX-BF16"), ("amx_int8", "AMX-INT8"),
+    ("avx512_vbmi", "AVX512_VBMI"), ("amx_tile", "AMX-TILE"), ("amx_bf16", "AMX-BF16"), ("amx_int8", "AMX-INT8"),
 ]
 
 

@@ -63,7 +63,7 @@ py::dict cpu_features_dict() {
     const std::pair<const char*, bool> flags[] = {
         {"avx2", f.avx2}, {"fma", f.fma}, {"f16c", f.f16c}, {"avx_vnni", f.avx_vnni}, {"avx512f", f.avx512f}, {"avx512bw", f.avx512bw},
         {"avx512vl", f.avx512vl}, {"avx512dq", f.avx512dq}, {"avx512_bf16", f.avx512_bf16},
-        {"avx512_vnni", f.avx512_vnni}, {"amx_tile", f.amx_tile}, {"amx_bf16", f.amx_bf16},
+        {"avx512_vnni", f.avx512_vnni}, {"avx512_vbmi", f.avx512_vbmi}, {"amx_tile", f.amx_tile}, {"amx_bf16", f.amx_bf16},
         {"amx_int8", f.amx_int8}, {"os_avx", f.os_avx}, {"os_avx512", f.os_avx512}};
     py::dict d;
     for (const auto& [name, present] : flags) d[name] = present;

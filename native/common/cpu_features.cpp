@@ -44,6 +44,7 @@ CpuFeatures detect() {
     f.avx512dq = ebx & (1u << 17);
     f.avx512bw = ebx & (1u << 30);
     f.avx512vl = ebx & (1u << 31);
+    f.avx512_vbmi = ecx & (1u << 1);
     f.avx512_vnni = ecx & (1u << 11);
     f.amx_bf16 = edx & (1u << 22);
     f.amx_tile = edx & (1u << 24);
@@ -73,7 +74,7 @@ CpuFeatures hide_for_tests(CpuFeatures f) {
                        "' is not one of avx2, avx512, amx");
         if (name == "avx2") f.avx2 = f.fma = f.avx_vnni = false;
         if (name == "avx2" || name == "avx512")
-            f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = f.avx512_vnni = false;
+            f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = f.avx512_vnni = f.avx512_vbmi = false;
         f.amx_tile = f.amx_bf16 = f.amx_int8 = false;
     }
     return f;
@@ -98,6 +99,8 @@ bool has_avx512_bf16_kernels() {
 }
 
 bool has_avx512_vnni_kernels() { return has_avx512_bf16_kernels() && cpu_features().avx512_vnni; }
+
+bool has_avx512_vbmi_kernels() { return has_avx512_vnni_kernels() && cpu_features().avx512_vbmi; }
 
 bool has_avx2_kernels() {
     const CpuFeatures& f = cpu_features();

@@ -17,6 +17,7 @@ struct CpuFeatures {
     bool avx512dq = false;
     bool avx512_bf16 = false;
     bool avx512_vnni = false;
+    bool avx512_vbmi = false;  // vpermb
     bool amx_tile = false;
     bool amx_bf16 = false;
     bool amx_int8 = false;
@@ -32,6 +33,8 @@ const CpuFeatures& cpu_features();
 bool has_avx512_bf16_kernels();
 // ... and VNNI (vpdpbusd): what the avx512 int8 / int4 kernels need.
 bool has_avx512_vnni_kernels();
+// ... and VBMI (vpermb): the avx512 mxfp4 kernels' codebook lookup without masks.
+bool has_avx512_vbmi_kernels();
 // AVX2 + FMA + F16C with OS support: the portable SIMD path (every CPU with AVX2 has FMA
 // and F16C; the integer kernels convert fp16 scales with F16C).
 bool has_avx2_kernels();

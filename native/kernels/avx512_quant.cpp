@@ -2,7 +2,9 @@
 // mxfp4 weights against int8 tokens, vpdpbusd (u8 x s8, four products per 32-bit lane). Compiled
 // with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mavx512vnni -ffp-contract=off;
 // dispatch only hands these tables out when cpuid + XCR0 allow it. One table per format
-// and group G (32, 64, 128); G is also the tokens' quantization block.
+// and group G (32, 64, 128); G is also the tokens' quantization block. avx512_vbmi_quant.cpp
+// compiles this source again with -mavx512vbmi for the mxfp4 table of CPUs with VBMI (its
+// codebook lookup, biased_low_nibbles).
 //
 // Operand layouts (kernel_api.hpp):
 //   weights  int8 w[r * ld + c]; int4 / mxfp4 (the nibble formats, "int4" below): byte
@@ -37,7 +39,7 @@
 // vpdpbusd wants one unsigned operand.
 // 1 to 4 tokens, at G = 32 1 to 3 (pairs, plain operand): the weights are made unsigned by an offset, one
 // xor per weight vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8
-// (nibble ^ 8; mxfp4 u = value + 12, a vpshufb lookup per nibble vector); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
+// (nibble ^ 8; mxfp4 u = value + 12, a lookup per nibble vector); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
 // negated. Register block: R rows x T tokens = up to 16 (row, token) pairs, one vector
 // each; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of group
@@ -269,11 +271,19 @@ constexpr int64_t column_bytes(int64_t c) {
     return F == Format::int8 ? c : c / 2;
 }
 
-// mxfp4 codes, one per byte (0-15), as the unsigned operand value + 12 (a lookup).
+// mxfp4: the code in each byte's low nibble as the unsigned operand value + 12, a lookup in
+// the 16-byte table repeated in every 128-bit lane; the bits above the nibble do not count.
+// vpshufb zeroes a byte whose index has bit 7 set, so it needs the nibble masked; vpermb
+// (VBMI, the avx512_vbmi_quant.cpp build) indexes by the low six bits, which the repeated
+// table makes the nibble's, and needs no mask: one operation a vector where vpshufb takes two.
 template <Format F>
-inline __m512i biased_codes(__m512i codes) {
+inline __m512i biased_low_nibbles(__m512i bytes) {
     const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kBiasedCodes<F>.bytes)));
-    return _mm512_shuffle_epi8(table, codes);
+#ifdef NUMA_MOE_AVX512_VBMI
+    return _mm512_permutexvar_epi8(bytes, table);
+#else
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, _mm512_set1_epi8(0x0f)));
+#endif
 }
 
 // 64 columns (or the first 32, upper half zero) of a weight row as unsigned bytes
@@ -290,11 +300,10 @@ inline __m512i load_unsigned(const uint8_t* p, bool full) {
         __m256i raw = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi8(0xffff, p);
         if constexpr (F == Format::int4) raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x88)));
         const __m512i wide = _mm512_cvtepu8_epi16(raw);
-        const __m512i codes = _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
         if constexpr (F == Format::int4)
-            return codes;
+            return _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
         else
-            return biased_codes<F>(codes);
+            return biased_low_nibbles<F>(_mm512_or_si512(wide, _mm512_slli_epi16(wide, 4)));
     }
 }
 
@@ -490,8 +499,8 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
             lo = _mm512_ternarylogic_epi32(packed, low, bias, kAndXor);
             hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(packed, 4), low, bias, kAndXor);
         } else {
-            lo = biased_codes<F>(_mm512_and_si512(packed, low));
-            hi = biased_codes<F>(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+            lo = biased_low_nibbles<F>(packed);
+            hi = biased_low_nibbles<F>(_mm512_srli_epi16(packed, 4));
         }
         for (int t = 0; t < T; ++t) {
             dpbusd(v[r * T + t], lo, even[t]);
@@ -894,8 +903,8 @@ __attribute__((noinline)) void row_lane_span(const uint8_t* w, int64_t step, int
                     lo = _mm512_ternarylogic_epi32(u[j], low, bias, kAndXor);
                     hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(u[j], 4), low, bias, kAndXor);
                 } else {
-                    lo = biased_codes<F>(_mm512_and_si512(u[j], low));
-                    hi = biased_codes<F>(_mm512_and_si512(_mm512_srli_epi16(u[j], 4), low));
+                    lo = biased_low_nibbles<F>(u[j]);
+                    hi = biased_low_nibbles<F>(_mm512_srli_epi16(u[j], 4));
                 }
 #pragma GCC unroll 12
                 for (int t = 0; t < T; ++t) {
@@ -1051,6 +1060,18 @@ const KernelOps& table() {
 
 }  // namespace
 
+#ifdef NUMA_MOE_AVX512_VBMI
+// The VBMI build serves mxfp4 alone: its lookup is the only code VBMI changes (the other
+// formats' tables would be the same kernels compiled twice).
+#ifdef NUMA_MOE_EMULATED
+const KernelOps* avx512_vbmi_emulated_integer_ops(Format format, int64_t group) {
+#else
+const KernelOps* avx512_vbmi_integer_ops(Format format, int64_t group) {
+#endif
+    constexpr Format kMxfp4 = Format::mxfp4;
+    return format == kMxfp4 && has_group(kMxfp4, group) ? &table<kMxfp4, default_group(kMxfp4)>() : nullptr;
+}
+#else
 #ifdef NUMA_MOE_EMULATED
 const KernelOps* avx512_emulated_integer_ops(Format format, int64_t group) {
 #else
@@ -1060,5 +1081,6 @@ const KernelOps* avx512_integer_ops(Format format, int64_t group) {
         return table<decltype(f)::value, decltype(g)::value>();
     });
 }
+#endif
 
 }  // namespace numa_moe::kernels

@@ -31,17 +31,22 @@ const KernelOps* emulated_ops(Isa isa, Format format, int64_t group) {
         const bool vnni = has_avx2_kernels() && !has_avx_vnni_kernels();
         return vnni ? avx2_vnni_emulated_integer_ops(format, group) : avx2_emulated_integer_ops(format, group);
     }
-    if (isa == Isa::avx512_emulated && has_avx2_kernels())
-        return bf16 ? &avx512_emulated_ops() : avx512_emulated_integer_ops(format, group);
+    if (isa == Isa::avx512_emulated && has_avx2_kernels()) {
+        if (bf16) return &avx512_emulated_ops();
+        // mxfp4's lookup likewise: the VBMI build unless this CPU runs that one natively.
+        if (!has_avx512_vbmi_kernels())
+            if (const KernelOps* vbmi = avx512_vbmi_emulated_integer_ops(format, group)) return vbmi;
+        return avx512_emulated_integer_ops(format, group);
+    }
 #else
     (void)isa, (void)format, (void)group;
 #endif
     return nullptr;
 }
 
-// The integer formats: reference kernels, AVX2 ones, AVX-512-VNNI ones, and AMX-INT8 ones (real, or
-// over the AMX model; their epilogues and token packing are AVX-512 code, emulated on AVX2 in the
-// model build).
+// The integer formats: reference kernels, AVX2 ones, AVX-512-VNNI ones (mxfp4's from the VBMI build
+// where the CPU has VBMI), and AMX-INT8 ones (real, or over the AMX model; their epilogues and token
+// packing are AVX-512 code, emulated on AVX2 in the model build).
 bool has_amx_int8_kernels() {
     return has_avx512_bf16_kernels() && cpu_features().amx_int8 && request_amx_permission();
 }
@@ -52,7 +57,11 @@ const KernelOps* integer_ops(Isa isa, Format format, int64_t group) {
         case Isa::avx2:
             if (!has_avx2_kernels()) return nullptr;
             return has_avx_vnni_kernels() ? avx2_vnni_integer_ops(format, group) : avx2_integer_ops(format, group);
-        case Isa::avx512: return has_avx512_vnni_kernels() ? avx512_integer_ops(format, group) : nullptr;
+        case Isa::avx512:
+            if (!has_avx512_vnni_kernels()) return nullptr;
+            if (has_avx512_vbmi_kernels())
+                if (const KernelOps* vbmi = avx512_vbmi_integer_ops(format, group)) return vbmi;
+            return avx512_integer_ops(format, group);
         case Isa::amx_model: return has_avx2_kernels() ? amx_model_integer_ops(format, group) : nullptr;
         case Isa::amx: return has_amx_int8_kernels() ? amx_integer_ops(format, group) : nullptr;
         case Isa::avx2_emulated:

@@ -17,6 +17,7 @@ list(APPEND NUMA_MOE_ISA_SOURCES
   native/kernels/avx2_vnni_quant.cpp
   native/kernels/avx512_bf16.cpp
   native/kernels/avx512_quant.cpp
+  native/kernels/avx512_vbmi_quant.cpp
   native/kernels/amx_bf16_model.cpp
   native/kernels/amx_bf16.cpp
   native/kernels/amx_quant_model.cpp
@@ -33,6 +34,9 @@ numa_moe_isa_source(native/kernels/avx2_vnni_quant.cpp avx2_vnni_quant -mavx2 -m
 numa_moe_isa_source(native/kernels/avx512_bf16.cpp avx512 ${NUMA_MOE_AVX512_FLAGS})
 # The integer kernels also need VNNI; no contraction, so that they round as the reference.
 numa_moe_isa_source(native/kernels/avx512_quant.cpp avx512_vnni ${NUMA_MOE_AVX512_FLAGS} -mavx512vnni -ffp-contract=off)
+# ... and its mxfp4 table once more with VBMI's vpermb, for the CPUs that have it.
+numa_moe_isa_source(native/kernels/avx512_vbmi_quant.cpp avx512_vbmi ${NUMA_MOE_AVX512_FLAGS} -mavx512vnni -mavx512vbmi
+                    -ffp-contract=off)
 # The AMX software-model builds run on every AVX2 CPU: AVX2 flags, the AVX-512 intrinsics of
 # the shared epilogues from SIMDe (avx512_emulated.hpp). -Wno-psabi: its 512-bit values are
 # returned from internal functions only, so the ABI note does not apply.
@@ -60,6 +64,7 @@ if(NUMA_MOE_TEST_HOOKS)
     native/kernels/attention_avx2_emulated.cpp
     native/kernels/avx512_bf16_emulated.cpp
     native/kernels/avx512_quant_emulated.cpp
+    native/kernels/avx512_vbmi_quant_emulated.cpp
     native/kernels/attention_avx512_emulated.cpp
   )
   numa_moe_isa_source(native/kernels/avx2_bf16_emulated.cpp avx2_emulated -Wno-psabi -O1 -fno-lto)
@@ -69,6 +74,8 @@ if(NUMA_MOE_TEST_HOOKS)
   numa_moe_isa_source(native/kernels/attention_avx2_emulated.cpp attn_avx2_emulated -Wno-psabi -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/avx512_bf16_emulated.cpp avx512_emulated ${NUMA_MOE_AMX_MODEL_FLAGS} -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/avx512_quant_emulated.cpp avx512_vnni_emulated ${NUMA_MOE_AMX_MODEL_FLAGS}
+                      -ffp-contract=off -O1 -fno-lto)
+  numa_moe_isa_source(native/kernels/avx512_vbmi_quant_emulated.cpp avx512_vbmi_emulated ${NUMA_MOE_AMX_MODEL_FLAGS}
                       -ffp-contract=off -O1 -fno-lto)
   numa_moe_isa_source(native/kernels/attention_avx512_emulated.cpp attn_avx512_emulated ${NUMA_MOE_AMX_MODEL_FLAGS}
                       -O1 -fno-lto)

@@ -154,6 +154,22 @@ std::string avx2_integer_build(const std::string& isa_name) {
     return "";
 }
 
+// Which lookup an ISA's mxfp4 table is from the AVX-512 builds: "vpermb" (VBMI,
+// avx512_vbmi_quant.cpp), "vpshufb" (avx512_quant.cpp), "" for other ISAs or none here.
+std::string avx512_mxfp4_build(const std::string& isa_name) {
+    kernels::Isa isa;
+    NUMA_MOE_CHECK(kernels::parse_isa(isa_name.c_str(), &isa), "unknown ISA '", isa_name, "'");
+    const kernels::Format mxfp4 = kernels::Format::mxfp4;
+    const int64_t group = kernels::default_group(mxfp4);
+    const kernels::KernelOps* ops = kernels::kernel_ops(isa, mxfp4, group);
+    if (!ops) return "";
+    if (ops == kernels::avx512_vbmi_integer_ops(mxfp4, group) || ops == kernels::avx512_vbmi_emulated_integer_ops(mxfp4, group))
+        return "vpermb";
+    if (ops == kernels::avx512_integer_ops(mxfp4, group) || ops == kernels::avx512_emulated_integer_ops(mxfp4, group))
+        return "vpshufb";
+    return "";
+}
+
 }  // namespace
 
 void register_testing(py::module_& parent) {
@@ -176,6 +192,9 @@ void register_testing(py::module_& parent) {
     m.def("avx2_integer_build", &avx2_integer_build, py::arg("isa"),
           "Which build of the AVX2 integer kernels the ISA's tables are: 'avx_vnni', 'maddubs', or '' (another ISA, "
           "or none here).");
+    m.def("avx512_mxfp4_build", &avx512_mxfp4_build, py::arg("isa"),
+          "Which build of the AVX-512 mxfp4 kernels the ISA's table is: 'vpermb' (VBMI), 'vpshufb', or '' (another "
+          "ISA, or none here).");
     m.def("amx_model_counts", [](bool reset) {
         const amx_model::InstructionCounts c = amx_model::instruction_counts();
         if (reset) amx_model::reset_instruction_counts();
