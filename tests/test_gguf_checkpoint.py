@@ -201,6 +201,59 @@ def test_iq4_xs_loads_exactly_as_int8_with_fp32_scales(tmp_path, rng):
     assert zero_blocks > 0, "no sub-block with a zero scale: the case is untested"
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q8_0, T.BF16, T.F16],
+                         ids=lambda t: t.name)
+def test_dequantize_in_row_chunks_equals_the_package(tmp_path, rng, monkeypatch, qtype):
+    """The importer dequantizes a matrix in chunks of rows with the type's own row
+    dequantizer: the package's gguf.quants.dequantize of the same bytes, bit for bit, also
+    where the chunks do not divide the rows (7 rows a chunk)."""
+    from numa_moe.checkpoints import gguf as gguf_import
+
+    monkeypatch.setattr(gguf_import, "DEQUANTIZE_CHUNK_WEIGHTS", 7 * H)
+    path = write_gguf(tmp_path / "m.gguf", rng, uniform(qtype), layers=(0,))
+    ck = open_checkpoint(path)
+    reference = package_dequantized(path)
+    with open(path, "rb") as f:
+        for kind in KINDS:
+            for e, matrix in enumerate(ck.layers[0].matrices[kind]):
+                got = ck.importer.dequantize(matrix, f.fileno())
+                want = reference[f"blk.0.ffn_{kind}_exps.weight"][e]
+                assert got.dtype == np.float32 and got.shape == want.shape
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (kind, e)
+
+
+@pytest.mark.parametrize("weight_format", [None, "int4"])
+def test_loading_threads_give_the_same_bytes(tmp_path, rng, weight_format):
+    """The expert matrices of a kind are converted on several threads, each into its own
+    rows: one thread and more threads than experts load the same bytes (exact Q8_0, and the
+    K-quants' dequantize-and-requantize path)."""
+    path = write_gguf(tmp_path / "mix.gguf", rng, {"gate": T.Q8_0, "up": T.Q4_K, "down": T.Q6_K})
+    stores = [ExpertStore.load(path, progress=False, weight_format=weight_format, threads=n) for n in (1, E + 1)]
+    for layer in (0, 1):
+        for kind in KINDS:
+            for buffers in (lambda s: s.weights(layer, kind), lambda s: s.scales(layer, kind)):
+                one, many = (buffers(s).view(np.uint8) for s in stores)
+                assert np.array_equal(one, many), (layer, kind)
+    with pytest.raises(ValueError, match="threads must be > 0"):
+        ExpertStore.load(path, progress=False, threads=0)
+
+
+def test_a_bad_expert_stops_a_threaded_load_with_its_name(tmp_path, rng):
+    """A NaN block scale in one expert of a tensor: the load on several threads raises the
+    error naming that expert (the other matrices' threads end first; nothing hangs)."""
+    path = write_gguf(tmp_path / "q8.gguf", rng, uniform(T.Q8_0), layers=(0,))
+    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_up_exps.weight")
+    block_bytes = gguf.GGML_QUANT_SIZES[T.Q8_0][1]
+    expert = 2
+    at = int(tensor.data_offset) + (expert * I * (H // 32) + 5) * block_bytes  # expert 2, row 0, block 5
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(np.array([np.nan], np.float16).tobytes())
+    with pytest.raises(CheckpointError, match=rf"expert {expert} up, Q8_0\): a NaN or infinite block scale "
+                                              r"\(row 0, block 5\)"):
+        ExpertStore.load(path, progress=False, threads=E)
+
+
 def test_requantizing_a_lossless_type_is_reported_as_such(tmp_path, rng):
     path = write_gguf(tmp_path / "q8.gguf", rng, uniform(T.Q8_0), layers=(0,))
     ck = open_checkpoint(path)

@@ -36,9 +36,10 @@ def _digest(directory):
             for p in sorted(directory.iterdir())}
 
 
-def test_round_trip_bytes_equal_file(checkpoint_dir):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_round_trip_bytes_equal_file(checkpoint_dir, threads):
     before = _digest(checkpoint_dir)
-    store = ExpertStore.load(checkpoint_dir, progress=False)
+    store = ExpertStore.load(checkpoint_dir, progress=False, threads=threads)
     assert _digest(checkpoint_dir) == before  # never modified
     reference = _reference(checkpoint_dir)
     assert store.layers == tuple(range(LAYERS))

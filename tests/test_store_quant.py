@@ -88,7 +88,7 @@ def _check_store(store, reference, fmt, group, scale_dtype):
                                                     ("int4", 64, "fp32"), ("mxfp4", 32, "e8m0")])
 def test_float_checkpoint_quantized_while_loading(checkpoint_dir, fmt, group, scale_dtype):
     store = ExpertStore.load(checkpoint_dir, progress=False, weight_format=fmt, group=group,
-                             scale_dtype=scale_dtype)
+                             scale_dtype=scale_dtype, threads=3)  # each expert matrix quantized on its own
     assert store.mismatches == []
     _check_store(store, _reference(checkpoint_dir), fmt, group, scale_dtype)
 
@@ -97,7 +97,7 @@ def test_float_checkpoint_quantized_while_loading(checkpoint_dir, fmt, group, sc
                                                     ("mxfp4", 32, "e8m0")])
 def test_quantized_checkpoint_loads_as_it_is(checkpoint_dir, tmp_path, fmt, group, scale_dtype):
     quantize_checkpoint(checkpoint_dir, tmp_path / "q", fmt, group, scale_dtype, progress=False)
-    store = ExpertStore.load(tmp_path / "q", progress=False)
+    store = ExpertStore.load(tmp_path / "q", progress=False, threads=3)
     _check_store(store, _reference(checkpoint_dir), fmt, group, scale_dtype)
     again = ExpertStore.load(tmp_path / "q", progress=False, weight_format=fmt, group=group,
                              scale_dtype=scale_dtype, layers=[1])

@@ -62,7 +62,7 @@ from numa_moe.files import CheckpointError, OpenFiles, open_checkpoint_file, sho
 from numa_moe.formats import KINDS
 
 __all__ = ["open_gguf", "gguf_file_of", "read_gguf", "GGUFImport", "supported_types", "EXPERT_TENSOR", "MAX_METADATA_ELEMENTS",
-           "MAX_TENSORS", "MAX_METADATA_KEYS"]
+           "MAX_TENSORS", "MAX_METADATA_KEYS", "DEQUANTIZE_CHUNK_WEIGHTS"]
 
 EXPERT_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.weight")
 EXPERT_BIAS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down)_exps\.bias")
@@ -577,6 +577,13 @@ def _expert_matrices(path: Path, layer: int, kind: str, info: TensorInfo,
 
 _DEQUANTIZABLE: dict[str, bool] = {}
 
+# Weights per call of a type's row dequantizer (GGUFImport.dequantize). The package's
+# gguf.quants.dequantize calls it 16 rows at a time, and at expert widths the Python
+# between those calls holds the GIL about as long as their numpy work releases it, so
+# loading threads barely overlap; about a million weights a call (tens of MB of a K-quant's
+# float32 temporaries per thread) makes the numpy work, which releases the GIL, nearly all.
+DEQUANTIZE_CHUNK_WEIGHTS = 1 << 20
+
 
 def _dequantizable(type_name: str) -> bool:
     """Whether the gguf package dequantizes ``type_name`` (tried once per type on one zero block)."""
@@ -686,10 +693,20 @@ class GGUFImport(ExpertImport):
         convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
 
     def dequantize(self, matrix: ExpertMatrix, fd: int) -> np.ndarray:
+        """The matrix as float32 by the gguf package's dequantization: its type's row
+        dequantizer on chunks of about ``DEQUANTIZE_CHUNK_WEIGHTS`` weights where it has one
+        (the quantized types), else ``gguf.quants.dequantize`` (F16, F32)."""
         gguf = _gguf()
         raw = _raw(matrix, fd).reshape(matrix.rows, -1)
-        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[matrix.dtype])
-        return np.asarray(w, dtype=np.float32).reshape(matrix.rows, matrix.cols)
+        rows_of = getattr(getattr(gguf.quants, matrix.dtype, None), "dequantize_rows", None)
+        if rows_of is None:
+            w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[matrix.dtype])
+            return np.asarray(w, dtype=np.float32).reshape(matrix.rows, matrix.cols)
+        out = np.empty((matrix.rows, matrix.cols), dtype=np.float32)
+        step = max(1, DEQUANTIZE_CHUNK_WEIGHTS // matrix.cols)
+        for r0 in range(0, matrix.rows, step):
+            out[r0:r0 + step] = rows_of(raw[r0:r0 + step])
+        return out
 
 
 def _exact(type_name: str, fmt: LoadFormat) -> bool:

@@ -15,13 +15,16 @@ has a second interleaved buffer of group scales ``[rows, cols / group]`` (fp16, 
 fp32; e8m0 for mxfp4, one byte per scale), with its own table (``scale_table``). Tables
 count columns in weights (elements), also for int4 and mxfp4, as ``formats.WeightFormat``
 does. A quantized checkpoint is copied as it is; a
-float one is quantized while copying (``numa_moe.quant``, one expert matrix at a time);
+float one is quantized while copying (``numa_moe.quant``, each expert matrix on its own);
 GGUF and FP8 experts are converted by the checkpoint's ``importer``
-(``numa_moe.checkpoints.expert_import``), one expert matrix at a time.
+(``numa_moe.checkpoints.expert_import``), each expert matrix on its own.
 
 Loading copies tensor by tensor straight from the file into the destination rows
-(``os.preadv``), so extra memory is nil beyond the page cache; the checkpoint is opened
-read-only. After the copy the real page map is measured and compared with the
+(``os.preadv``), so extra memory is nil beyond the page cache (a conversion holds one
+expert matrix's temporaries per loading thread); the checkpoint is opened read-only. The
+expert matrices of a kind are read and converted by several threads at once (numpy and
+``preadv`` release the GIL; each matrix has its own rows, so the bytes are the same
+whatever the thread count). After the copy the real page map is measured and compared with the
 theoretical table; on a mismatch (THP not granted, a policy not applied, pages moved)
 a ``PlacementMismatchWarning`` is issued, recorded in ``store.mismatches``, and the
 measured table is used.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -42,7 +46,7 @@ from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import Checkpoint, ModelDims, read_matrix_into, read_scales_into
 from numa_moe.files import OpenFiles, byte_progress, short
 from numa_moe.formats import (FLOAT_FORMATS, KINDS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS,
-                              SCALE_DTYPES, nibble_packed, weight_format)
+                              SCALE_DTYPES, nibble_packed, positive_int, weight_format)
 from numa_moe.placement.pages import PAGE_BYTES, page_bytes_of
 from numa_moe.placement.segments import MAX_NODES, SegmentTable, check_node_id, scale_shape
 from numa_moe.quant import check_arguments, scale_layout
@@ -60,6 +64,8 @@ __all__ = [
     "PlacementMismatchWarning",
     "StoreLayer",
     "ExpertStore",
+    "MAX_LOAD_THREADS",
+    "load_threads",
 ]
 
 
@@ -240,7 +246,8 @@ class ExpertStore:
     def load(cls, checkpoint: str | os.PathLike | Checkpoint, nodes=None, page: str | int = "4k",
              layers: Iterable[int] | None = None, progress: bool = True,
              pattern: NamingPattern | None = None, weight_format: str | None = None,
-             group: int | None = None, scale_dtype: str | None = None) -> "ExpertStore":
+             group: int | None = None, scale_dtype: str | None = None,
+             threads: int | None = None) -> "ExpertStore":
         """Copy the routed experts of ``checkpoint`` into interleaved buffers.
 
         ``nodes``: node ids (or a count N for 0..N-1) to interleave over; None = the
@@ -254,6 +261,9 @@ class ExpertStore:
         time, into what ``checkpoint.importer.resolve`` makes of the request (None: Q8_0
         -> int8, Q4_0 -> int4 and MXFP4 -> mxfp4 without loss, K-quants -> int8/int4 group 32, FP8 ->
         bf16; docs/checkpoints.md, "Formats").
+        ``threads``: how many expert matrices are read and converted at once (None: the
+        CPUs this process may run on, at most ``MAX_LOAD_THREADS``); the bytes loaded are
+        the same for every count.
         """
         from numa_moe.placement import memory
 
@@ -263,11 +273,13 @@ class ExpertStore:
         node_list = parse_nodes(nodes)
         chosen = _choose_layers(checkpoint, layers)
         fmt, group, scale_dtype, quantize = _store_format(checkpoint, weight_format, group, scale_dtype)
+        threads = load_threads(threads)
         total = sum(m.nbytes for layer in chosen for m in checkpoint.layers[layer].expert_matrices())
         loaded: dict[int, StoreLayer] = {}
-        with OpenFiles() as files, byte_progress(total, "load experts", progress) as bar:
+        with (OpenFiles() as files, byte_progress(total, "load experts", progress) as bar,
+              ThreadPoolExecutor(threads, thread_name_prefix="numa-moe-load") as pool):
             loader = _LayerLoader(memory, checkpoint, fmt, group, scale_dtype, quantize,
-                                  node_list, page, page_bytes, files, bar)
+                                  node_list, page, page_bytes, files, bar, pool)
             for layer in chosen:
                 loaded[layer] = loader.load(layer)
         return cls(checkpoint, loaded, loader.used_nodes or (), page_bytes, loader.mismatches,
@@ -389,7 +401,7 @@ class _LayerLoader:
 
     def __init__(self, memory, checkpoint: Checkpoint, fmt: str, group: int | None,
                  scale_dtype: str | None, quantize: bool, nodes: tuple[int, ...] | None,
-                 page: str | int, page_bytes: int, files: OpenFiles, bar):
+                 page: str | int, page_bytes: int, files: OpenFiles, bar, pool: ThreadPoolExecutor):
         self.memory = memory
         self.checkpoint = checkpoint
         self.dims = checkpoint.dims
@@ -397,7 +409,7 @@ class _LayerLoader:
         self.value_dtype = _VALUE_DTYPES[fmt]
         self.importer = checkpoint.importer
         self.nodes, self.page, self.page_bytes = nodes, page, page_bytes
-        self.files, self.bar = files, bar
+        self.files, self.bar, self.pool = files, bar, pool
         self.mismatches: list[PlacementMismatch] = []
         self.used_nodes: tuple[int, ...] | None = None
 
@@ -435,25 +447,45 @@ class _LayerLoader:
         return buffer, scales
 
     def _fill(self, kind: str, matrices, buffer: np.ndarray, scales: np.ndarray | None) -> None:
-        """Each expert's matrix (and scales) into its rows of the stacked buffers."""
-        from numa_moe.checkpoints.quantize import quantize_expert
-
+        """Each expert's matrix (and scales) into its rows of the stacked buffers, the
+        matrices spread over the pool's threads. The files are opened here, in this thread;
+        the progress bar counts a matrix when its copy is done. The first error stops the
+        matrices not yet started and is raised once the running ones end."""
+        jobs = []
         for e, matrix in enumerate(matrices):
             where = slice(*expert_rows(self.dims, kind, e))
-            fd = self.files.fd(matrix.tensor.path)
-            if self.importer is not None:
-                self.importer.read_into(matrix, fd, buffer[where],
-                                        None if scales is None else scales[where],
-                                        LoadFormat(self.fmt, self.group, self.scale_dtype))
-            elif self.quantize:
-                qm = quantize_expert(matrix, fd, self.fmt, self.group, self.scale_dtype)
-                buffer[where] = qm.q
-                scales[where] = qm.scales
-            else:
-                read_matrix_into(matrix, buffer[where], fd)
-                if scales is not None:
-                    read_scales_into(matrix, scales[where], self.files.fd(matrix.scales.tensor.path))
-            self.bar.update(matrix.nbytes)
+            scale_fd = None
+            if self.importer is None and not self.quantize and scales is not None:
+                scale_fd = self.files.fd(matrix.scales.tensor.path)
+            jobs.append((matrix, self.files.fd(matrix.tensor.path), scale_fd, buffer[where],
+                         None if scales is None else scales[where]))
+        pending = {self.pool.submit(self._fill_one, *job): job[0] for job in jobs}
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    future.result()
+                    self.bar.update(pending.pop(future).nbytes)
+        finally:
+            for future in pending:
+                future.cancel()
+            wait(pending)
+
+    def _fill_one(self, matrix, fd: int, scale_fd: int | None, values: np.ndarray,
+                  scales: np.ndarray | None) -> None:
+        """One expert matrix (and its scales) into its rows ``values`` (``scales``)."""
+        from numa_moe.checkpoints.quantize import quantize_expert
+
+        if self.importer is not None:
+            self.importer.read_into(matrix, fd, values, scales, LoadFormat(self.fmt, self.group, self.scale_dtype))
+        elif self.quantize:
+            qm = quantize_expert(matrix, fd, self.fmt, self.group, self.scale_dtype)
+            values[...] = qm.q
+            scales[...] = qm.scales
+        else:
+            read_matrix_into(matrix, values, fd)
+            if scales is not None:
+                read_scales_into(matrix, scales, scale_fd)
 
     def _placed(self, buffer: np.ndarray, layer: int, name: str, rows: int, cols: int,
                 buffer_fmt: str) -> tuple[SegmentTable, SegmentTable | None, bool]:
@@ -468,6 +500,20 @@ class _LayerLoader:
                           "measured table", PlacementMismatchWarning,
                           stacklevel=self._UNMEASURED_STACKLEVEL)
         return table, theory, was_measured
+
+
+# The default number of loading threads at most: each holds one expert matrix's
+# temporaries (a K-quant matrix dequantized to float32, 4 bytes a weight), and beyond this
+# the file reads and page copies, not the conversions, bound a load.
+MAX_LOAD_THREADS = 16
+
+
+def load_threads(threads: int | None) -> int:
+    """The loading threads of a request: ``threads`` when an integer >= 1, else (None) the
+    CPUs this process may run on, at most ``MAX_LOAD_THREADS``."""
+    if threads is None:
+        return min(len(os.sched_getaffinity(0)), MAX_LOAD_THREADS)
+    return positive_int(threads, "threads")
 
 
 # store format -> numpy dtype of its value buffers
