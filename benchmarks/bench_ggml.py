@@ -3,7 +3,7 @@
 machine. Build the peer first (tools/build-ggml.sh), then:
 
     python benchmarks/bench_ggml.py [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 1,4,16]
-                                    [--formats bf16,int8,int4] [--repeats 10] [--json FILE]
+                                    [--formats bf16,int8,int4,mxfp4] [--repeats 10] [--json FILE]
     python benchmarks/bench_ggml.py --check     # both sides on the same small weights
 
 Per case (shape, M, format) the ggml harness (benchmarks/ggml_moe_step.cpp) runs as a
@@ -12,8 +12,10 @@ routing (numa_moe.apps.run.random_routing), runs our layer on it, then hands the
 routing to the harness, which computes its graph once: the two sides alternate, seconds
 apart, on the same routing, with the same threads (every CPU of the affinity mask; use
 taskset to choose) and 4 KB pages on both. Formats pair the same bytes per weight: bf16
-with BF16, int8 group 32 (fp16 scales) with Q8_0, int4 group 32 with Q4_0. Weights are
-random on both sides (their values do not change the speed). A measurement, not a test.
+with BF16, int8 group 32 (fp16 scales) with Q8_0, int4 group 32 with Q4_0, mxfp4 with
+MXFP4. Weights are random on both sides (their values do not change the speed). The
+experts run silu(g) * u on both sides, also for gpt-oss's shape (its clamped SwiGLU and
+biases change the epilogue, not the bytes). A measurement, not a test.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ SHAPES = {
     "qwen3-235b": (128, 8, 4096, 1536, 32),
     "deepseek-v3": (256, 8, 7168, 2048, 16),
     "mixtral-8x7b": (8, 2, 4096, 14336, 8),
+    "gpt-oss-120b": (128, 4, 2880, 2880, 48),
 }
-GGML_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
-GROUP = 32  # Q8_0 / Q4_0 blocks: 32 values and one fp16 scale
+GGML_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "mxfp4": "mxfp4"}
+GROUP = 32  # Q8_0 / Q4_0 / MXFP4 blocks: 32 values and one scale (fp16; e8m0)
 
 
 def summarize(samples_ms):

@@ -1,11 +1,11 @@
 // One MoE layer step on llama.cpp's ggml CPU backend, built the way llama.cpp's
 // build_moe_ffn (src/llama-graph.cpp) builds it: experts stacked [E, I, H] (ggml ne
-// order H, I, E) in BF16 / Q8_0 / Q4_0, ggml_mul_mat_id for gate and up with the routing
+// order H, I, E) in BF16 / Q8_0 / Q4_0 / MXFP4, ggml_mul_mat_id for gate and up with the routing
 // ids, ggml_swiglu_split, ggml_mul_mat_id for down, ggml_mul by the routing weights and
 // the sum of the top-k views. Built by tools/build-ggml.sh, driven by
 // benchmarks/bench_ggml.py.
 //
-//   ggml_moe_step --experts E --top-k K --hidden H --inter I --tokens M --type bf16|q8_0|q4_0
+//   ggml_moe_step --experts E --top-k K --hidden H --inter I --tokens M --type bf16|q8_0|q4_0|mxfp4
 //                 --threads T [--repeats R] [--no-repack] [--weights FILE --input FILE --check]
 //
 // Weights are random (filled once) unless --weights names a float32 file of gate [E,I,H],
@@ -81,7 +81,8 @@ ggml_type parse_type(const std::string &t) {
     if (t == "bf16") return GGML_TYPE_BF16;
     if (t == "q8_0") return GGML_TYPE_Q8_0;
     if (t == "q4_0") return GGML_TYPE_Q4_0;
-    throw std::runtime_error("--type must be bf16, q8_0 or q4_0, not '" + t + "'");
+    if (t == "mxfp4") return GGML_TYPE_MXFP4;
+    throw std::runtime_error("--type must be bf16, q8_0, q4_0 or mxfp4, not '" + t + "'");
 }
 
 std::vector<float> read_floats(const std::string &path, size_t n) {
@@ -94,7 +95,7 @@ std::vector<float> read_floats(const std::string &path, size_t n) {
     return v;
 }
 
-// Converts rows of float32 to the tensor's type (ggml_quantize_chunk quantizes Q8_0/Q4_0,
+// Converts rows of float32 to the tensor's type (ggml_quantize_chunk quantizes Q8_0/Q4_0/MXFP4,
 // converts BF16) into dst, the tensor's bytes in ggml's plain layout.
 void store_rows(const ggml_tensor *t, char *dst, int64_t row0, const float *src, int64_t nrows) {
     const int64_t k = t->ne[0];
@@ -131,11 +132,11 @@ int run(const Args &a) {
     }, nullptr);
     ggml_cpu_init();
 
-    // Q4_0 goes into the CPU backend's repack buffer where ggml has a repacked layout for
-    // this CPU (Q4_0 8x8 with AVX2), as llama.cpp loads it by default; the other types
-    // have none on x86 and stay in plain memory. Weights live in their own context.
+    // Q4_0 and MXFP4 go into the CPU backend's repack buffer where ggml has a repacked
+    // layout for this CPU (8x8 with AVX2), as llama.cpp loads them by default; the other
+    // types have none on x86 and stay in plain memory. Weights live in their own context.
     ggml_backend_buffer_type_t repack = nullptr;
-    if (type == GGML_TYPE_Q4_0 && !a.no_repack) {
+    if ((type == GGML_TYPE_Q4_0 || type == GGML_TYPE_MXFP4) && !a.no_repack) {
         ggml_backend_reg_t reg = ggml_backend_cpu_reg();
         auto get_extra = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
             ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
