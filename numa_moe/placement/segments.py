@@ -301,6 +301,10 @@ def smallest_period(ids: np.ndarray) -> int:
     if n <= 1:
         return n
     candidates = np.flatnonzero(ids[1:] == ids[0]) + 1
+    # The smallest candidate, when a period, is the smallest period: one exact check
+    # settles the common case (a periodic table, a single node) before any filtering.
+    if len(candidates) and np.array_equal(ids[candidates[0]:], ids[: n - candidates[0]]):
+        return int(candidates[0])
     # Cheap vectorised filtering on a short prefix before exact checks.
     j = 1
     while len(candidates) > 32 and j < min(n, 64):
