@@ -62,39 +62,37 @@ def test_emulated_isas_are_never_a_default():
             assert kernels.isa_for_tokens(m, fmt) not in kernels.EMULATED_ISAS
 
 
-def test_the_avx2_integer_builds_are_both_tested():
-    """The AVX2 integer kernels have two builds, vpmaddubsw and AVX-VNNI's vpdpbusd; avx2 runs
-    the one this CPU has, avx2_emulated the other, so that the bit-for-bit comparison below
-    covers both (the vpmaddubsw one alone where AVX2 is missing)."""
+# Kernels with a second build by CPU feature: the testing hook that names an ISA's build,
+# the native and emulated ISA, the format whose table is looked at, the feature, the build
+# with it and without it, and the build the emulated ISA runs where the native ISA is missing.
+SECOND_BUILDS = [
+    ("avx2_integer_build", "avx2", "avx2_emulated", "int8", "avx_vnni", ("avx_vnni", "maddubs"), "maddubs"),
+    ("avx512_mxfp4_build", "avx512", "avx512_emulated", "mxfp4", "avx512_vbmi", ("vpermb", "vpshufb"), "vpermb"),
+]
+
+
+@pytest.mark.parametrize(("hook", "native", "emulated", "fmt", "feature", "builds", "alone"), SECOND_BUILDS,
+                         ids=[b[0] for b in SECOND_BUILDS])
+def test_both_builds_of_a_kernel_are_tested(hook, native, emulated, fmt, feature, builds, alone):
+    """The AVX2 integer kernels (vpmaddubsw, AVX-VNNI's vpdpbusd) and avx512's mxfp4 table
+    (vpshufb, VBMI's vpermb) have two builds each; the native ISA runs the one this CPU has,
+    the emulated ISA the other, so that the bit-for-bit comparison below covers both (the
+    emulated ISA runs `alone` where the native ISA is missing)."""
     from numa_moe import _native
 
-    build = {isa: _native.testing.avx2_integer_build(isa) for isa in ("avx2", "avx2_emulated")}
-    assert build["avx2_emulated"] in ("maddubs", "avx_vnni")
-    if "avx2" in kernels.available_isas("int8"):
-        expected = "avx_vnni" if _native.cpu_features()["avx_vnni"] else "maddubs"
-        assert build["avx2"] == expected
-        assert {build["avx2"], build["avx2_emulated"]} == {"maddubs", "avx_vnni"}
+    build_of = getattr(_native.testing, hook)
+    build = {isa: build_of(isa) for isa in (native, emulated)}
+    if emulated not in kernels.available_isas(fmt):
+        pytest.skip(f"{emulated} is not built (NUMA_MOE_TEST_HOOKS) or not runnable here")
+    assert build[emulated] in builds
+    if native in kernels.available_isas(fmt):
+        with_feature, without = builds
+        assert build[native] == (with_feature if _native.cpu_features()[feature] else without)
+        assert {build[native], build[emulated]} == set(builds)
     else:
-        assert build["avx2_emulated"] == "maddubs"
-
-
-def test_the_avx512_mxfp4_builds_are_both_tested():
-    """avx512's mxfp4 table has two builds, the vpshufb lookup and VBMI's vpermb; avx512 runs
-    the one this CPU has, avx512_emulated the other (the vpermb one where AVX-512 is missing)."""
-    from numa_moe import _native
-
-    build = {isa: _native.testing.avx512_mxfp4_build(isa) for isa in ("avx512", "avx512_emulated")}
-    if "avx512_emulated" not in kernels.available_isas("mxfp4"):
-        pytest.skip("avx512_emulated is not built (NUMA_MOE_TEST_HOOKS) or not runnable here")
-    assert build["avx512_emulated"] in ("vpshufb", "vpermb")
-    if "avx512" in kernels.available_isas("mxfp4"):
-        expected = "vpermb" if _native.cpu_features()["avx512_vbmi"] else "vpshufb"
-        assert build["avx512"] == expected
-        assert {build["avx512"], build["avx512_emulated"]} == {"vpshufb", "vpermb"}
-    else:
-        assert build["avx512_emulated"] == "vpermb"
-    # the other formats have one build
-    assert _native.testing.avx512_mxfp4_build("avx2") == ""
+        assert build[emulated] == alone
+    # the other ISA's tables have one build
+    assert build_of("avx512" if native == "avx2" else "avx2") == ""
 
 
 @pytest.mark.parametrize(("emulated", "native"), PAIRS)
