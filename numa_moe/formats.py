@@ -27,7 +27,9 @@ __all__ = [
     "DEFAULT_GROUP",
     "SCALE_DTYPE_CODES",
     "SCALE_DTYPES",
-    "FIXED_SCALES",
+    "FIXED_GROUPS",
+    "FIXED_SCALE_DTYPES",
+    "ZERO_SCALE_FORMATS",
     "WeightFormat",
     "WEIGHT_FORMATS",
     "weight_format",
@@ -70,19 +72,25 @@ FP8_DTYPES = ("F8_E4M3",)
 FP8_SCALE_CODES = ("F32", "BF16", "F16")
 
 # Group-wise quantized weights (docs/quantization.md): the schemes (symmetric integers,
-# and the OCP MX e2m1 elements of "mxfp4"), the safetensors dtype of their values (INT4
-# and MXFP4 two per byte), the group sizes and the dtypes of the group scales (name ->
-# safetensors code, name -> numpy dtype; "e8m0" is the MX power-of-two scale).
-QUANT_FORMATS = ("int8", "int4", "mxfp4")
-QUANT_DTYPES = {"int8": "I8", "int4": "U8", "mxfp4": "U8"}
+# the OCP MX e2m1 elements of "mxfp4", llama.cpp's IQ4_NL codebook "iq4nl"), the
+# safetensors dtype of their values (the 4-bit ones two per byte), the group sizes and the
+# dtypes of the group scales (name -> safetensors code, name -> numpy dtype; "e8m0" is the
+# MX power-of-two scale).
+QUANT_FORMATS = ("int8", "int4", "mxfp4", "iq4nl")
+QUANT_DTYPES = {"int8": "I8", "int4": "U8", "mxfp4": "U8", "iq4nl": "U8"}
 GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 128
 SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "e8m0": "F8_E8M0"}
 SCALE_DTYPES = {name: NUMPY_DTYPES[code] for name, code in SCALE_DTYPE_CODES.items()}
-# Formats whose group and scale dtype the format itself fixes: format -> (group, scale
-# dtype). Every other format takes any group of GROUPS and any scale dtype not listed here
-# (numa_moe.quant.check_arguments holds the rule).
-FIXED_SCALES = {"mxfp4": (32, "e8m0")}
+# Formats whose group the format itself fixes (its block): format -> group; and those
+# whose scale dtype it fixes too: format -> scale dtype. Every other format takes any
+# group of GROUPS, and any scale dtype not fixed by another (numa_moe.quant.check_arguments
+# holds the rule).
+FIXED_GROUPS = {"mxfp4": 32, "iq4nl": 32}
+FIXED_SCALE_DTYPES = {"mxfp4": "e8m0"}
+# Formats whose scales may be 0: iq4nl's codebook has no zero, so a block of zeros (ggml
+# writes d = 0 for one) is a zero scale. Every other format's scales are never 0.
+ZERO_SCALE_FORMATS = ("iq4nl",)
 
 
 def positive_int(value, name: str) -> int:
@@ -130,6 +138,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "int8": WeightFormat("int8", 8),
     "int4": WeightFormat("int4", 4),
     "mxfp4": WeightFormat("mxfp4", 4),
+    "iq4nl": WeightFormat("iq4nl", 4),
     "e8m0": WeightFormat("e8m0", 8),
 }
 
@@ -163,6 +172,6 @@ def weight_format(fmt: str | WeightFormat) -> WeightFormat:
 
 
 def nibble_packed(fmt: str | WeightFormat) -> bool:
-    """Whether ``fmt`` stores two weights per byte (int4, mxfp4: the even column in the
-    low nibble), so a row of ``cols`` weights is ``cols / 2`` bytes of uint8."""
+    """Whether ``fmt`` stores two weights per byte (int4, mxfp4, iq4nl: the even column in
+    the low nibble), so a row of ``cols`` weights is ``cols / 2`` bytes of uint8."""
     return weight_format(fmt).bits_per_element == 4

@@ -7,11 +7,14 @@ per output row r, group size g in {32, 64, 128}. INT8 ``q`` lies in [-127, 127];
 ``q`` in [-8, 7], two per byte, the even column in the low nibble. MXFP4 (the OCP
 Microscaling format) packs its 4-bit e2m1 codes the same way, ``q`` being the e2m1 value
 ``E2M1[code]`` (0, +-0.5, ..., +-6), with the group fixed at 32 and power-of-two e8m0
-scales. Weights stay row-major ``[rows, cols]`` like the BF16 ones (``[rows, cols / 2]``
-bytes for INT4 and MXFP4); scales are their own row-major tensor ``[rows, cols / g]`` in
-fp16, bf16 or fp32 (e8m0 for MXFP4). llama.cpp's Q8_0, Q4_0 and MXFP4 blocks and
-gpt-oss's ``*_blocks`` / ``*_scales`` convert into this layout without loss
-(``from_q8_0``, ``from_q4_0``, ``from_gguf_mxfp4``, ``from_mxfp4_blocks``).
+scales. IQ4_NL ("iq4nl", llama.cpp's non-uniform 4-bit format) packs its codes the same
+way too, ``q`` being ``IQ4_NL_VALUES[code]`` (-127 .. 113, no zero), group fixed at 32,
+float scales that may be 0 (a block of zeros). Weights stay row-major ``[rows, cols]``
+like the BF16 ones (``[rows, cols / 2]`` bytes for the 4-bit formats); scales are their
+own row-major tensor ``[rows, cols / g]`` in fp16, bf16 or fp32 (e8m0 for MXFP4).
+llama.cpp's Q8_0, Q4_0, MXFP4, IQ4_NL and IQ4_XS blocks and gpt-oss's ``*_blocks`` /
+``*_scales`` convert into this layout without loss (``from_q8_0``, ``from_q4_0``,
+``from_gguf_mxfp4``, ``from_iq4_nl``, ``from_iq4_xs``, ``from_mxfp4_blocks``).
 
 Pure numpy; the kernels and the checkpoint readers build on it.
 """
@@ -23,22 +26,28 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from numa_moe.formats import DEFAULT_GROUP, FIXED_SCALES, GROUPS, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
+from numa_moe.formats import (DEFAULT_GROUP, FIXED_GROUPS, FIXED_SCALE_DTYPES, GROUPS, QUANT_FORMATS, SCALE_DTYPES,
+                              ZERO_SCALE_FORMATS, nibble_packed)
 
-__all__ = ["QuantizedMatrix", "check_arguments", "groups_for", "scale_dtypes_for", "scale_layout", "quantize", "dequantize", "values",
+__all__ = ["QuantizedMatrix", "check_arguments", "groups_for", "scale_dtypes_for", "zero_scales_allowed", "scale_layout", "quantize", "dequantize", "values",
            "pack_int4", "unpack_int4", "error_bound", "from_q8_0", "from_q4_0", "from_gguf_mxfp4",
            "from_iq4_nl", "from_iq4_xs", "from_q5_0", "from_mxfp4_blocks", "E2M1", "IQ4_NL_VALUES", "MX_BLOCK"]
 
-# The largest |q| quantize() produces: symmetric, so INT4 leaves -8 unused (Q4_0 import
-# may still bring it); MXFP4's is e2m1's largest value.
-Q_MAX = {"int8": 127, "int4": 7, "mxfp4": 6}
-Q_MIN = {"int8": -127, "int4": -8, "mxfp4": -6}
+# The largest q quantize() produces (and the smallest): symmetric, so INT4 leaves -8
+# unused (Q4_0 import may still bring it); MXFP4's is e2m1's largest value; IQ4_NL's
+# codebook ends.
+Q_MAX = {"int8": 127, "int4": 7, "mxfp4": 6, "iq4nl": 113}
+Q_MIN = {"int8": -127, "int4": -8, "mxfp4": -6, "iq4nl": -127}
 GGML_BLOCK = 32  # weights per Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 block
-MX_BLOCK = FIXED_SCALES["mxfp4"][0]  # weights per MXFP4 scale (the OCP MX block)
+MX_BLOCK = FIXED_GROUPS["mxfp4"]  # weights per MXFP4 scale (the OCP MX block)
 # OCP e2m1: code -> value (bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa)
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 # IQ4_NL's codebook (ggml's kvalues_iq4nl): code -> the value its block's scale multiplies
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+# Values halfway between consecutive IQ4_NL codes (ascending), and the largest distance of
+# a value in [-127, 113] to its nearest code
+_IQ4_NL_MIDPOINTS = (IQ4_NL_VALUES[:-1].astype(np.float32) + IQ4_NL_VALUES[1:]) / 2
+_IQ4_NL_HALF_GAP = float(np.diff(IQ4_NL_VALUES.astype(np.int32)).max()) / 2
 # Magnitudes halfway between consecutive e2m1 codes 0..7, and whether a magnitude exactly
 # there rounds up (to the even code: ties to even)
 _E2M1_MIDPOINTS = (E2M1[:7] + E2M1[1:8]) / 2
@@ -51,8 +60,8 @@ _E8M0_NAN = 0xFF
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A ``rows x cols`` weight in the contract's layout: ``q`` int8 ``[rows, cols]``
-    (INT8) or uint8 ``[rows, cols / 2]`` (INT4 and MXFP4, packed), ``scales`` ``[rows, cols /
-    group]`` (e8m0 for MXFP4)."""
+    (INT8) or uint8 ``[rows, cols / 2]`` (INT4, MXFP4 and IQ4_NL, packed), ``scales``
+    ``[rows, cols / group]`` (e8m0 for MXFP4)."""
 
     fmt: str
     group: int
@@ -79,23 +88,24 @@ def check_arguments(*, weight_format=_UNCHECKED, group=_UNCHECKED, scale_dtype=_
     (quantize, MoELayer.from_tensors, ExpertStore.load, the checkpoint readers, the
     benchmarks), before it allocates: a ValueError naming the argument and its allowed
     values. Only the arguments given are checked; ``formats`` is what the caller's
-    ``weight_format`` may be. The one place of the rule tying formats to their scales
-    (``formats.FIXED_SCALES``): mxfp4 only with group 32 and e8m0 scales, e8m0 scales
-    only with mxfp4."""
+    ``weight_format`` may be. The one place of the rule tying formats to their groups and
+    scales (``formats.FIXED_GROUPS``, ``FIXED_SCALE_DTYPES``): mxfp4 only with group 32 and
+    e8m0 scales, e8m0 scales only with mxfp4, iq4nl only with group 32."""
     if weight_format is not _UNCHECKED and weight_format not in formats:
         raise ValueError(f"weight_format {weight_format!r} is not one of {', '.join(formats)}")
     if group is not _UNCHECKED and (isinstance(group, bool) or group not in GROUPS):
         raise ValueError(f"group {group!r} is not one of {', '.join(map(str, GROUPS))}")
     if scale_dtype is not _UNCHECKED and (not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPES):
         raise ValueError(f"scale_dtype {scale_dtype!r} is not one of {', '.join(SCALE_DTYPES)}")
-    fixed = FIXED_SCALES.get(weight_format) if isinstance(weight_format, str) else None
-    if fixed is not None:
-        for name, given, wanted in (("group", group, fixed[0]), ("scale_dtype", scale_dtype, fixed[1])):
-            if given is not _UNCHECKED and given != wanted:
-                raise ValueError(f"weight_format {weight_format!r} takes {name} {wanted!r} only "
-                                 f"(group {fixed[0]}, {fixed[1]} scales), not {given!r}")
-    elif weight_format is not _UNCHECKED and scale_dtype is not _UNCHECKED:
-        owners = [fmt for fmt, (_, dtype) in FIXED_SCALES.items() if dtype == scale_dtype]
+    if not isinstance(weight_format, str):
+        return
+    fixed_group, fixed_dtype = FIXED_GROUPS.get(weight_format), FIXED_SCALE_DTYPES.get(weight_format)
+    own = f"group {fixed_group}" + (f", {fixed_dtype} scales" if fixed_dtype else "")
+    for name, given, wanted in (("group", group, fixed_group), ("scale_dtype", scale_dtype, fixed_dtype)):
+        if wanted is not None and given is not _UNCHECKED and given != wanted:
+            raise ValueError(f"weight_format {weight_format!r} takes {name} {wanted!r} only ({own}), not {given!r}")
+    if fixed_dtype is None and scale_dtype is not _UNCHECKED:
+        owners = [fmt for fmt, dtype in FIXED_SCALE_DTYPES.items() if dtype == scale_dtype]
         if owners:
             raise ValueError(f"scale_dtype {scale_dtype!r} belongs to weight_format "
                              f"{' / '.join(map(repr, owners))} only, not {weight_format!r}")
@@ -103,27 +113,32 @@ def check_arguments(*, weight_format=_UNCHECKED, group=_UNCHECKED, scale_dtype=_
 
 def groups_for(fmt: str) -> tuple[int, ...]:
     """The groups the quantized format ``fmt`` takes."""
-    return (FIXED_SCALES[fmt][0],) if fmt in FIXED_SCALES else GROUPS
+    return (FIXED_GROUPS[fmt],) if fmt in FIXED_GROUPS else GROUPS
 
 
 def scale_dtypes_for(fmt: str) -> tuple[str, ...]:
     """The scale dtypes the quantized format ``fmt`` takes."""
-    if fmt in FIXED_SCALES:
-        return (FIXED_SCALES[fmt][1],)
-    return tuple(name for name in SCALE_DTYPES if name not in {d for _, d in FIXED_SCALES.values()})
+    if fmt in FIXED_SCALE_DTYPES:
+        return (FIXED_SCALE_DTYPES[fmt],)
+    return tuple(name for name in SCALE_DTYPES if name not in set(FIXED_SCALE_DTYPES.values()))
+
+
+def zero_scales_allowed(fmt: str) -> bool:
+    """Whether the quantized format ``fmt`` may have zero scales (``formats.ZERO_SCALE_FORMATS``:
+    iq4nl, whose codebook has no zero); every other format's are never 0."""
+    return fmt in ZERO_SCALE_FORMATS
 
 
 def scale_layout(fmt: str, group: int | None = None, scale_dtype: str | None = None,
                  default_group: int = DEFAULT_GROUP, default_scale_dtype: str = "fp16",
                  any_group: bool = False) -> tuple[int, str]:
     """(group, scale dtype) of a request for the quantized format ``fmt``: those given,
-    else the ones the format fixes (mxfp4: 32, e8m0), else the defaults; checked
+    else the ones the format fixes (mxfp4: 32, e8m0; iq4nl: 32), else the defaults; checked
     (check_arguments). ``any_group``: a format without a fixed group may take any group
     (segment tables of shapes the kernels do not run)."""
-    fixed = FIXED_SCALES.get(fmt, (default_group, default_scale_dtype))
-    group = fixed[0] if group is None else group
-    scale_dtype = fixed[1] if scale_dtype is None else scale_dtype
-    checked = {"group": group} if fmt in FIXED_SCALES or not any_group else {}
+    group = FIXED_GROUPS.get(fmt, default_group) if group is None else group
+    scale_dtype = FIXED_SCALE_DTYPES.get(fmt, default_scale_dtype) if scale_dtype is None else scale_dtype
+    checked = {"group": group} if fmt in FIXED_GROUPS or not any_group else {}
     check_arguments(weight_format=fmt, scale_dtype=scale_dtype, **checked)
     return group, scale_dtype
 
@@ -160,7 +175,7 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | None = None) -> QuantizedMatrix:
     """Group-wise quantization of a 2-D float weight (numpy, ml_dtypes or anything
     np.asarray takes). ``group`` and ``scale_dtype`` default to the format's own (mxfp4:
-    32 and e8m0), else to DEFAULT_GROUP and fp16.
+    32 and e8m0; iq4nl: 32), else to DEFAULT_GROUP and fp16.
 
     int8 / int4: each group's scale is its largest magnitude over Q_MAX, rounded to
     ``scale_dtype``; q is computed with that stored scale (round half to even, clipped),
@@ -170,7 +185,13 @@ def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | 
     mxfp4 (OCP MX v1.0): each block of 32 shares the scale 2^(floor(log2(amax)) - 2), the
     exponent clamped to e8m0's range (an all-zero block gets 2^0), and every element
     becomes the nearest e2m1 value of w / scale, ties to even, saturating at +-6 (so
-    magnitudes in (6, 8) x scale clip to 6, as the spec has it)."""
+    magnitudes in (6, 8) x scale clip to 6, as the spec has it).
+
+    iq4nl: ggml's rule without its search over nearby scales: each block's scale is its
+    largest-magnitude weight over -127 (so that weight takes the codebook's -127 end),
+    rounded to ``scale_dtype``, and every element the nearest codebook value of w / scale
+    (clipped to the codebook's ends); an all-zero block gets scale 0 (the codebook has no
+    zero), and a block whose scale underflows ``scale_dtype`` the smallest one of its sign."""
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D weight, got shape {w.shape}")
@@ -185,6 +206,8 @@ def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | 
     amax = np.abs(blocks).max(axis=2)
     if fmt == "mxfp4":
         return _quantize_mxfp4(blocks, amax)
+    if fmt == "iq4nl":
+        return _quantize_iq4nl(blocks, scale_dtype)
     scales = (amax / Q_MAX[fmt]).astype(SCALE_DTYPES[scale_dtype])
     scales[scales.astype(np.float32) == 0] = 1  # all-zero (or underflowing) groups
     s32 = scales.astype(np.float32)[:, :, None]
@@ -211,6 +234,22 @@ def _quantize_mxfp4(blocks: np.ndarray, amax: np.ndarray) -> QuantizedMatrix:
     return QuantizedMatrix("mxfp4", group, (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales)
 
 
+def _quantize_iq4nl(blocks: np.ndarray, scale_dtype: str) -> QuantizedMatrix:
+    rows, n_blocks, group = blocks.shape
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None], axis=2)[:, :, 0]
+    dtype = SCALE_DTYPES[scale_dtype]
+    scales = (extreme / np.float32(Q_MIN["iq4nl"])).astype(dtype)
+    underflow = (scales.astype(np.float32) == 0) & (extreme != 0)
+    smallest = np.array(1, np.uint32 if dtype.itemsize == 4 else np.uint16).view(dtype)  # the smallest subnormal
+    scales[underflow] = np.where(extreme[underflow] > 0, -smallest, smallest)
+    s32 = scales.astype(np.float32)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(s32 != 0, blocks / s32, 0)
+    # searchsorted: a value on a midpoint takes the lower code (any nearest code is as good)
+    codes = np.searchsorted(_IQ4_NL_MIDPOINTS, ratio).astype(np.uint8).reshape(rows, n_blocks * group)
+    return QuantizedMatrix("iq4nl", group, (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales)
+
+
 def _unpack_codes(packed: np.ndarray) -> np.ndarray:
     """uint8 ``[rows, cols / 2]`` -> the 4-bit codes uint8 ``[rows, cols]``."""
     packed = np.asarray(packed, dtype=np.uint8)
@@ -223,9 +262,12 @@ def _unpack_codes(packed: np.ndarray) -> np.ndarray:
 def values(qm: QuantizedMatrix) -> np.ndarray:
     """The elements the scales multiply, ``[rows, cols]``: the int8 q values for int8 and
     int4 (unpacked); for mxfp4 the e2m1 values ``E2M1[code]`` as float32 (0, +-0.5, ...,
-    +-6, exact). dequantize() is values * scale for every format."""
+    +-6, exact); for iq4nl the int8 codebook values ``IQ4_NL_VALUES[code]``. dequantize() is
+    values * scale for every format."""
     if qm.fmt == "mxfp4":
         return E2M1[_unpack_codes(qm.q)]
+    if qm.fmt == "iq4nl":
+        return IQ4_NL_VALUES[_unpack_codes(qm.q)]
     return unpack_int4(qm.q) if qm.fmt == "int4" else qm.q
 
 
@@ -241,11 +283,17 @@ def dequantize(qm: QuantizedMatrix) -> np.ndarray:
 def error_bound(w, qm: QuantizedMatrix) -> np.ndarray:
     """Per-element bound on |w - dequantize(qm)| for quantize()'s output: half a step of
     the grid at w's magnitude (int8 / int4: half a scale; mxfp4: half the e2m1 spacing,
-    0.25, 0.5 or 1 scale), plus what clipping loses beyond Q_MAX scales."""
+    0.25, 0.5 or 1 scale; iq4nl: half its codebook's widest gap, 12 scales), plus what
+    clipping loses beyond Q_MAX scales (iq4nl: beyond its codebook's ends)."""
     w32 = np.asarray(w).astype(np.float32)
     rows, cols = w32.shape
     s32 = qm.scales.astype(np.float32)[:, :, None]
     magnitude = np.abs(w32.reshape(rows, cols // qm.group, qm.group))
+    if qm.fmt == "iq4nl":
+        s32 = np.abs(s32)
+        ratio = w32.reshape(magnitude.shape) * np.sign(qm.scales.astype(np.float32))[:, :, None]
+        clipped = (np.maximum(ratio - Q_MAX["iq4nl"] * s32, 0) + np.maximum(Q_MIN["iq4nl"] * s32 - ratio, 0))
+        return (_IQ4_NL_HALF_GAP * s32 + clipped).reshape(rows, cols)
     if qm.fmt == "mxfp4":
         ratio = magnitude / s32
         half_step = np.where(ratio < 2, 0.25, np.where(ratio < 4, 0.5, 1.0)) * s32
@@ -289,13 +337,11 @@ def _ggml_nibble_codes(nibbles: np.ndarray) -> np.ndarray:
 
 def from_iq4_nl(data, rows: int, cols: int) -> QuantizedMatrix:
     """llama.cpp IQ4_NL (per 32 weights: fp16 d, then 16 bytes of codes in Q4_0's order;
-    w = d * IQ4_NL_VALUES[code]) into the contract's INT8 layout (group 32, fp16 scales),
-    without loss: every codebook value is an int8 in [-127, 113]. The int8 values take 1.9x
-    the file's bytes (8.5 bits a weight against 4.5)."""
+    w = d * IQ4_NL_VALUES[code]) into the contract's IQ4_NL layout (group 32, fp16 scales,
+    the codes re-paired like Q4_0's), without loss, at the file's own bytes."""
     blocks = _ggml_blocks(data, rows, cols, 2 + GGML_BLOCK // 2, "IQ4_NL")
     scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(rows, cols // GGML_BLOCK)
-    q = IQ4_NL_VALUES[_ggml_nibble_codes(blocks[:, :, 2:])]
-    return QuantizedMatrix("int8", GGML_BLOCK, q.reshape(rows, cols), scales.copy())
+    return QuantizedMatrix("iq4nl", GGML_BLOCK, _ggml_nibbles_paired(blocks[:, :, 2:]), scales.copy())
 
 
 def from_iq4_xs(data, rows: int, cols: int) -> QuantizedMatrix:
@@ -303,9 +349,10 @@ def from_iq4_xs(data, rows: int, cols: int) -> QuantizedMatrix:
     bits (2 each), 4 bytes of their low scale bits (4 each, sub-block 2i in byte i's low
     nibble), then 8 x 16 bytes of IQ4_NL codes in Q4_0's order; sub-block ib of 32 weights
     has w = d * (ls - 32) * IQ4_NL_VALUES[code], ls its 6-bit scale) into the contract's
-    INT8 layout with group 32 and fp32 scales d * (ls - 32), without loss: the product of
+    IQ4_NL layout with group 32 and fp32 scales d * (ls - 32), without loss: the product of
     an fp16 and a 6-bit integer is exact in fp32 (17 significant bits), and so is each
-    weight's one rounding, as ggml's. 2.1x the file's bytes (9 bits a weight against 4.25)."""
+    weight's one rounding, as ggml's. 1.18x the file's bytes (5 bits a weight against 4.25:
+    the two-level scales flattened into one fp32 per 32)."""
     blocks = _ggml_blocks(data, rows, cols, 2 + 2 + 4 + 8 * GGML_BLOCK // 2, "IQ4_XS", block=8 * GGML_BLOCK)
     d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).astype(np.float32)  # [rows, n, 1]
     high = np.ascontiguousarray(blocks[:, :, 2:4]).view("<u2")  # [rows, n, 1]
@@ -313,8 +360,8 @@ def from_iq4_xs(data, rows: int, cols: int) -> QuantizedMatrix:
     low = (blocks[:, :, 4 + sub // 2] >> (4 * (sub % 2)).astype(np.uint8)) & 0x0F
     ls = low.astype(np.int32) | (((high >> (2 * sub).astype(np.uint16)) & 3).astype(np.int32) << 4)
     scales = (d * (ls - 32).astype(np.float32)).reshape(rows, cols // GGML_BLOCK)
-    codes = _ggml_nibble_codes(blocks[:, :, 8:].reshape(rows, cols // GGML_BLOCK, GGML_BLOCK // 2))
-    return QuantizedMatrix("int8", GGML_BLOCK, IQ4_NL_VALUES[codes].reshape(rows, cols), scales)
+    codes = blocks[:, :, 8:].reshape(rows, cols // GGML_BLOCK, GGML_BLOCK // 2)
+    return QuantizedMatrix("iq4nl", GGML_BLOCK, _ggml_nibbles_paired(codes), np.ascontiguousarray(scales))
 
 
 def from_q5_0(data, rows: int, cols: int) -> QuantizedMatrix:

@@ -28,7 +28,7 @@ def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
-    integer = ("int8", "int4", "mxfp4")
+    integer = ("int8", "int4", "mxfp4", "iq4nl")
     lines = {fmt: isa_report(kernels.tested_isas(fmt)) for fmt in ("bf16", *integer)}
     reporter.write_line(f"ISAs: {lines['bf16']}")
     if any(lines[fmt] != lines["bf16"] for fmt in integer):
@@ -40,8 +40,8 @@ def pytest_sessionstart(session):
               if (build := _native.testing.avx2_integer_build(isa)) and isa in kernels.available_isas("int8")]
     reporter.write_line(f"AVX2 integer builds (vpmaddubsw, AVX-VNNI): {', '.join(builds) or 'none'}")
     lookups = [f"{isa} {build}" for isa in ("avx512", "avx512_emulated")
-               if (build := _native.testing.avx512_mxfp4_build(isa)) and isa in kernels.available_isas("mxfp4")]
-    reporter.write_line(f"AVX-512 mxfp4 lookups (vpshufb, VBMI vpermb): {', '.join(lookups) or 'none'}")
+               if (build := _native.testing.avx512_codebook_build(isa)) and isa in kernels.available_isas("mxfp4")]
+    reporter.write_line(f"AVX-512 mxfp4 / iq4nl lookups (vpshufb, VBMI vpermb): {', '.join(lookups) or 'none'}")
 
 
 @pytest.fixture

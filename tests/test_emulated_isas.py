@@ -45,7 +45,7 @@ def test_tested_isas_replaces_only_missing_isas_by_their_emulated_build():
 
 
 def test_tested_isas_of_this_machine():
-    for fmt in ("bf16", "int8", "int4", "mxfp4"):
+    for fmt in ("bf16", "int8", "int4", "mxfp4", "iq4nl"):
         available = kernels.available_isas(fmt)
         tested = kernels.tested_isas(fmt)
         assert set(tested) <= set(available) and tested[0] == "ref"
@@ -56,7 +56,7 @@ def test_tested_isas_of_this_machine():
 
 
 def test_emulated_isas_are_never_a_default():
-    for fmt in ("bf16", "int8", "int4", "mxfp4"):
+    for fmt in ("bf16", "int8", "int4", "mxfp4", "iq4nl"):
         assert kernels.fastest_isa(fmt) not in kernels.EMULATED_ISAS
         for m in (1, 64):
             assert kernels.isa_for_tokens(m, fmt) not in kernels.EMULATED_ISAS
@@ -66,21 +66,24 @@ def test_emulated_isas_are_never_a_default():
 # the native and emulated ISA, the format whose table is looked at, the feature, the build
 # with it and without it, and the build the emulated ISA runs where the native ISA is missing.
 SECOND_BUILDS = [
-    ("avx2_integer_build", "avx2", "avx2_emulated", "int8", "avx_vnni", ("avx_vnni", "maddubs"), "maddubs"),
-    ("avx512_mxfp4_build", "avx512", "avx512_emulated", "mxfp4", "avx512_vbmi", ("vpermb", "vpshufb"), "vpermb"),
+    *(("avx2_integer_build", "avx2", "avx2_emulated", fmt, "avx_vnni", ("avx_vnni", "maddubs"), "maddubs")
+      for fmt in ("int8", "iq4nl")),
+    *(("avx512_codebook_build", "avx512", "avx512_emulated", fmt, "avx512_vbmi", ("vpermb", "vpshufb"), "vpermb")
+      for fmt in ("mxfp4", "iq4nl")),
 ]
 
 
 @pytest.mark.parametrize(("hook", "native", "emulated", "fmt", "feature", "builds", "alone"), SECOND_BUILDS,
-                         ids=[b[0] for b in SECOND_BUILDS])
+                         ids=[f"{b[0]}-{b[3]}" for b in SECOND_BUILDS])
 def test_both_builds_of_a_kernel_are_tested(hook, native, emulated, fmt, feature, builds, alone):
-    """The AVX2 integer kernels (vpmaddubsw, AVX-VNNI's vpdpbusd) and avx512's mxfp4 table
-    (vpshufb, VBMI's vpermb) have two builds each; the native ISA runs the one this CPU has,
-    the emulated ISA the other, so that the bit-for-bit comparison below covers both (the
-    emulated ISA runs `alone` where the native ISA is missing)."""
+    """The AVX2 integer kernels (vpmaddubsw, AVX-VNNI's vpdpbusd; iq4nl's sign trick is a
+    path of the first alone) and avx512's codebook tables (vpshufb, VBMI's vpermb) have two
+    builds each; the native ISA runs the one this CPU has, the emulated ISA the other, so
+    that the bit-for-bit comparison below covers both (the emulated ISA runs `alone` where
+    the native ISA is missing)."""
     from numa_moe import _native
 
-    build_of = getattr(_native.testing, hook)
+    build_of = lambda isa: getattr(_native.testing, hook)(isa, fmt)  # noqa: E731
     build = {isa: build_of(isa) for isa in (native, emulated)}
     if emulated not in kernels.available_isas(fmt):
         pytest.skip(f"{emulated} is not built (NUMA_MOE_TEST_HOOKS) or not runnable here")
@@ -96,11 +99,11 @@ def test_both_builds_of_a_kernel_are_tested(hook, native, emulated, fmt, feature
 
 
 @pytest.mark.parametrize(("emulated", "native"), PAIRS)
-@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "iq4nl"])
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 def test_integer_emulated_build_equals_native_bit_for_bit(rng, emulated, native, fmt, m):
     both_available(emulated, native, fmt)
-    rows, cols, group = 48, 384, 32 if fmt == "mxfp4" else int(rng.choice([32, 64, 128]))
+    rows, cols, group = 48, 384, int(rng.choice(quant.groups_for(fmt)))
     w = rng.standard_normal((rows, cols)).astype(np.float32) * cols**-0.5
     qm = quant.quantize(w, fmt, group, str(rng.choice(sorted(quant.scale_dtypes_for(fmt)))))
     x = rng.standard_normal((m, cols)).astype(BF16)

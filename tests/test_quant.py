@@ -24,7 +24,11 @@ def test_round_trip_is_within_the_bound(fmt, data, rows, groups, seed, log_scale
     qm = quant.quantize(w, fmt, group, scale_dtype)
     assert qm.shape == w.shape and qm.scales.shape == (rows, groups)
     scales = qm.scales.astype(np.float32)
-    assert np.all(np.isfinite(scales)) and np.all(scales > 0)
+    assert np.all(np.isfinite(scales))
+    if quant.zero_scales_allowed(fmt):  # iq4nl: the sign of the block's extreme, 0 for a block of zeros
+        assert np.array_equal(scales == 0, np.all(w.reshape(rows, groups, group) == 0, axis=2))
+    else:
+        assert np.all(scales > 0)
     q = quant.values(qm)
     assert q.min() >= quant.Q_MIN[fmt] and q.max() <= quant.Q_MAX[fmt]
     error = np.abs(w.astype(np.float64) - quant.dequantize(qm).astype(np.float64))
@@ -93,10 +97,11 @@ def test_ggml_blocks_convert_without_loss(rng, q4):
     np.testing.assert_array_equal(quant.dequantize(qm).view(np.uint32), expected.view(np.uint32))
 
 
-def test_iq4_nl_iq4_xs_and_q5_0_blocks_load_as_int8_without_loss(rng):
-    """IQ4_NL and IQ4_XS (hand-built blocks: the gguf package does not quantize them) and
-    Q5_0 (the package's quantizer) against the package's dequantization of the same bytes, element
-    for element; a block count that does not match the matrix is refused."""
+def test_iq4_nl_iq4_xs_and_q5_0_blocks_load_without_loss(rng):
+    """IQ4_NL and IQ4_XS (hand-built blocks: the gguf package does not quantize them) as
+    iq4nl, and Q5_0 (the package's quantizer) as int8, against the package's
+    dequantization of the same bytes, element for element; a block count that does not
+    match the matrix is refused."""
     gguf = pytest.importorskip("gguf")
     rows, cols = 5, 160
     d = (rng.standard_normal(rows * cols // 32) * 0.01).astype(np.float16)
@@ -106,13 +111,14 @@ def test_iq4_nl_iq4_xs_and_q5_0_blocks_load_as_int8_without_loss(rng):
     rows_xs, cols_xs = 3, 512  # IQ4_XS: blocks of 256
     xs = rng.integers(0, 256, (rows_xs * cols_xs // 256, 136), dtype=np.uint8)
     xs[:, :2] = (rng.random(len(xs)) * 0.02 + 0.001).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    for reader, raw, qtype, shape in ((quant.from_iq4_nl, iq4, gguf.GGMLQuantizationType.IQ4_NL, (rows, cols)),
-                                      (quant.from_q5_0, q5, gguf.GGMLQuantizationType.Q5_0, (rows, cols)),
-                                      (quant.from_iq4_xs, xs, gguf.GGMLQuantizationType.IQ4_XS, (rows_xs, cols_xs))):
+    T = gguf.GGMLQuantizationType
+    for reader, raw, qtype, shape, fmt, scale_dtype in (
+            (quant.from_iq4_nl, iq4, T.IQ4_NL, (rows, cols), "iq4nl", np.float16),
+            (quant.from_q5_0, q5, T.Q5_0, (rows, cols), "int8", np.float16),
+            (quant.from_iq4_xs, xs, T.IQ4_XS, (rows_xs, cols_xs), "iq4nl", np.float32)):
         rows, cols = shape
         qm = reader(raw.tobytes(), rows, cols)
-        scale_dtype = np.float32 if qtype == gguf.GGMLQuantizationType.IQ4_XS else np.float16
-        assert (qm.fmt, qm.group, qm.scales.dtype) == ("int8", 32, scale_dtype)
+        assert (qm.fmt, qm.group, qm.scales.dtype) == (fmt, 32, scale_dtype)
         theirs = np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), qtype), np.float32)
         np.testing.assert_array_equal(quant.dequantize(qm).view(np.uint32), theirs.view(np.uint32))
         with pytest.raises(ValueError, match=f"{qtype.name}: .* bytes for a {rows} x 256 matrix"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from numa_moe_cli.options import PAGES, check_output, isa_option, output_file, wrote
+from numa_moe_cli.options import PAGES, WEIGHT_FORMAT_CHOICES, check_output, isa_option, output_file, wrote
 
 
 @click.group()
@@ -36,13 +36,14 @@ def _int_list(text: str) -> list[int]:
                    "placement commands' 4k: this measures the kernels as a serving host would run them, "
                    "and 4 KB pages alone moved the read ceiling by up to 2x on the development VMs "
                    "(docs/benchmarks.md).")
-@click.option("--format", "weight_format", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default="bf16",
+@click.option("--format", "weight_format", type=click.Choice(WEIGHT_FORMAT_CHOICES), default="bf16",
               show_default=True, help="Expert weight format: int8 / int4 run quantized experts (docs/quantization.md; "
                                       "the bytes read count the scales) against PyTorch's own low-bit kernels "
                                       "(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu); mxfp4 (e8m0 "
-                                      "scales per 32) without torch, which has no MXFP4 CPU kernel.")
+                                      "scales per 32) and iq4nl (fp16 per 32) without torch, which has no CPU "
+                                      "kernel for their codebooks.")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="Columns per scale of int8 / int4 (mxfp4: always 32).")
+              help="Columns per scale of int8 / int4 (mxfp4, iq4nl: always 32).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Also write the results as JSON to this file.")
 def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, weight_format, group,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from numa_moe_cli.options import check_apart, check_output, output_file, page_option, write_output
+from numa_moe_cli.options import (QUANT_FORMAT_CHOICES, WEIGHT_FORMAT_CHOICES, check_apart, check_output, output_file,
+                                  page_option, write_output)
 
 _MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b", "qwen2-57b-a14b", "gpt-oss-20b",
            "gpt-oss-120b")
@@ -66,13 +67,13 @@ def _open(path: str, pattern: str | None, kinds: str | None):
               help="Accepted for compatibility; changes nothing. OUTPUT may be new, empty or an "
                    "earlier numa-moe output (replaced whole); a directory holding anything else "
                    "is refused.")
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(WEIGHT_FORMAT_CHOICES), default=None,
               help="Routed experts in bf16, or quantized as by `numa-moe quantize` [default: bf16; "
                    "gpt-oss: mxfp4, the released layout; bf16 is transformers' layout].")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
-              help="Scale group size (int8/int4/mxfp4) [default: 128; mxfp4: 32].")
+              help="Scale group size (quantized formats) [default: 128; mxfp4, iq4nl: 32].")
 @click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
-              help="Element type of the group scales (int8/int4/mxfp4) [default: fp16; mxfp4: e8m0].")
+              help="Element type of the group scales (quantized formats) [default: fp16; mxfp4: e8m0].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb, output, overwrite,
                             fmt, group, scale_dtype, quiet):
@@ -104,15 +105,15 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
 @click.option("--nodes", default="2", show_default=True,
               help="Interleave nodes: a count N (nodes 0..N-1) or a list such as 0,2.")
 @page_option()
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(WEIGHT_FORMAT_CHOICES), default=None,
               help="Weight format of the loaded experts [default: the checkpoint's when it is "
                    "quantized, else bf16].")
 @click.option("--group", type=click.IntRange(min=1), default=None,
-              help="Scale group size (elements along k) for int8/int4/mxfp4 [default: the "
-                   "checkpoint's when quantized, else 128; mxfp4: 32].")
+              help="Scale group size (elements along k) for the quantized formats [default: the "
+                   "checkpoint's when quantized, else 128; mxfp4, iq4nl: 32].")
 @click.option("--scale-dtype", "--scale-format", "scale_dtype",
               type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
-              help="Element format of the group scales (int8/int4/mxfp4 only) [default: the "
+              help="Element format of the group scales (quantized formats only) [default: the "
                    "checkpoint's when quantized, else fp32; mxfp4: e8m0].")
 @click.option("--layers", default=None, help="Comma-separated MoE layer ids (default all).")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
@@ -133,7 +134,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, out
     from numa_moe.quant import scale_layout
 
     if group is not None and fmt == "bf16":
-        raise click.UsageError("--group applies to --format int8/int4/mxfp4 only")
+        raise click.UsageError("--group applies to the quantized --format values only")
     check_output(output, "-o", create_parents=True)
     ck = _open(checkpoint, pattern, kinds)
     check_apart(output, "-o", ck.sources)
@@ -148,7 +149,7 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, out
     elif fmt is None:
         fmt = quant.fmt if quant is not None else "bf16"
         if group is not None and fmt == "bf16":
-            raise click.UsageError("--group applies to --format int8/int4/mxfp4 only")
+            raise click.UsageError("--group applies to the quantized --format values only")
     if quant is not None and fmt == quant.fmt:
         group = group or quant.group
         scale_dtype = scale_dtype or quant.scale_dtype
@@ -222,13 +223,13 @@ def tables_command(checkpoint, nodes, page, fmt, group, scale_dtype, layers, out
               help="Write a PNG: one strip per tensor coloured by node (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--pages", is_flag=True, help="With --json: include the per-page node lists.")
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(WEIGHT_FORMAT_CHOICES), default=None,
               help="GGUF / FP8 only: the format to report the load of (its cost and its error "
                    "against the file's own values) [default: what the store loads by default].")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
-              help="GGUF / FP8 with --format int8/int4/mxfp4: scale group size [default: 32].")
+              help="GGUF / FP8 with a quantized --format: scale group size [default: 32].")
 @click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
-              help="GGUF / FP8 with --format int8/int4/mxfp4: element type of the scales "
+              help="GGUF / FP8 with a quantized --format: element type of the scales "
                    "[default: fp16; mxfp4: e8m0].")
 @_pattern_options
 def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json, pages, fmt,
@@ -269,11 +270,11 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
 
 @click.command("quantize")
 @click.argument("checkpoint", metavar="CHECKPOINT")
-@click.option("--format", "fmt", type=click.Choice(["int8", "int4", "mxfp4"]), required=True,
+@click.option("--format", "fmt", type=click.Choice(QUANT_FORMAT_CHOICES), required=True,
               help="Weight format of the quantized routed experts.")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
               help="Scale group size (weights along a row sharing one scale) [default: 128; "
-                   "mxfp4: 32, its only group].")
+                   "mxfp4, iq4nl: 32, their only group].")
 @click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
               help="Element type of the group scales [default: fp16; mxfp4: e8m0, its only "
                    "scale type].")

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import click
 
+from numa_moe.formats import QUANT_FORMATS
 from numa_moe.placement.pages import PAGE_CHOICES
+
+# The expert weight formats the commands take: the quantized ones (numa_moe.formats), and
+# bf16 besides where a command also runs unquantized experts.
+QUANT_FORMAT_CHOICES = list(QUANT_FORMATS)
+WEIGHT_FORMAT_CHOICES = ["bf16", *QUANT_FORMATS]
 
 # numa_moe.layer.kernels.ISAS, spelled out here so that building the CLI imports no native code
 # (tests/test_cli_options.py checks the two agree).

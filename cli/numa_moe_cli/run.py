@@ -8,7 +8,8 @@ from dataclasses import asdict
 
 import click
 
-from numa_moe_cli.options import check_apart, check_output, isa_option, page_option, write_output, wrote
+from numa_moe_cli.options import (WEIGHT_FORMAT_CHOICES, check_apart, check_output, isa_option, page_option,
+                                  write_output, wrote)
 
 
 @click.command("run")
@@ -22,9 +23,9 @@ from numa_moe_cli.options import check_apart, check_output, isa_option, page_opt
 @isa_option("chosen per expert from its token count")
 @page_option()
 @click.option("--seed", default=0, show_default=True, type=int, help="seed of the inputs and the random routing")
-@click.option("--format", "weight_formats", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), multiple=True,
-              help="Expert weight format: int8 / int4 / mxfp4 quantize a BF16 checkpoint while loading "
-                   "(group 128, fp16 scales; mxfp4: group 32, e8m0 scales; docs/quantization.md); GGUF and FP8 experts are converted to "
+@click.option("--format", "weight_formats", type=click.Choice(WEIGHT_FORMAT_CHOICES), multiple=True,
+              help="Expert weight format: int8 / int4 / mxfp4 / iq4nl quantize a BF16 checkpoint while "
+                   "loading (group 128, fp16 scales; mxfp4: group 32, e8m0 scales; iq4nl: group 32; docs/quantization.md); GGUF and FP8 experts are converted to "
                    "it (group 32; docs/checkpoints.md). Default: the checkpoint's own. Given "
                    "more than once, the job runs once per format and ends with their steps side by side.")
 @click.option("--like", default=None, metavar="MODEL",

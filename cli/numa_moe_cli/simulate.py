@@ -8,7 +8,8 @@ import os
 
 import click
 
-from numa_moe_cli.options import check_apart, check_output, page_option, write_output, wrote, output_file
+from numa_moe_cli.options import (WEIGHT_FORMAT_CHOICES, check_apart, check_output, output_file, page_option,
+                                  write_output, wrote)
 
 
 def _tokens(ctx, param, value):
@@ -41,9 +42,10 @@ def _policies(ctx, param, value):
               help="Write the machine description used (e.g. the measured one) to this JSON file.")
 @click.option("--like", default=None, help="Expert shapes of a published model (synthetic.MODEL_SPECS), "
               "e.g. mixtral-8x7b, qwen3-30b-a3b, deepseek-v3; instead of CHECKPOINT.")
-@click.option("--format", "fmt", type=click.Choice(["bf16", "int8", "int4", "mxfp4"]), default="bf16", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(WEIGHT_FORMAT_CHOICES), default="bf16", show_default=True,
               help="Weight format: changes the bytes (tables recomputed, scales included) and the compute peak "
-                   "(mxfp4: group 32, e8m0 scales, the int4 peak; gpt-oss's released format).")
+                   "(mxfp4: group 32, e8m0 scales, the int4 peak, gpt-oss's released format; iq4nl: group 32, the int4 "
+                   "peak).")
 @page_option()
 @click.option("--tokens", "-t", default="1,4,16", show_default=True, callback=_tokens,
               help="Comma-separated tokens per step.")

@@ -87,7 +87,8 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
 
 kernels::Format weight_format_named(const std::string& name) {
     kernels::Format format;
-    NUMA_MOE_CHECK(kernels::parse_format(name.c_str(), &format), "format '", name, "' is not one of bf16, int8, int4, mxfp4");
+    NUMA_MOE_CHECK(kernels::parse_format(name.c_str(), &format), "format '", name, "' is not one of ",
+                   kernels::format_names());
     return format;
 }
 
@@ -185,26 +186,60 @@ kernels::ScaleDtype scale_type_of(const py::array& scales, const std::string& na
     fail(name, ": dtype ", dtype_text(scales), ", expected float32, float16, bfloat16 or (mxfp4) float8_e8m0fnu");
 }
 
-// Whether a scale's bits are NaN, infinite or (signed) zero, per scale type: bit tests only,
-// so that the loop over every scale of a matrix vectorises (expert_ffn checks them each call).
-template <typename Bits, Bits kExponent, Bits kMagnitude>
-bool bad_scale_bits(Bits bits) {
-    return (bits & kExponent) == kExponent || (bits & kMagnitude) == 0;
+// The format the dtypes tell (weight_operand), checked against the one named, if any.
+kernels::Format format_of(const py::array& values, kernels::ScaleDtype scale_dtype, const std::string& named,
+                          const std::string& name) {
+    const bool e8m0 = scale_dtype == kernels::ScaleDtype::e8m0, signed_values = values.dtype().kind() == 'i';
+    if (named.empty()) {
+        // The scales' dtype tells mxfp4 from int4: mxfp4 comes with e8m0 scales, and
+        // nothing else does (e8m0 scales decode as mxfp4's, nibble_codes.hpp).
+        NUMA_MOE_CHECK(!e8m0 || !signed_values, name, "_scales: e8m0 scales go with mxfp4 weights (uint8, two per byte), not ",
+                       dtype_text(values));
+        return signed_values ? kernels::Format::int8 : e8m0 ? kernels::Format::mxfp4 : kernels::Format::int4;
+    }
+    const kernels::Format format = weight_format_named(named);
+    NUMA_MOE_CHECK(format != kernels::Format::bf16, name, ": bf16 weights take no scales");
+    NUMA_MOE_CHECK((format == kernels::Format::int8) == signed_values, name, ": dtype ", dtype_text(values),
+                   " does not hold ", named, " weights (", format == kernels::Format::int8 ? "int8" : "uint8, two per byte",
+                   ")");
+    NUMA_MOE_CHECK((format == kernels::Format::mxfp4) == e8m0, name, "_scales: ",
+                   e8m0 ? "e8m0 scales go with mxfp4 weights only" : "mxfp4 weights take e8m0 scales (float8_e8m0fnu)",
+                   ", got ", named, " weights with ", e8m0 ? "e8m0" : "float", " scales");
+    return format;
 }
 
-template <typename Bits, Bits kExponent, Bits kMagnitude>
+// Whether a scale's bits are NaN, infinite or (signed) zero (unless kZeroAllowed), per
+// scale type: bit tests only, so that the loop over every scale of a matrix vectorises
+// (expert_ffn checks them each call).
+template <typename Bits, Bits kExponent, Bits kMagnitude, bool kZeroAllowed>
+bool bad_scale_bits(Bits bits) {
+    return (bits & kExponent) == kExponent || (!kZeroAllowed && (bits & kMagnitude) == 0);
+}
+
+template <typename Bits, Bits kExponent, Bits kMagnitude, bool kZeroAllowed>
 int64_t first_bad_scale_of(const void* data, int64_t n) {
     const Bits* bits = static_cast<const Bits*>(data);
     bool any = false;
-    for (int64_t i = 0; i < n; ++i) any |= bad_scale_bits<Bits, kExponent, kMagnitude>(bits[i]);
+    for (int64_t i = 0; i < n; ++i) any |= bad_scale_bits<Bits, kExponent, kMagnitude, kZeroAllowed>(bits[i]);
     if (!any) return -1;
     for (int64_t i = 0;; ++i)
-        if (bad_scale_bits<Bits, kExponent, kMagnitude>(bits[i])) return i;
+        if (bad_scale_bits<Bits, kExponent, kMagnitude, kZeroAllowed>(bits[i])) return i;
 }
 
-// Index of the first NaN, infinite or zero scale, or -1 (e8m0 has neither zero nor
-// infinity: its one bad byte is the NaN 0xff).
-int64_t first_bad_scale(const void* data, int64_t n, kernels::ScaleDtype type) {
+template <bool kZeroAllowed>
+int64_t first_bad_float_scale(const void* data, int64_t n, kernels::ScaleDtype type) {
+    switch (type) {
+        case kernels::ScaleDtype::fp32: return first_bad_scale_of<uint32_t, 0x7f800000u, 0x7fffffffu, kZeroAllowed>(data, n);
+        case kernels::ScaleDtype::fp16: return first_bad_scale_of<uint16_t, 0x7c00u, 0x7fffu, kZeroAllowed>(data, n);
+        case kernels::ScaleDtype::bf16: return first_bad_scale_of<uint16_t, 0x7f80u, 0x7fffu, kZeroAllowed>(data, n);
+        case kernels::ScaleDtype::e8m0: break;
+    }
+    return -1;
+}
+
+// Index of the first NaN, infinite or (where the format has a zero code) zero scale, or -1
+// (e8m0 has neither zero nor infinity: its one bad byte is the NaN 0xff).
+int64_t first_bad_scale(const void* data, int64_t n, kernels::ScaleDtype type, kernels::Format format) {
     switch (type) {
         case kernels::ScaleDtype::e8m0: {
             const uint8_t* bytes = static_cast<const uint8_t*>(data);
@@ -212,18 +247,19 @@ int64_t first_bad_scale(const void* data, int64_t n, kernels::ScaleDtype type) {
                 if (bytes[i] == 0xff) return i;
             return -1;
         }
-        case kernels::ScaleDtype::fp32: return first_bad_scale_of<uint32_t, 0x7f800000u, 0x7fffffffu>(data, n);
-        case kernels::ScaleDtype::fp16: return first_bad_scale_of<uint16_t, 0x7c00u, 0x7fffu>(data, n);
-        case kernels::ScaleDtype::bf16: return first_bad_scale_of<uint16_t, 0x7f80u, 0x7fffu>(data, n);
+        default:
+            return kernels::takes_zero_scales(format) ? first_bad_float_scale<true>(data, n, type)
+                                                      : first_bad_float_scale<false>(data, n, type);
     }
-    return -1;
 }
 
 }  // namespace
 
-WeightArg weight_operand(const py::array& values, const py::object& scales_obj, const std::string& name) {
+WeightArg weight_operand(const py::array& values, const py::object& scales_obj, const std::string& name,
+                         const std::string& format) {
     WeightArg arg;
     if (scales_obj.is_none()) {
+        NUMA_MOE_CHECK(format.empty() || format == "bf16", name, ": ", format, " weights need their group scales");
         const Bf16Rows w = bf16_rows(values, name);
         arg.weights.data = w.data;
         arg.weights.ld = w.ld;
@@ -233,16 +269,11 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     }
     const py::dtype dt = values.dtype();
     NUMA_MOE_CHECK(dt.itemsize() == 1 && (dt.kind() == 'i' || dt.kind() == 'u'), name, ": dtype ", dtype_text(values),
-                   ", expected int8 (int8 weights) or uint8 (int4 or mxfp4, two per byte) since scales are given");
+                   ", expected int8 (int8 weights) or uint8 (the nibble formats, two per byte) since scales are given");
     const std::string scales_name = name + "_scales";
     const py::array scales = checked_layout(scales_obj, scales_name, 2);
     arg.weights.scale_dtype = scale_type_of(scales, scales_name);
-    // The scales' dtype tells the nibble formats apart: mxfp4 comes with e8m0 scales, and
-    // nothing else does (e8m0 scales decode as mxfp4's, nibble_codes.hpp).
-    const bool e8m0 = arg.weights.scale_dtype == kernels::ScaleDtype::e8m0;
-    NUMA_MOE_CHECK(!e8m0 || dt.kind() == 'u', scales_name, ": e8m0 scales go with mxfp4 weights (uint8, two per byte), not ",
-                   dtype_text(values));
-    arg.format = dt.kind() == 'i' ? kernels::Format::int8 : e8m0 ? kernels::Format::mxfp4 : kernels::Format::int4;
+    arg.format = format_of(values, arg.weights.scale_dtype, format, name);
     const int per_byte = kernels::is_nibble_format(arg.format) ? 2 : 1;
     NUMA_MOE_CHECK(values.ndim() == 2, name, ": expected a 2-D array, got shape ", shape_text(values));
     NUMA_MOE_CHECK(values.shape(1) <= 1 || values.strides(1) == 1, name, ": rows must be contiguous");
@@ -258,14 +289,16 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     arg.weights.group = arg.cols / scales.shape(1);
     NUMA_MOE_CHECK(kernels::has_group(arg.format, arg.weights.group), scales_name, ": group ", arg.weights.group,
                    " (cols / scale columns) is not one of ",
-                   arg.format == kernels::Format::mxfp4 ? "32 (mxfp4's block)" : "32, 64, 128");
+                   kernels::is_codebook_format(arg.format) ? message("32 (", kernels::format_name(arg.format), "'s block)")
+                                                           : std::string("32, 64, 128"));
     arg.weights.scales = scales.data();
     arg.weights.scales_ld = scales.shape(1);
-    const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_dtype);
+    const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_dtype, arg.format);
     if (bad >= 0) {
         const py::object value = scales.attr("reshape")(-1).attr("__getitem__")(bad).attr("item")();
         const bool zero = value.cast<double>() == 0.0;
-        fail(scales_name, ": entry ", bad, " is ", zero ? "zero" : "not finite", " (scales must be finite and non-zero)");
+        fail(scales_name, ": entry ", bad, " is ", zero ? "zero" : "not finite",
+             kernels::takes_zero_scales(arg.format) ? " (scales must be finite)" : " (scales must be finite and non-zero)");
     }
     return arg;
 }

@@ -66,16 +66,19 @@ struct Bf16Rows {
 Bf16Rows bf16_rows(const py::array& a, const std::string& name);
 
 // A weight matrix argument: bf16 values (scales None), or int8 [rows, cols] / uint8
-// [rows, cols / 2] (int4, two per byte) values with their group scales [rows, cols /
-// group] (float32, float16 or bfloat16; finite, non-zero; group 32, 64 or 128). Rows
-// must be contiguous (any row stride). `name` names the values, name + "_scales" the
-// scales in messages.
+// [rows, cols / 2] (the nibble formats, two per byte) values with their group scales
+// [rows, cols / group] (float32, float16 or bfloat16, mxfp4's float8_e8m0fnu; finite,
+// non-zero; group 32, 64 or 128, the codebook formats' 32). Rows must be contiguous (any
+// row stride). `format` names the weight format ("": the one the dtypes tell: bf16
+// without scales, int8, mxfp4 with e8m0 scales, else int4; iq4nl only by name) and must
+// agree with the dtypes. `name` names the values, name + "_scales" the scales in messages.
 struct WeightArg {
     kernels::Weights weights;
     kernels::Format format = kernels::Format::bf16;
     int64_t rows = 0, cols = 0;
 };
-WeightArg weight_operand(const py::array& values, const py::object& scales, const std::string& name);
+WeightArg weight_operand(const py::array& values, const py::object& scales, const std::string& name,
+                         const std::string& format = "");
 
 // A list of fp32 [rows, cols] partial arrays, all shaped like the first.
 struct PartList {

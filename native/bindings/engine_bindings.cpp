@@ -34,8 +34,8 @@ std::vector<std::vector<Segment>> node_segments(const py::list& per_node, const 
 }
 
 MatrixPart matrix_part(const py::array& a, const py::object& scales, const py::list& segments,
-                       const std::string& what) {
-    const WeightArg w = weight_operand(a, scales, what);
+                       const std::string& what, const std::string& format) {
+    const WeightArg w = weight_operand(a, scales, what, format);
     MatrixPart part;
     part.weights = w.weights;
     part.format = w.format;
@@ -140,15 +140,15 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              [](PyLayer& l, py::array gate, py::array up, py::array down, py::list gate_segments,
                 py::list up_segments, py::list down_segments, bool verify_partition, py::object gate_scales,
                 py::object up_scales, py::object down_scales, py::object gate_bias, py::object up_bias,
-                py::object down_bias) {
+                py::object down_bias, const std::string& format) {
                  const std::string name = message("expert ", l.core->n_experts());
                  const int64_t inter = l.core->intermediate(), hidden = l.core->hidden();
                  const kernels::ExpertEpilogue epilogue{kernels::Activation{},  // the layer's, set by add_expert
                                                         bias_vector(gate_bias, inter, name + " gate_bias"),
                                                         bias_vector(up_bias, inter, name + " up_bias")};
-                 ExpertParts parts{matrix_part(gate, gate_scales, gate_segments, name + " gate"),
-                                   matrix_part(up, up_scales, up_segments, name + " up"),
-                                   matrix_part(down, down_scales, down_segments, name + " down"), epilogue,
+                 ExpertParts parts{matrix_part(gate, gate_scales, gate_segments, name + " gate", format),
+                                   matrix_part(up, up_scales, up_segments, name + " up", format),
+                                   matrix_part(down, down_scales, down_segments, name + " down", format), epilogue,
                                    bias_vector(down_bias, hidden, name + " down_bias")};
                  {
                      NoGil released;
@@ -160,10 +160,11 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
              py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("gate_segments"), py::arg("up_segments"),
              py::arg("down_segments"), py::arg("verify_partition") = true, py::arg("gate_scales") = py::none(),
              py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(), py::arg("gate_bias") = py::none(),
-             py::arg("up_bias") = py::none(), py::arg("down_bias") = py::none(),
+             py::arg("up_bias") = py::none(), py::arg("down_bias") = py::none(), py::arg("format") = "",
              "Adds the next expert: gate, up [I, H] and down [H, I] bf16 (uint16 views), or int8 / uint8 (int4; mxfp4 "
-             "with float8_e8m0fnu scales) with their group scales, and, per matrix, a list with one int64 [n, 5] "
-             "segment array per pool node; optional float32 biases: gate_bias, up_bias [I], down_bias [H].")
+             "with float8_e8m0fnu scales; iq4nl when format says so) with their group scales, and, per matrix, a list "
+             "with one int64 [n, 5] segment array per pool node; optional float32 biases: gate_bias, up_bias [I], "
+             "down_bias [H]; format: the weights' format (default: the one the dtypes tell).")
         .def("set_activation",
              [](PyLayer& l, double alpha, double limit, double up_offset) {
                  l.core->set_activation(activation_of(alpha, limit, up_offset));

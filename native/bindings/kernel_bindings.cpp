@@ -29,8 +29,8 @@ using kernels::KernelOps;
 // ISA's gather with the identity index).
 void py_matmul_segments(const std::string& isa, const py::array& weight, const py::object& segments,
                         const py::array& tokens, py::array& out, int64_t row_begin, int64_t row_end,
-                        const py::object& scales) {
-    const WeightArg w = weight_operand(weight, scales, "weight");
+                        const py::object& scales, const std::string& format) {
+    const WeightArg w = weight_operand(weight, scales, "weight", format);
     const KernelOps& ops = ops_for(isa, w.format, w.weights.group);
     check_array(tokens, "tokens", Kind::bf16, 2);
     check_array(out, "out", Kind::f32, 2, true);
@@ -128,10 +128,10 @@ void py_expert_ffn(const std::string& isa, const py::array& x, const py::array& 
                    const py::object& up_segments, const py::object& down_segments, py::array& out, int threads,
                    const py::object& gate_scales, const py::object& up_scales, const py::object& down_scales,
                    double alpha, double limit, double up_offset, const py::object& gate_bias, const py::object& up_bias,
-                   const py::object& down_bias) {
-    engine::ExpertFfnArgs args = expert_ffn_args(x, token_index, weight_operand(w_gate, gate_scales, "w_gate"),
-                                                 weight_operand(w_up, up_scales, "w_up"),
-                                                 weight_operand(w_down, down_scales, "w_down"), threads);
+                   const py::object& down_bias, const std::string& format) {
+    engine::ExpertFfnArgs args = expert_ffn_args(x, token_index, weight_operand(w_gate, gate_scales, "w_gate", format),
+                                                 weight_operand(w_up, up_scales, "w_up", format),
+                                                 weight_operand(w_down, down_scales, "w_down", format), threads);
     args.gate_segments = read_segments(gate_segments, "gate_segments", args.intermediate, args.hidden);
     args.up_segments = read_segments(up_segments, "up_segments", args.intermediate, args.hidden);
     args.down_segments = read_segments(down_segments, "down_segments", args.hidden, args.intermediate);
@@ -175,10 +175,11 @@ void register_kernels(py::module_& m) {
           "The ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("matmul_segments", &py_matmul_segments, py::arg("isa"), py::arg("weight"), py::arg("segments"),
           py::arg("tokens"), py::arg("out"), py::arg("row_begin") = 0, py::arg("row_end") = -1,
-          py::arg("scales") = py::none(),
+          py::arg("scales") = py::none(), py::arg("format") = "",
           "out[r, t] += sum over segment columns of weight[r, c] * tokens[t, c] (rows of the segments in "
-          "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4, mxfp4 with float8_e8m0fnu scales) and tokens are quantized per group "
-          "of the weights as the kernels do.");
+          "[row_begin, row_end)); with scales, weight is int8 (or uint8: int4, mxfp4 with float8_e8m0fnu scales, "
+          "iq4nl when format says so) and tokens are quantized per group of the weights as the kernels do. format: "
+          "the weight format (default: the one the dtypes tell).");
     m.def("silu_mul_pack", &py_silu_mul_pack, py::arg("isa"), py::arg("gate_parts"), py::arg("up_parts"),
           py::arg("i_begin"), py::arg("i_end"), py::arg("alpha") = 1.0, py::arg("limit") = INFINITY,
           py::arg("up_offset") = 0.0, py::arg("gate_bias") = py::none(), py::arg("up_bias") = py::none(),
@@ -195,10 +196,11 @@ void register_kernels(py::module_& m) {
           py::arg("down_segments"), py::arg("out"), py::arg("threads") = 0, py::arg("gate_scales") = py::none(),
           py::arg("up_scales") = py::none(), py::arg("down_scales") = py::none(), py::arg("alpha") = 1.0,
           py::arg("limit") = INFINITY, py::arg("up_offset") = 0.0, py::arg("gate_bias") = py::none(),
-          py::arg("up_bias") = py::none(), py::arg("down_bias") = py::none(),
+          py::arg("up_bias") = py::none(), py::arg("down_bias") = py::none(), py::arg("format") = "",
           "out = act(x[idx] Wg^T + gate_bias, x[idx] Wu^T + up_bias) Wd^T + down_bias (act: silu(g) * u by default; "
           "biases optional float32); out is float32 or bfloat16 [m, H]; with scales the weights are int8 (or uint8: "
-          "int4, mxfp4 with float8_e8m0fnu scales). Ctrl-C interrupts it.");
+          "int4, mxfp4 with float8_e8m0fnu scales, iq4nl when format says so). format: the weights' format "
+          "(default: the one the dtypes tell). Ctrl-C interrupts it.");
     m.def("process_pool_start_count", &engine::process_pool_start_count,
           "Thread creations over the process pool of the single-expert path so far (none per call).");
     m.def("affinity_cpu_count", &engine::affinity_cpu_count, "CPUs in this process's affinity mask.");

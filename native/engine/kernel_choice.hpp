@@ -26,7 +26,8 @@ inline int64_t default_amx_min_tokens(kernels::Format format) {
     switch (format) {
         case kernels::Format::int8: return kAmxMinTokensInt8;
         case kernels::Format::int4:
-        case kernels::Format::mxfp4: return kAmxMinTokensInt4;
+        case kernels::Format::mxfp4:
+        case kernels::Format::iq4nl: return kAmxMinTokensInt4;
         case kernels::Format::bf16: break;
     }
     return kAmxMinTokensBf16;

@@ -1,5 +1,5 @@
 // AMX-INT8 kernels of the integer weight formats (docs/quantization.md, docs/kernels.md):
-// int8, int4 and mxfp4 weights against int8 tokens, tdpbssd (s8 x s8 into int32). This one
+// int8, int4, mxfp4 and iq4nl weights against int8 tokens, tdpbssd (s8 x s8 into int32). This one
 // source is compiled twice, as amx_bf16.cpp is:
 //   - for real (-mamx-tile -mamx-int8 + AVX-512 flags): Isa::amx, handed out only when
 //     cpuid has AMX-INT8 and Linux granted the tile state (request_amx_permission);
@@ -12,7 +12,7 @@
 //   A  weights  int8 w[r * ld + c] row-major, straight from the checkpoint: a tile is 16 rows
 //               of one segment (r = row0 + j * row_stride) x K columns, loaded at stride
 //               row_stride * ld bytes (tileloadt1 when m <= 32).
-//               int4 and mxfp4, the nibble formats (byte (r * ld + c) / 2, even column in
+//               int4, mxfp4 and iq4nl, the nibble formats (byte (r * ld + c) / 2, even column in
 //               the low nibble, each code an integer of the format's codebook,
 //               nibble_codes.hpp: sign-extended, or looked up), are unpacked to
 //               int8 in registers into a staging buffer the A tile is loaded from (stride
@@ -299,7 +299,7 @@ void row_scale_table(ScaleDtype type, const uint8_t* first_row, int64_t row_step
 // low nibbles of the K / 2 bytes (the even columns), then the high nibbles (the odd
 // columns). The bytes are broadcast to both halves of a vector and the upper half shifted
 // by 4, so no byte moves across lanes; then int4's (n & 15 ^ 8) - 8 sign-extends each
-// nibble n, and mxfp4 looks (n & 15) up in its codebook.
+// nibble n, and the codebook formats look (n & 15) up.
 template <Format F, int64_t K>
 inline void unpack_nibbles(const uint8_t* src, int8_t* dst) {
     constexpr long long kHighHalf = 0x0004000400040004;  // 16-bit shift counts of 4

@@ -1,11 +1,11 @@
-// AVX2 kernels of the integer weight formats (docs/quantization.md): int8, int4 and mxfp4
-// weights against int8 tokens, the portable SIMD path for x86-64 CPUs without AVX-512-VNNI.
+// AVX2 kernels of the integer weight formats (docs/quantization.md): int8, int4, mxfp4 and
+// iq4nl weights against int8 tokens, the portable SIMD path for x86-64 CPUs without AVX-512-VNNI.
 // Compiled with -mavx2 -mfma -mf16c -ffp-contract=off; dispatch only hands these tables out
 // when cpuid + XCR0 allow AVX2 + FMA + F16C. One table per format and group G (32, 64, 128); G is also
 // the tokens' quantization block.
 //
 // Operand layouts (kernel_api.hpp):
-//   weights  int8 w[r * ld + c]; int4 / mxfp4 (the nibble formats): byte (r * ld + c) / 2,
+//   weights  int8 w[r * ld + c]; int4 / mxfp4 / iq4nl (the nibble formats): byte (r * ld + c) / 2,
 //            the even column in its low nibble, each code an integer of the format's
 //            codebook (nibble_codes.hpp); never repacked. Scales (fp32, fp16, bf16; mxfp4
 //            e8m0) s[r * scales_ld + c / G]
@@ -17,9 +17,9 @@
 //                    that is an odd multiple of 32 ends on 32 columns: 16 even, 16 odd)
 //                    (m * k bytes, padded to 64)
 //            scales  fp32 scale[t * (k / G) + b]
-//            nibble formats (and int8 with AVX-VNNI) then int32 offset[b * m4 + t] = bias *
-//                    sum of token t's values in block b (m4 = m rounded up to 4, padding
-//                    0): the bias correction below
+//            nibble formats (and int8 with AVX-VNNI; not iq4nl without it) then int32
+//                    offset[b * m4 + t] = bias * sum of token t's values in block b (m4 =
+//                    m rounded up to 4, padding 0): the bias correction below
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
 // The result is the reference's bit for bit: per group an exact int32 dot product,
@@ -47,6 +47,10 @@
 //         k that is not on the 64-column grid) a half step unpacks 32 columns in three:
 //         16 bytes broadcast to both halves, the upper half shifted right by 4, masked and
 //         biased, against the 16 even and 16 odd token values loaded side by side.
+//   iq4nl: its codebook's biased values reach 127 + 113 = 240, so that one pair could reach
+//         2 * 240 * 127 > 32767; its codes are looked up as their signed values (<= 127 in
+//         magnitude) instead and take int8's sign trick, each step's pairs widened to
+//         int32 at once: no bias and no offsets.
 // AVX-VNNI (vpdpbusd in its VEX form: Intel Alder Lake and later, AMD Zen 5) takes the
 // place of vpmaddubsw in a second build of this source (avx2_vnni_quant.cpp, kVnni), which
 // the avx2 tables use where the CPU has it: four u8 x s8 products straight into each int32
@@ -96,10 +100,14 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
-// The tokens' bias terms: the nibble formats always, int8 where the weights are biased too
-// (AVX-VNNI).
+// iq4nl without AVX-VNNI: its codes as signed values with the sign trick (the header).
 template <Format F>
-constexpr bool kHasOffsets = is_nibble_format(F) || kVnni;
+constexpr bool kSignedCodes = F == Format::iq4nl && !kVnni;
+
+// The tokens' bias terms: where the weights are biased, the other nibble formats always,
+// int8 and iq4nl with AVX-VNNI.
+template <Format F>
+constexpr bool kHasOffsets = kVnni || (is_nibble_format(F) && !kSignedCodes<F>);
 template <Format F>
 constexpr int32_t weight_bias() {
     if constexpr (F == Format::int8)
@@ -355,21 +363,29 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// Nibble codes, one per byte (0-15), as the unsigned operand u = value + weight_bias<F>():
-// int4 flips the sign bit of the 4-bit two's complement, mxfp4 looks its codebook up.
+// Nibble codes, one per byte (0-15), as the weight operand: the unsigned u = value +
+// weight_bias<F>() (int4 flips the sign bit of the 4-bit two's complement, the codebook
+// formats look it up), or with kSignedCodes the signed value, looked up.
 template <Format F>
-inline __m256i biased_codes(__m256i codes) {
+inline __m256i weight_codes(__m256i codes) {
     if constexpr (F == Format::int4) {
         return _mm256_xor_si256(codes, _mm256_set1_epi8(8));
     } else {
-        const __m256i table =
-            _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kBiasedCodes<F>.bytes)));
+        const void* bytes = kSignedCodes<F> ? static_cast<const void*>(NibbleCodes<F>::kValues) : kBiasedCodes<F>.bytes;
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(static_cast<const __m128i*>(bytes)));
         return _mm256_shuffle_epi8(table, codes);
     }
 }
 
+// The int32 sums of each lane's four products of signed weights w (|w| = magnitude) and
+// tokens x, by the sign trick: vpmaddubsw(|w|, sign(x, w)), whose pairs stay below
+// 2 * 128 * 127, widened at once.
+inline __m256i signed_dots(__m256i magnitude, __m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
 // 32 columns of a weight row from `p` (the byte of the first column), as vpmaddubsw's
-// unsigned operand's source: int8 the signed bytes; a nibble format the biased codes,
+// unsigned operand's source: int8 the signed bytes; a nibble format its weight_codes,
 // the 16 even columns in the low half and the 16 odd ones in the high half (the nibble
 // kernel's half step, at a 32-column edge).
 template <Format F>
@@ -378,15 +394,15 @@ inline __m256i load_weights(const uint8_t* p) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     } else {
         const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        return biased_codes<F>(_mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)),
+        return weight_codes<F>(_mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)),
                                                 _mm256_set1_epi8(0x0f)));
     }
 }
 
-// A nibble format, 64 columns of a row from `p` (32 bytes): the biased codes of the even
+// A nibble format, 64 columns of a row from `p` (32 bytes): the weight_codes of the even
 // columns (the low nibbles) and of the odd ones (the high nibbles), in the token values'
 // order. int4 in four operations (bias both nibbles with one xor, mask, shift, mask),
-// mxfp4 in five (mask, shift, mask, and a lookup each).
+// the codebook formats in five (mask, shift, mask, and a lookup each).
 template <Format F>
 inline void load_nibbles64(const uint8_t* p, __m256i* even, __m256i* odd) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -396,8 +412,8 @@ inline void load_nibbles64(const uint8_t* p, __m256i* even, __m256i* odd) {
         *even = _mm256_and_si256(biased, low);
         *odd = _mm256_and_si256(_mm256_srli_epi16(biased, 4), low);
     } else {
-        *even = biased_codes<F>(_mm256_and_si256(raw, low));
-        *odd = biased_codes<F>(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+        *even = weight_codes<F>(_mm256_and_si256(raw, low));
+        *odd = weight_codes<F>(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
     }
 }
 
@@ -442,7 +458,6 @@ struct TokenBlock {
 // the biased weights w + 128, the bias term left to the offsets.
 template <int64_t G, int R, int T>
 inline void int8_group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c0, __m256i dot[kPairs]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int p = 0; p < kPairs; ++p) dot[p] = _mm256_setzero_si256();
     for (int64_t c = c0; c < c0 + G; c += kStepColumns) {
         __m256i xv[T];
@@ -455,18 +470,16 @@ inline void int8_group_dots(const RowBlock<R>& b, const TokenBlock& tokens, int6
                 for (int t = 0; t < T; ++t) dot[r * T + t] = dpbusd(dot[r * T + t], biased, xv[t]);
             } else {
                 const __m256i magnitude = _mm256_abs_epi8(wv);
-                for (int t = 0; t < T; ++t) {
-                    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[t], wv));
-                    dot[r * T + t] = _mm256_add_epi32(dot[r * T + t], _mm256_madd_epi16(pairs, ones));
-                }
+                for (int t = 0; t < T; ++t)
+                    dot[r * T + t] = _mm256_add_epi32(dot[r * T + t], signed_dots(magnitude, wv, xv[t]));
             }
         }
     }
 }
 
-// Nibble formats: adds to the int16 sums of the R x T pairs the 64 columns from c (a
-// multiple of 64, a whole 64-column block of the token values): the 128-bit half h of a
-// sum holds columns c + 32h .. c + 32h + 31.
+// Nibble formats: adds to the int16 sums of the R x T pairs (int32 with AVX-VNNI or
+// kSignedCodes) the 64 columns from c (a multiple of 64, a whole 64-column block of the
+// token values): the 128-bit half h of a sum holds columns c + 32h .. c + 32h + 31.
 template <Format F, int R, int T>
 inline void nibble_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
     __m256i x_even[T], x_odd[T];
@@ -479,9 +492,14 @@ inline void nibble_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int
         if (b.pf && (c & 127) == 0) b.pf->next();
         __m256i u_even, u_odd;
         load_nibbles64<F>(b.w[r] + c / 2, &u_even, &u_odd);
+        const __m256i magnitude_even = _mm256_abs_epi8(u_even), magnitude_odd = _mm256_abs_epi8(u_odd);
         for (int t = 0; t < T; ++t) {
             if constexpr (kVnni)
                 sums[r * T + t] = dpbusd(dpbusd(sums[r * T + t], u_even, x_even[t]), u_odd, x_odd[t]);
+            else if constexpr (kSignedCodes<F>)
+                sums[r * T + t] = _mm256_add_epi32(sums[r * T + t],
+                                                   _mm256_add_epi32(signed_dots(magnitude_even, u_even, x_even[t]),
+                                                                    signed_dots(magnitude_odd, u_odd, x_odd[t])));
             else
                 sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(u_even, x_even[t]),
                                                                                      _mm256_maddubs_epi16(u_odd, x_odd[t])));
@@ -489,8 +507,9 @@ inline void nibble_full_step(const RowBlock<R>& b, const TokenBlock& tokens, int
     }
 }
 
-// Nibble formats: the int16 sums of the 32 columns from c (a multiple of 32 at a 64-column
-// edge of the segment or of k), the even ones in the low half, the odd ones in the high half.
+// Nibble formats: the sums (as nibble_full_step's) of the 32 columns from c (a multiple of
+// 32 at a 64-column edge of the segment or of k), the even ones in the low half, the odd
+// ones in the high half.
 template <Format F, int R, int T>
 inline void nibble_half_step(const RowBlock<R>& b, const TokenBlock& tokens, int64_t c, __m256i sums[kPairs]) {
     const NibbleColumns at = nibble_columns(c, tokens.k);
@@ -502,20 +521,25 @@ inline void nibble_half_step(const RowBlock<R>& b, const TokenBlock& tokens, int
     }
     for (int r = 0; r < R; ++r) {
         if (b.pf && (c & 127) == 0) b.pf->next();
-        const __m256i uv = load_weights<F>(b.w[r] + c / 2);
-        for (int t = 0; t < T; ++t)
-            sums[r * T + t] = kVnni ? dpbusd(sums[r * T + t], uv, xv[t])
-                                    : _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
+        const __m256i uv = load_weights<F>(b.w[r] + c / 2), magnitude = _mm256_abs_epi8(uv);
+        for (int t = 0; t < T; ++t) {
+            if constexpr (kVnni)
+                sums[r * T + t] = dpbusd(sums[r * T + t], uv, xv[t]);
+            else if constexpr (kSignedCodes<F>)
+                sums[r * T + t] = _mm256_add_epi32(sums[r * T + t], signed_dots(magnitude, uv, xv[t]));
+            else
+                sums[r * T + t] = _mm256_add_epi16(sums[r * T + t], _mm256_maddubs_epi16(uv, xv[t]));
+        }
     }
 }
 
-// The int32 widening of int16 pair sums (pairs past R * T: zero); AVX-VNNI's sums are
-// int32 already.
-template <int R, int T>
+// The int32 widening of int16 pair sums (pairs past R * T: zero); AVX-VNNI's and
+// kSignedCodes' sums are int32 already.
+template <Format F, int R, int T>
 inline void widen_pairs(const __m256i sums[kPairs], __m256i dot[kPairs]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int p = 0; p < kPairs; ++p)
-        dot[p] = p >= R * T ? _mm256_setzero_si256() : kVnni ? sums[p] : _mm256_madd_epi16(sums[p], ones);
+        dot[p] = p >= R * T ? _mm256_setzero_si256() : kVnni || kSignedCodes<F> ? sums[p] : _mm256_madd_epi16(sums[p], ones);
 }
 
 // The offsets of group g for the pairs, lane p = token p % T of the block.
@@ -551,13 +575,13 @@ void block_sums(const RowBlock<R>& b, ScaleDtype scale_dtype, const TokenBlock& 
             if constexpr (F == Format::int8) {
                 int8_group_dots<G, R, T>(b, tokens, c, dot);
             } else {
-                __m256i sums16[kPairs];
-                for (int p = 0; p < kPairs; ++p) sums16[p] = _mm256_setzero_si256();
+                __m256i nibble_sums[kPairs];
+                for (int p = 0; p < kPairs; ++p) nibble_sums[p] = _mm256_setzero_si256();
                 if constexpr (G == 32) {
                     // A whole 64-column block holds two groups, one per half of the sums.
                     if (c % 64 == 0 && i + 1 < n && c + 64 <= tokens.k) {
-                        nibble_full_step<F, R, T>(b, tokens, c, sums16);
-                        widen_pairs<R, T>(sums16, dot);
+                        nibble_full_step<F, R, T>(b, tokens, c, nibble_sums);
+                        widen_pairs<F, R, T>(nibble_sums, dot);
                         __m256i first, second;
                         reduce_halves(dot, &first, &second);
                         total = add_group<F, T>(total, first, tokens, g0 + i, tile[i]);
@@ -565,11 +589,11 @@ void block_sums(const RowBlock<R>& b, ScaleDtype scale_dtype, const TokenBlock& 
                         i += 2;
                         continue;
                     }
-                    nibble_half_step<F, R, T>(b, tokens, c, sums16);
+                    nibble_half_step<F, R, T>(b, tokens, c, nibble_sums);
                 } else {
-                    for (int64_t s = 0; s < G; s += 64) nibble_full_step<F, R, T>(b, tokens, c + s, sums16);
+                    for (int64_t s = 0; s < G; s += 64) nibble_full_step<F, R, T>(b, tokens, c + s, nibble_sums);
                 }
-                widen_pairs<R, T>(sums16, dot);
+                widen_pairs<F, R, T>(nibble_sums, dot);
             }
             total = add_group<F, T>(total, reduce_pairs(dot), tokens, g0 + i, tile[i]);
             ++i;

@@ -1,13 +1,13 @@
-// AVX-512-VNNI kernels of the integer weight formats (docs/quantization.md): int8, int4 and
-// mxfp4 weights against int8 tokens, vpdpbusd (u8 x s8, four products per 32-bit lane). Compiled
+// AVX-512-VNNI kernels of the integer weight formats (docs/quantization.md): int8, int4,
+// mxfp4 and iq4nl weights against int8 tokens, vpdpbusd (u8 x s8, four products per 32-bit lane). Compiled
 // with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma -mavx512vnni -ffp-contract=off;
 // dispatch only hands these tables out when cpuid + XCR0 allow it. One table per format
 // and group G (32, 64, 128); G is also the tokens' quantization block. avx512_vbmi_quant.cpp
-// compiles this source again with -mavx512vbmi for the mxfp4 table of CPUs with VBMI (its
-// codebook lookup, biased_low_nibbles).
+// compiles this source again with -mavx512vbmi for the codebook formats' (mxfp4, iq4nl)
+// tables of CPUs with VBMI (their lookup, biased_low_nibbles).
 //
 // Operand layouts (kernel_api.hpp):
-//   weights  int8 w[r * ld + c]; int4 / mxfp4 (the nibble formats, "int4" below): byte
+//   weights  int8 w[r * ld + c]; int4 / mxfp4 / iq4nl (the nibble formats, "int4" below): byte
 //            (r * ld + c) / 2, the even column in its low nibble, each code an integer of
 //            the format's codebook (nibble_codes.hpp); never repacked. Scales (fp32, fp16,
 //            bf16; mxfp4 e8m0) s[r * scales_ld + c / G]
@@ -39,7 +39,7 @@
 // vpdpbusd wants one unsigned operand.
 // 1 to 4 tokens, at G = 32 1 to 3 (pairs, plain operand): the weights are made unsigned by an offset, one
 // xor per weight vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8
-// (nibble ^ 8; mxfp4 u = value + 12, a lookup per nibble vector); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
+// (nibble ^ 8; mxfp4 u = value + 12, iq4nl value + 127, a lookup per nibble vector); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
 // negated. Register block: R rows x T tokens = up to 16 (row, token) pairs, one vector
 // each; a reduction tree (reduce_pairs) turns the 16 vectors into one vector of group
@@ -271,7 +271,8 @@ constexpr int64_t column_bytes(int64_t c) {
     return F == Format::int8 ? c : c / 2;
 }
 
-// mxfp4: the code in each byte's low nibble as the unsigned operand value + 12, a lookup in
+// The codebook formats: the code in each byte's low nibble as the unsigned operand value +
+// bias (mxfp4 12, iq4nl 127), a lookup in
 // the 16-byte table repeated in every 128-bit lane; the bits above the nibble do not count.
 // vpshufb zeroes a byte whose index has bit 7 set, so it needs the nibble masked; vpermb
 // (VBMI, the avx512_vbmi_quant.cpp build) indexes by the low six bits, which the repeated
@@ -296,7 +297,7 @@ inline __m512i load_unsigned(const uint8_t* p, bool full) {
     } else {
         // Two columns per byte: widened to 16 bits, byte 0x?HL becomes the pair of bytes
         // (L, H) with (word | word << 4) & 0x0f0f, after the xor that biases each int4
-        // nibble (mxfp4: looked up after).
+        // nibble (the codebook formats: looked up after).
         __m256i raw = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi8(0xffff, p);
         if constexpr (F == Format::int4) raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x88)));
         const __m512i wide = _mm512_cvtepu8_epi16(raw);
@@ -468,7 +469,7 @@ inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t
 // when whole. The tokens' even and odd columns are apart (splits_nibbles), so the low
 // nibbles of the bytes meet the even columns and the high ones the odd: int4 unpacks 128 columns in three operations (one ternary logic
 // (w & 0x0f) ^ 8 per nibble, after a shift for the high ones) where column order takes
-// five per 64; mxfp4 looks each nibble up instead of the xor. Lane 4i .. 4i + 3 of v[p]
+// five per 64; the codebook formats look each nibble up instead of the xor. Lane 4i .. 4i + 3 of v[p]
 // sums columns c + 8i .. c + 8i + 7: a group of 32 is a quarter of the vector, of 64 a half.
 // kWhole (n = 128) loads without masks.
 template <Format F, int R, int T, bool kWhole>
@@ -1061,15 +1062,17 @@ const KernelOps& table() {
 }  // namespace
 
 #ifdef NUMA_MOE_AVX512_VBMI
-// The VBMI build serves mxfp4 alone: its lookup is the only code VBMI changes (the other
-// formats' tables would be the same kernels compiled twice).
+// The VBMI build serves the codebook formats alone: their lookup is the only code VBMI
+// changes (the other formats' tables would be the same kernels compiled twice).
 #ifdef NUMA_MOE_EMULATED
 const KernelOps* avx512_vbmi_emulated_integer_ops(Format format, int64_t group) {
 #else
 const KernelOps* avx512_vbmi_integer_ops(Format format, int64_t group) {
 #endif
-    constexpr Format kMxfp4 = Format::mxfp4;
-    return format == kMxfp4 && has_group(kMxfp4, group) ? &table<kMxfp4, default_group(kMxfp4)>() : nullptr;
+    if (!is_codebook_format(format)) return nullptr;
+    return integer_table(format, group, [](auto f, auto g) -> const KernelOps& {
+        return table<decltype(f)::value, decltype(g)::value>();
+    });
 }
 #else
 #ifdef NUMA_MOE_EMULATED

@@ -33,7 +33,7 @@ const KernelOps* emulated_ops(Isa isa, Format format, int64_t group) {
     }
     if (isa == Isa::avx512_emulated && has_avx2_kernels()) {
         if (bf16) return &avx512_emulated_ops();
-        // mxfp4's lookup likewise: the VBMI build unless this CPU runs that one natively.
+        // The codebook formats' lookup likewise: the VBMI build unless this CPU runs that one natively.
         if (!has_avx512_vbmi_kernels())
             if (const KernelOps* vbmi = avx512_vbmi_emulated_integer_ops(format, group)) return vbmi;
         return avx512_emulated_integer_ops(format, group);
@@ -44,8 +44,8 @@ const KernelOps* emulated_ops(Isa isa, Format format, int64_t group) {
     return nullptr;
 }
 
-// The integer formats: reference kernels, AVX2 ones, AVX-512-VNNI ones (mxfp4's from the VBMI build
-// where the CPU has VBMI), and AMX-INT8 ones (real, or over the AMX model; their epilogues and token
+// The integer formats: reference kernels, AVX2 ones, AVX-512-VNNI ones (the codebook formats' from the
+// VBMI build where the CPU has VBMI), and AMX-INT8 ones (real, or over the AMX model; their epilogues and token
 // packing are AVX-512 code, emulated on AVX2 in the model build).
 bool has_amx_int8_kernels() {
     return has_avx512_bf16_kernels() && cpu_features().amx_int8 && request_amx_permission();

@@ -14,7 +14,7 @@ inline namespace NUMA_MOE_ISA_NS {
 
 // make(std::integral_constant<Format, F>{}, std::integral_constant<int64_t, G>{}) returns
 // the table of format F and group G; nullptr for bf16 or a group the format has no table
-// for (has_group: mxfp4 only 32, so only that one is instantiated).
+// for (has_group: the codebook formats only 32, so only that one is instantiated).
 template <class Make>
 const KernelOps* integer_table(Format format, int64_t group, Make make) {
     const auto by_group = [&](auto f) -> const KernelOps* {
@@ -30,6 +30,9 @@ const KernelOps* integer_table(Format format, int64_t group, Make make) {
         case Format::int4: return by_group(std::integral_constant<Format, Format::int4>{});
         case Format::mxfp4:
             return group == 32 ? &make(std::integral_constant<Format, Format::mxfp4>{}, std::integral_constant<int64_t, 32>{})
+                               : nullptr;
+        case Format::iq4nl:
+            return group == 32 ? &make(std::integral_constant<Format, Format::iq4nl>{}, std::integral_constant<int64_t, 32>{})
                                : nullptr;
         default: return nullptr;
     }

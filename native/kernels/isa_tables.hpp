@@ -20,7 +20,8 @@ const KernelOps& avx512_ops();     // avx512_bf16.cpp (-mavx512f/bw/vl/bf16 -mfm
 // avx512_quant.cpp (... and -mavx512vnni): int8 / int4, nullptr for a group outside
 // kIntegerGroups.
 const KernelOps* avx512_integer_ops(Format format, int64_t group);
-// avx512_vbmi_quant.cpp (... and -mavx512vbmi): the mxfp4 table alone, nullptr otherwise.
+// avx512_vbmi_quant.cpp (... and -mavx512vbmi): the codebook formats' tables alone (mxfp4,
+// iq4nl), nullptr otherwise.
 const KernelOps* avx512_vbmi_integer_ops(Format format, int64_t group);
 const KernelOps& amx_ops();        // amx_bf16.cpp    (real AMX instructions)
 const KernelOps& amx_model_ops();  // amx_bf16_model.cpp: amx_bf16.cpp against the AMX model
@@ -37,7 +38,7 @@ const KernelOps* avx2_emulated_integer_ops(Format format, int64_t group);
 const KernelOps* avx2_vnni_emulated_integer_ops(Format format, int64_t group);
 const KernelOps& avx512_emulated_ops();
 const KernelOps* avx512_emulated_integer_ops(Format format, int64_t group);
-// avx512_vbmi_quant_emulated.cpp: the VBMI build's mxfp4 table over SIMDe.
+// avx512_vbmi_quant_emulated.cpp: the VBMI build's tables over SIMDe.
 const KernelOps* avx512_vbmi_emulated_integer_ops(Format format, int64_t group);
 
 }  // namespace numa_moe::kernels

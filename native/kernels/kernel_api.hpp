@@ -35,15 +35,28 @@ enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2, amx_model = 3, amx = 4, av
 constexpr Isa kAllIsas[] = {Isa::ref,    Isa::avx2_emulated, Isa::avx2, Isa::avx512_emulated,
                             Isa::avx512, Isa::amx_model,     Isa::amx};
 
-// Weight formats (docs/quantization.md): bf16, or group-wise int8 / int4 / mxfp4 with a
-// scale per row and group of columns. int4 and mxfp4 are the nibble formats: two 4-bit
-// codes per byte, each code an integer of the format's codebook (nibble_codes.hpp); mxfp4
-// is OCP MXFP4 (e2m1 codes, an e8m0 scale per 32 columns) and only exists with group 32
-// and e8m0 scales, which no other format takes.
-enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, mxfp4 = 3 };
+// Weight formats (docs/quantization.md): bf16, or group-wise int8 / int4 / mxfp4 / iq4nl
+// with a scale per row and group of columns. int4, mxfp4 and iq4nl are the nibble formats:
+// two 4-bit codes per byte, each code an integer of the format's codebook
+// (nibble_codes.hpp). mxfp4 is OCP MXFP4 (e2m1 codes, an e8m0 scale per 32 columns) and
+// only exists with group 32 and e8m0 scales, which no other format takes; iq4nl is
+// llama.cpp's IQ4_NL codebook (its block of 32 columns, float scales).
+enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, mxfp4 = 3, iq4nl = 4 };
 enum class ScaleDtype : int { fp32 = 0, fp16 = 1, bf16 = 2, e8m0 = 3 };
 
-constexpr bool is_nibble_format(Format format) { return format == Format::int4 || format == Format::mxfp4; }
+constexpr Format kAllFormats[] = {Format::bf16, Format::int8, Format::int4, Format::mxfp4, Format::iq4nl};
+
+constexpr bool is_nibble_format(Format format) {
+    return format == Format::int4 || format == Format::mxfp4 || format == Format::iq4nl;
+}
+
+// The nibble formats whose codes are looked up in a codebook (int4's are two's complement).
+constexpr bool is_codebook_format(Format format) { return format == Format::mxfp4 || format == Format::iq4nl; }
+
+// Whether a format's scales may be 0: iq4nl's codebook has no zero, so a block of zeros is
+// a zero scale (ggml writes d = 0 for one); every other format has a zero code and its
+// scales are never 0. The kernels take any finite scale; the bindings hold the rule.
+constexpr bool takes_zero_scales(Format format) { return format == Format::iq4nl; }
 
 constexpr int64_t scale_dtype_bytes(ScaleDtype dtype) {
     return dtype == ScaleDtype::fp32 ? 4 : dtype == ScaleDtype::e8m0 ? 1 : 2;
@@ -72,11 +85,12 @@ constexpr int64_t kDefaultGroup = 128;
 constexpr bool is_integer_group(int64_t group) { return group == 32 || group == 64 || group == 128; }
 
 // The group a format's tables are looked up with when none is given.
-constexpr int64_t default_group(Format format) { return format == Format::mxfp4 ? 32 : kDefaultGroup; }
+constexpr int64_t default_group(Format format) { return is_codebook_format(format) ? 32 : kDefaultGroup; }
 
-// The groups a format's tables exist for: mxfp4 only the MX block of 32.
+// The groups a format's tables exist for: the codebook formats only their block of 32
+// (mxfp4's MX block, IQ4_NL's).
 constexpr bool has_group(Format format, int64_t group) {
-    return format == Format::mxfp4 ? group == 32 : is_integer_group(group);
+    return is_codebook_format(format) ? group == 32 : is_integer_group(group);
 }
 
 // Layout of the packed token operand, m tokens x k columns of bf16. The columns come in
@@ -236,6 +250,8 @@ std::string unavailable_reason(Isa isa, Format format = Format::bf16);
 
 const char* format_name(Format format);
 bool parse_format(const char* name, Format* format);
+// "bf16, int8, ...": the names parse_format accepts, for error messages.
+std::string format_names();
 
 // The portable reference tables, always available (integer ones: nullptr for a group
 // the format has no table for).

@@ -43,18 +43,25 @@ const char* format_name(Format format) {
         case Format::int8: return "int8";
         case Format::int4: return "int4";
         case Format::mxfp4: return "mxfp4";
+        case Format::iq4nl: return "iq4nl";
     }
     return "unknown";
 }
 
 bool parse_format(const char* name, Format* format) {
-    for (Format candidate : {Format::bf16, Format::int8, Format::int4, Format::mxfp4}) {
+    for (Format candidate : kAllFormats) {
         if (std::strcmp(name, format_name(candidate)) == 0) {
             *format = candidate;
             return true;
         }
     }
     return false;
+}
+
+std::string format_names() {
+    std::string names;
+    for (Format format : kAllFormats) names += std::string(names.empty() ? "" : ", ") + format_name(format);
+    return names;
 }
 
 }  // namespace numa_moe::kernels

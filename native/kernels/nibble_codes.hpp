@@ -6,10 +6,14 @@
 //          8-15), so that every code is an integer and a group's dot product stays exact
 //          in int32; its e8m0 scales decode to half their OCP value, 2^(e - 128), so that
 //          scale * code is the OCP element 2^(e - 127) * e2m1 exactly.
+//   iq4nl  llama.cpp's IQ4_NL codebook (ggml's kvalues_iq4nl), non-uniform int8 values
+//          in [-127, 113]; the scales are the format's float scales as they are.
 //
 // The SIMD kernels feed the codes to u8 x s8 instructions (vpmaddubsw, vpdpbusd) as the
-// unsigned operand code_value + kNibbleBias, and take the bias back with each token's
-// bias * sum(x) per group; AMX's s8 x s8 takes the signed values.
+// unsigned operand code_value + kBias, and take the bias back with each token's
+// bias * sum(x) per group; AMX's s8 x s8 takes the signed values. iq4nl's biased values
+// reach 240, too large for vpmaddubsw's int16 pair sums: AVX2 without VNNI takes its
+// signed values with the int8 weights' sign trick instead (avx2_quant.cpp).
 #pragma once
 
 #include <cmath>
@@ -34,12 +38,19 @@ struct NibbleCodes<Format::mxfp4> {
     static constexpr int8_t kBias = 12;
 };
 
+template <>
+struct NibbleCodes<Format::iq4nl> {
+    alignas(16) static constexpr int8_t kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                       1,    13,   25,  38,  53,  69,  89,  113};
+    static constexpr int8_t kBias = 127;
+};
+
 // The codes' unsigned operand value + kBias, as a 16-byte lookup table (vpshufb).
 template <Format F>
 struct BiasedCodes {
-    alignas(16) int8_t bytes[16];
+    alignas(16) uint8_t bytes[16];
     constexpr BiasedCodes() : bytes() {
-        for (int i = 0; i < 16; ++i) bytes[i] = static_cast<int8_t>(NibbleCodes<F>::kValues[i] + NibbleCodes<F>::kBias);
+        for (int i = 0; i < 16; ++i) bytes[i] = static_cast<uint8_t>(NibbleCodes<F>::kValues[i] + NibbleCodes<F>::kBias);
     }
 };
 template <Format F>

@@ -3,7 +3,7 @@
 // x86-64 code.
 //
 // Operand layouts (kernel_api.hpp):
-//   weights  int8 w[r * ld + c]; int4 / mxfp4: byte (r * ld + c) / 2, the even column in
+//   weights  int8 w[r * ld + c]; int4 / mxfp4 / iq4nl: byte (r * ld + c) / 2, the even column in
 //            its low nibble, each 4-bit code an integer of the format's codebook
 //            (nibble_codes.hpp); scales s[r * scales_ld + c / group] (mxfp4: e8m0)
 //   tokens   per token t and block b of G columns (G = the weights' group), symmetric

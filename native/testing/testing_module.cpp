@@ -137,35 +137,44 @@ void amx_model_tile_dot(const py::array& config, bool int8, py::array& c, const 
     amx_model::tile_dot(config.data(), int8, c.mutable_data(), a.data(), b.data());
 }
 
-// Which build of the AVX2 integer kernels an ISA's int8 table is: "avx_vnni" (vpdpbusd,
-// avx2_vnni_quant.cpp), "maddubs" (vpmaddubsw, avx2_quant.cpp), "" for other ISAs or none here.
-std::string avx2_integer_build(const std::string& isa_name) {
+// The kernel table of an ISA and integer format (its default group), nullptr where none.
+const kernels::KernelOps* integer_table_of(const std::string& isa_name, const std::string& format_name) {
     kernels::Isa isa;
     NUMA_MOE_CHECK(kernels::parse_isa(isa_name.c_str(), &isa), "unknown ISA '", isa_name, "'");
-    const kernels::KernelOps* ops = kernels::kernel_ops(isa, kernels::Format::int8, kernels::kDefaultGroup);
+    kernels::Format format;
+    NUMA_MOE_CHECK(kernels::parse_format(format_name.c_str(), &format) && format != kernels::Format::bf16, "'",
+                   format_name, "' is not an integer format");
+    return kernels::kernel_ops(isa, format, kernels::default_group(format));
+}
+
+// Which build of the AVX2 integer kernels an ISA's table of a format is: "avx_vnni"
+// (vpdpbusd, avx2_vnni_quant.cpp), "maddubs" (vpmaddubsw, avx2_quant.cpp), "" for other
+// ISAs or none here. Comparing table addresses runs no instruction of either build.
+std::string avx2_integer_build(const std::string& isa_name, const std::string& format_name) {
+    const kernels::KernelOps* ops = integer_table_of(isa_name, format_name);
     if (!ops) return "";
-    const kernels::Format int8 = kernels::Format::int8;
-    const int64_t group = kernels::kDefaultGroup;
-    // Comparing table addresses runs no instruction of either build.
-    if (ops == kernels::avx2_vnni_integer_ops(int8, group) || ops == kernels::avx2_vnni_emulated_integer_ops(int8, group))
+    const kernels::Format format = ops->format;
+    const int64_t group = ops->group;
+    if (ops == kernels::avx2_vnni_integer_ops(format, group) || ops == kernels::avx2_vnni_emulated_integer_ops(format, group))
         return "avx_vnni";
-    if (ops == kernels::avx2_integer_ops(int8, group) || ops == kernels::avx2_emulated_integer_ops(int8, group))
+    if (ops == kernels::avx2_integer_ops(format, group) || ops == kernels::avx2_emulated_integer_ops(format, group))
         return "maddubs";
     return "";
 }
 
-// Which lookup an ISA's mxfp4 table is from the AVX-512 builds: "vpermb" (VBMI,
-// avx512_vbmi_quant.cpp), "vpshufb" (avx512_quant.cpp), "" for other ISAs or none here.
-std::string avx512_mxfp4_build(const std::string& isa_name) {
-    kernels::Isa isa;
-    NUMA_MOE_CHECK(kernels::parse_isa(isa_name.c_str(), &isa), "unknown ISA '", isa_name, "'");
-    const kernels::Format mxfp4 = kernels::Format::mxfp4;
-    const int64_t group = kernels::default_group(mxfp4);
-    const kernels::KernelOps* ops = kernels::kernel_ops(isa, mxfp4, group);
+// Which lookup an ISA's table of a codebook format (mxfp4, iq4nl) is from the AVX-512
+// builds: "vpermb" (VBMI, avx512_vbmi_quant.cpp), "vpshufb" (avx512_quant.cpp), "" for
+// other ISAs or none here.
+std::string avx512_codebook_build(const std::string& isa_name, const std::string& format_name) {
+    const kernels::KernelOps* ops = integer_table_of(isa_name, format_name);
+    NUMA_MOE_CHECK(!ops || kernels::is_codebook_format(ops->format), "'", format_name,
+                   "' is not a codebook format (mxfp4, iq4nl)");
     if (!ops) return "";
-    if (ops == kernels::avx512_vbmi_integer_ops(mxfp4, group) || ops == kernels::avx512_vbmi_emulated_integer_ops(mxfp4, group))
+    const kernels::Format format = ops->format;
+    const int64_t group = ops->group;
+    if (ops == kernels::avx512_vbmi_integer_ops(format, group) || ops == kernels::avx512_vbmi_emulated_integer_ops(format, group))
         return "vpermb";
-    if (ops == kernels::avx512_integer_ops(mxfp4, group) || ops == kernels::avx512_emulated_integer_ops(mxfp4, group))
+    if (ops == kernels::avx512_integer_ops(format, group) || ops == kernels::avx512_emulated_integer_ops(format, group))
         return "vpshufb";
     return "";
 }
@@ -189,12 +198,12 @@ void register_testing(py::module_& parent) {
           "something).");
     m.def("amx_model_tile_dot", &amx_model_tile_dot, py::arg("config"), py::arg("int8"), py::arg("c"), py::arg("a"),
           py::arg("b"), "One TDPBF16PS/TDPBSSD of the AMX software model on tmm0 += tmm1 . tmm2.");
-    m.def("avx2_integer_build", &avx2_integer_build, py::arg("isa"),
-          "Which build of the AVX2 integer kernels the ISA's tables are: 'avx_vnni', 'maddubs', or '' (another ISA, "
-          "or none here).");
-    m.def("avx512_mxfp4_build", &avx512_mxfp4_build, py::arg("isa"),
-          "Which build of the AVX-512 mxfp4 kernels the ISA's table is: 'vpermb' (VBMI), 'vpshufb', or '' (another "
-          "ISA, or none here).");
+    m.def("avx2_integer_build", &avx2_integer_build, py::arg("isa"), py::arg("format") = "int8",
+          "Which build of the AVX2 integer kernels the ISA's table of a format is: 'avx_vnni', 'maddubs', or '' "
+          "(another ISA, or none here).");
+    m.def("avx512_codebook_build", &avx512_codebook_build, py::arg("isa"), py::arg("format") = "mxfp4",
+          "Which build of the AVX-512 kernels of a codebook format (mxfp4, iq4nl) the ISA's table is: 'vpermb' "
+          "(VBMI), 'vpshufb', or '' (another ISA, or none here).");
     m.def("amx_model_counts", [](bool reset) {
         const amx_model::InstructionCounts c = amx_model::instruction_counts();
         if (reset) amx_model::reset_instruction_counts();

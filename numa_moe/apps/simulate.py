@@ -57,10 +57,11 @@ MACHINES_DIR = Path(__file__).parent / "machines"
 # wrong path (a log, a checkpoint) costs to read.
 MACHINE_FILE_LIMIT = 1 << 20
 FORMATS = ("bf16", "int8", "int4")
-# formats a workload may take: mxfp4 runs in the integer kernels at the int4 peak (its
-# e2m1 codes are multiplied as integers, docs/kernels.md); group 32, e8m0 scales
-WORKLOAD_FORMATS = (*FORMATS, "mxfp4")
-_PEAK_OF = {"mxfp4": "int4"}
+# formats a workload may take: mxfp4 and iq4nl run in the integer kernels at the int4 peak
+# (their codebooks' values are multiplied as integers, docs/kernels.md); group 32, mxfp4
+# with e8m0 scales
+WORKLOAD_FORMATS = (*FORMATS, "mxfp4", "iq4nl")
+_PEAK_OF = {"mxfp4": "int4", "iq4nl": "int4"}
 
 POLICIES = ("a", "b", "c", "d", "e")
 POLICY_NAMES = {
@@ -208,8 +209,8 @@ class Workload:
     layers: int
     fmt: str = "bf16"
     page: str = "4k"
-    group: int | None = None        # scale group: 128 for int8/int4, mxfp4's own 32
-    scale_dtype: str | None = None  # scale dtype: fp32 for int8/int4, mxfp4's own e8m0
+    group: int | None = None        # scale group: 128 for int8/int4, mxfp4's and iq4nl's own 32
+    scale_dtype: str | None = None  # scale dtype: fp32 for int8/int4/iq4nl, mxfp4's own e8m0
 
     def __post_init__(self):
         if self.fmt not in WORKLOAD_FORMATS:
@@ -235,7 +236,7 @@ class Workload:
         return ModelDims(self.hidden, self.intermediate, self.n_experts, self.top_k)
 
     def expert_bytes(self) -> int:
-        """Weight bytes of one expert (gate, up, down), scales included for int8/int4/mxfp4."""
+        """Weight bytes of one expert (gate, up, down), scales included for the quantized formats."""
         bits = weight_format(self.fmt).bits_per_element
         total = 3 * self.hidden * self.intermediate * bits // 8
         if self.fmt != "bf16":

@@ -1,8 +1,8 @@
-"""Quantize a BF16/F16/F32 checkpoint's routed experts to INT8, INT4 or MXFP4 (``numa-moe quantize``).
+"""Quantize a BF16/F16/F32 checkpoint's routed experts to INT8, INT4, MXFP4 or IQ4_NL (``numa-moe quantize``).
 
 Writes the checkpoint layout of docs/quantization.md ("Checkpoints"): every routed-expert
 weight keeps its name and becomes ``I8 [rows, cols]`` (int8) or ``U8 [rows, cols / 2]``
-(int4 and mxfp4, two weights per byte, the even column in the low nibble), followed in the same file
+(int4, mxfp4 and iq4nl, two weights per byte, the even column in the low nibble), followed in the same file
 by its group scales ``<name without .weight>.weight_scale`` ``[rows, cols / group]`` in the
 scale dtype; every file's ``__metadata__`` gains ``numa_moe.quant``, ``numa_moe.group``
 and ``numa_moe.scale_dtype``. Every other tensor is copied byte for byte, shards keep
@@ -105,7 +105,7 @@ def quantize_checkpoint(checkpoint: str | os.PathLike | Checkpoint, output: str 
                         overwrite: bool = False, progress: bool = True,
                         pattern: NamingPattern | None = None) -> QuantizeResult:
     """Write the quantized copy of ``checkpoint`` into the directory ``output``.
-    ``group`` and ``scale_dtype`` default to the format's own (mxfp4: 32, e8m0), else
+    ``group`` and ``scale_dtype`` default to the format's own (mxfp4: 32, e8m0; iq4nl: 32), else
     to 128 and fp16 (``numa_moe.quant.scale_layout``).
 
     Refuses (ValueError / CheckpointError, one line): an already quantized or non-float

@@ -38,7 +38,7 @@ from numa_moe.checkpoints.naming import BUILTIN_PATTERNS, PATTERN_HELP, ROUTER_R
 from numa_moe.files import CheckpointError, OpenFiles, open_checkpoint_file, parse_json, read_json_file, short
 from numa_moe.formats import (DTYPE_BYTES, FLOAT_FORMATS, GROUPS, KINDS, NUMPY_DTYPES, QUANT_DTYPES,
                               SCALE_DTYPE_CODES, nibble_packed)
-from numa_moe.quant import check_arguments
+from numa_moe.quant import check_arguments, zero_scales_allowed
 
 __all__ = [
     "TensorInfo",
@@ -71,7 +71,7 @@ QUANT_METADATA = ("numa_moe.quant", "numa_moe.group", "numa_moe.scale_dtype")
 
 @dataclass(frozen=True)
 class QuantInfo:
-    """How a quantized checkpoint stores its routed experts: ``fmt`` (int8/int4/mxfp4),
+    """How a quantized checkpoint stores its routed experts: ``fmt`` (int8/int4/mxfp4/iq4nl),
     the group size and the scale dtype name (fp16/bf16/fp32; e8m0 for mxfp4)."""
 
     fmt: str
@@ -276,7 +276,7 @@ def _json_ints(value) -> tuple[int, ...]:
 class ExpertMatrix:
     """One routed-expert matrix: ``rows x cols`` row-major at ``file_offset`` of ``tensor.path``.
 
-    Quantized (``quant`` "int8", "int4" or "mxfp4"): ``cols`` counts weights (elements), so an
+    Quantized (``quant`` "int8", "int4", "mxfp4" or "iq4nl"): ``cols`` counts weights (elements), so an
     int4 or mxfp4 row holds ``cols / 2`` bytes; ``scales`` is the matrix's group-scale tensor
     ``[rows, cols / group]`` (itself an ExpertMatrix of the scale tensor)."""
 
@@ -410,7 +410,7 @@ class Checkpoint:
 
     @property
     def weight_format(self) -> str:
-        """Format of the routed experts: "int8"/"int4"/"mxfp4" when quantized, else the float
+        """Format of the routed experts: "int8"/"int4"/"mxfp4"/"iq4nl" when quantized, else the float
         format of their dtype ("bf16", "fp16", "fp32"), else the safetensors dtype."""
         if self.quant is not None:
             return self.quant.fmt
@@ -904,19 +904,21 @@ def read_float_rows(info: TensorInfo, files: OpenFiles) -> np.ndarray:
 
 def read_scales_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = None) -> None:
     """Copy the group scales of a quantized expert matrix into ``out`` ([rows, cols /
-    group], C-contiguous, the scale dtype) and check them: a NaN, infinite or zero scale
-    is a CheckpointError naming the tensor and the first bad element."""
+    group], C-contiguous, the scale dtype) and check them: a NaN, infinite or (but for
+    iq4nl, quant.zero_scales_allowed) zero scale is a CheckpointError naming the tensor
+    and the first bad element."""
     scales = matrix.scales
     if scales is None:
         raise ValueError(f"{matrix.tensor.name!r} is not a quantized expert matrix (no scales)")
     read_matrix_into(scales, out, fd)
     values = out.reshape(scales.rows, scales.cols).astype(np.float32)
-    bad = ~np.isfinite(values) | (values == 0)
+    zero_allowed = zero_scales_allowed(matrix.quant)
+    bad = ~np.isfinite(values) | ((values == 0) & (not zero_allowed))
     if bad.any():
         r, c = (int(i) for i in np.argwhere(bad)[0])
         what = "NaN" if np.isnan(values[r, c]) else "zero" if values[r, c] == 0 else "infinite"
         raise CheckpointError(
             f"{scales.tensor.path}: tensor {short(scales.tensor.name)}: {int(bad.sum())} NaN, "
             f"infinite or zero scale(s) for layer {matrix.layer} expert {matrix.expert} "
-            f"{matrix.kind} (first: row {r}, group {c} is {what}); scales must be finite and "
-            "non-zero")
+            f"{matrix.kind} (first: row {r}, group {c} is {what}); scales must be finite"
+            + ("" if zero_allowed else " and non-zero"))

@@ -51,8 +51,8 @@ def patch_moe(model, *, topology=None, page: str = "4k", tables: str = "measured
               **layer_kwargs) -> list[MoELayer]:
     """Replace the expert computation of every supported sparse-MoE block of ``model``;
     returns the MoELayers (one per block, in module order). ``weight_format`` "int8",
-    "int4" or "mxfp4" quantizes the experts while copying them (``group`` columns per
-    scale, default 128; mxfp4: 32; docs/quantization.md). Raises ValueError when the model
+    "int4", "mxfp4" or "iq4nl" quantizes the experts while copying them (``group`` columns
+    per scale, default 128; mxfp4, iq4nl: 32; docs/quantization.md). Raises ValueError when the model
     has no supported block."""
     found = find_expert_modules(model)
     if not found:

@@ -113,7 +113,7 @@ def _resolve_isa(isa: str | None, fmt: str = "bf16") -> str:
 def weight_operand(name: str, w: Any) -> tuple[np.ndarray, np.ndarray | None, str]:
     """(values, scales, format) of an expert matrix as the native code takes it: a bf16
     weight's uint16 view, no scales and "bf16"; or a numa_moe.quant.QuantizedMatrix's
-    int8 / packed int4 values, its group scales and its format."""
+    int8 / packed 4-bit values, its group scales and its format."""
     if isinstance(w, QuantizedMatrix):
         return w.q, w.scales, w.fmt
     return bf16_bits(name, w), None, "bf16"
@@ -156,7 +156,7 @@ def expert_ffn(
     expert (act: silu(g) * u, or the ``activation`` given: numa_moe.activation).
 
     x: ``[T, H]`` bf16; w_gate, w_up: ``[I, H]``; w_down: ``[H, I]`` (all bf16, row-major,
-    torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 / mxfp4 with group scales,
+    torch or numpy; or all numa_moe.quant.QuantizedMatrix: int8 / int4 / mxfp4 / iq4nl with group scales,
     tokens then quantized per group of columns, docs/quantization.md). token_index: the
     rows of x to use (default all, in order). isa: default the ISA an MoE layer runs an
     expert of that many tokens with (isa_for_tokens).
@@ -209,6 +209,7 @@ def expert_ffn(
         up_bias=as_float_vector("up_bias", up_bias),
         down_bias=as_float_vector("down_bias", down_bias),
         **activation_named(activation).native_args(),
+        format=fmt,
     )
     return out
 
@@ -224,7 +225,7 @@ def matmul_segments(weight: Any, segments: Any, tokens: Any, out: np.ndarray, *,
     x = bf16_bits("tokens", tokens)
     seg = _segments_array("segments", segments)
     _native.matmul_segments(_resolve_isa(isa, fmt), w, seg, x, out, int(row_begin), -1 if row_end is None else int(row_end),
-                            scales=scales)
+                            scales=scales, format=fmt)
     return out
 
 

@@ -146,7 +146,8 @@ class MoELayer:
             gate_bias, up_bias, down_bias = expert_biases[e]
             self._core.add_expert(mats.gate, mats.up, mats.down, segs["gate"], segs["up"], segs["down"],
                                   verify_partition=verify_tables, gate_scales=scales[0], up_scales=scales[1],
-                                  down_scales=scales[2], gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias)
+                                  down_scales=scales[2], gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
+                                  format=operands[0][2])
             self.weight_format = operands[0][2]
             self.experts.append(mats)
         self.isa = isa if isa is not None else kernels.forced_isa()

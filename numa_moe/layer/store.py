@@ -9,11 +9,11 @@ each allocated by ``memory.interleaved_empty`` (page-aligned start, the page cyc
 starting at the buffer's ``phase``). Expert ``e`` of ``gate`` is rows ``[e*I, (e+1)*I)``,
 of ``down`` rows ``[e*H, (e+1)*H)``.
 
-INT8 / INT4 / MXFP4 (docs/quantization.md): the value buffer of a kind is int8 ``[rows,
-cols]`` or uint8 ``[rows, cols / 2]`` (int4, mxfp4: two weights per byte), and each kind
-has a second interleaved buffer of group scales ``[rows, cols / group]`` (fp16, bf16 or
-fp32; e8m0 for mxfp4, one byte per scale), with its own table (``scale_table``). Tables
-count columns in weights (elements), also for int4 and mxfp4, as ``formats.WeightFormat``
+INT8 / INT4 / MXFP4 / IQ4_NL (docs/quantization.md): the value buffer of a kind is int8
+``[rows, cols]`` or uint8 ``[rows, cols / 2]`` (int4, mxfp4, iq4nl: two weights per byte),
+and each kind has a second interleaved buffer of group scales ``[rows, cols / group]``
+(fp16, bf16 or fp32; e8m0 for mxfp4, one byte per scale), with its own table
+(``scale_table``). Tables count columns in weights (elements), also for the 4-bit formats, as ``formats.WeightFormat``
 does. A quantized checkpoint is copied as it is; a
 float one is quantized while copying (``numa_moe.quant``, each expert matrix on its own);
 GGUF and FP8 experts are converted by the checkpoint's ``importer``
@@ -234,7 +234,7 @@ class ExpertStore:
         self.nodes = nodes
         self.page_bytes = page_bytes
         self.mismatches = mismatches
-        #: "bf16", "fp16", "fp32" (as in the file), "int8", "int4" or "mxfp4"
+        #: "bf16", "fp16", "fp32" (as in the file), "int8", "int4", "mxfp4" or "iq4nl"
         self.weight_format = weight_format or FLOAT_FORMATS[checkpoint.dtype]
         #: scale group size and scale dtype name ("fp16", "bf16", "fp32", "e8m0"); None
         #: for float formats
@@ -253,13 +253,13 @@ class ExpertStore:
         ``nodes``: node ids (or a count N for 0..N-1) to interleave over; None = the
         memory layer's default (all allowed nodes). ``page``: "4k" or "2m".
         ``layers``: a subset of MoE layer ids (default all).
-        ``weight_format``: None keeps the file's format; "int8"/"int4"/"mxfp4" quantizes a
-        BF16/F16/F32 checkpoint while copying (``group``, default 128, and
-        ``scale_dtype``, default "fp16"; mxfp4 takes group 32 and e8m0 only); a quantized checkpoint loads as it is (its own
+        ``weight_format``: None keeps the file's format; "int8"/"int4"/"mxfp4"/"iq4nl"
+        quantizes a BF16/F16/F32 checkpoint while copying (``group``, default 128, and
+        ``scale_dtype``, default "fp16"; mxfp4 takes group 32 and e8m0 only, iq4nl group 32); a quantized checkpoint loads as it is (its own
         group and scale dtype; asking for others is refused, as is converting it). GGUF
         files and FP8 checkpoints are converted while copying, one expert matrix at a
         time, into what ``checkpoint.importer.resolve`` makes of the request (None: Q8_0
-        -> int8, Q4_0 -> int4 and MXFP4 -> mxfp4 without loss, K-quants -> int8/int4 group 32, FP8 ->
+        -> int8, Q4_0 -> int4, MXFP4 -> mxfp4, IQ4_NL / IQ4_XS -> iq4nl without loss, K-quants -> int8/int4 group 32, FP8 ->
         bf16; docs/checkpoints.md, "Formats").
         ``threads``: how many expert matrices are read and converted at once (None: the
         CPUs this process may run on, at most ``MAX_LOAD_THREADS``); the bytes loaded are

@@ -38,7 +38,7 @@ from numa_moe.apps.benchmarking.yardsticks import (
     l3_bytes,
     ratio_cell,
 )
-from numa_moe.formats import FIXED_SCALES, QUANT_FORMATS, SCALE_DTYPES
+from numa_moe.formats import FIXED_GROUPS, FIXED_SCALE_DTYPES, QUANT_FORMATS, SCALE_DTYPES
 from numa_moe.layer import kernels
 from numa_moe.placement import memory
 from numa_moe.placement.pages import page_name
@@ -166,8 +166,8 @@ def _on_pages(array: np.ndarray, page: str) -> np.ndarray:
 
 def format_scales(weight_format: str, group: int) -> tuple[int, str]:
     """(group, scale dtype) the benchmark quantizes a format with: fp16 scales of `group`
-    columns, or the format's own (mxfp4: e8m0 per 32)."""
-    return FIXED_SCALES.get(weight_format, (group, "fp16"))
+    columns, or the format's own (mxfp4: e8m0 per 32; iq4nl: per 32)."""
+    return FIXED_GROUPS.get(weight_format, group), FIXED_SCALE_DTYPES.get(weight_format, "fp16")
 
 
 def expert_bytes_read(hidden: int, inter: int, weight_format: str = "bf16", group: int = 128) -> int:
@@ -269,9 +269,10 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
     (header, then each row, then the footer), so that a caller can print the table once
     while it fills. weight_format "int8" / "int4" runs quantized experts (group `group`,
     fp16 scales; the bytes read count the scales) against PyTorch's own low-bit kernels;
-    "mxfp4" its own e8m0 scales per 32 columns, without torch (it has no MXFP4 CPU kernel)."""
-    if weight_format in FIXED_SCALES:
-        group = FIXED_SCALES[weight_format][0]
+    "mxfp4" its own e8m0 scales per 32 columns and "iq4nl" fp16 ones per 32, without torch
+    (it has no CPU kernel for their codebooks)."""
+    if weight_format in FIXED_GROUPS:
+        group = FIXED_GROUPS[weight_format]
         if with_torch:
             progress(f"torch has no CPU kernel for {weight_format} weights: no torch column")
             with_torch = False

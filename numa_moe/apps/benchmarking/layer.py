@@ -29,7 +29,7 @@ from numa_moe import quant
 from numa_moe.apps.benchmarking import native_loops
 from numa_moe.apps.benchmarking.yardsticks import Yardstick, busy_warning, percent_of, ratio_cell, settle
 from numa_moe.apps.run import random_routing, torch_moe_loop, touched_bytes
-from numa_moe.formats import FIXED_SCALES, QUANT_FORMATS
+from numa_moe.formats import FIXED_GROUPS, QUANT_FORMATS
 from numa_moe.layer.moe_layer import MoELayer
 
 BENCH_MODELS = {
@@ -227,8 +227,8 @@ def _compute_seconds(layer, ids: np.ndarray, hidden: int, inter: int, peaks: dic
 
 
 def format_group(fmt: str, group: int) -> int:
-    """The group a quantized format runs with: its own where it fixes one (mxfp4: 32)."""
-    return FIXED_SCALES[fmt][0] if fmt in FIXED_SCALES else group
+    """The group a quantized format runs with: its own where it fixes one (mxfp4, iq4nl: 32)."""
+    return FIXED_GROUPS.get(fmt, group)
 
 
 def _integer_formats(formats) -> list[str]:
