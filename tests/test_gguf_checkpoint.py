@@ -1,7 +1,7 @@
 """GGUF checkpoints: tiny MoE files written by the ``gguf`` package's own writer, loaded
 into an ExpertStore and compared with the package's own dequantization (bit for bit for
-Q8_0, Q4_0, MXFP4, IQ4_NL and Q5_0 (as int8) and the float types, equal values for IQ4_XS
-(as int8 with fp32 scales); within numa_moe.quant.error_bound for requantized K-quants),
+Q8_0, Q4_0, MXFP4 and Q5_0 (as int8) and the float types, equal values for IQ4_NL and
+IQ4_XS (as iq4nl); within numa_moe.quant.error_bound for requantized K-quants),
 a MoELayer step against a float64 reference of the dequantized experts, the
 commands, and malformed files (one-line errors)."""
 
@@ -42,6 +42,8 @@ def _random_blocks(rng, qtype, shape):
     raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
     blocks = raw.reshape(-1, size)
     d = (rng.random(len(blocks)) * 0.02 + 0.001).astype(np.float16)
+    if qtype == T.IQ4_NL:  # d of either sign (ggml's is the block's extreme over -127), a few 0, then the codes
+        d = np.where(rng.random(len(blocks)) < 0.03, 0, d * rng.choice([-1, 1], len(blocks))).astype(np.float16)
     if qtype in (T.IQ4_NL, T.IQ4_XS):  # d, then (IQ4_XS) the sub-block scales and the codes
         blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
     elif qtype == T.Q6_K:  # ql[128] qh[64] scales[16] d
@@ -165,40 +167,30 @@ def test_k_quants_are_requantized_within_the_documented_bound(tmp_path, rng, fmt
         assert 0 < rel < rel_bound, kind
 
 
-def test_iq4_nl_loads_exactly_as_int8_and_by_default_requantized_as_int4(tmp_path, rng):
-    """IQ4_NL's codebook values are int8 under each block's fp16 scale: asked for int8 (group
-    32, fp16) it loads bit for bit; its default stays int4 at the file's bytes, requantized."""
-    path = write_gguf(tmp_path / "iq4.gguf", rng, uniform(T.IQ4_NL), layers=(0,))
+@pytest.mark.parametrize("qtype, scale_dtype, bytes_ratio", [(T.IQ4_NL, "fp16", 1.0), (T.IQ4_XS, "fp32", 20 / 17)],
+                         ids=lambda v: getattr(v, "name", None))
+def test_iq4_types_load_exactly_as_iq4nl(tmp_path, rng, qtype, scale_dtype, bytes_ratio):
+    """IQ4_NL and IQ4_XS load by default as iq4nl, the codes re-paired and the scales as
+    they are (IQ4_NL: its fp16 d of either sign; IQ4_XS: d * (ls - 32), exact in fp32;
+    both with zero scales over non-zero codes, d = 0 or ls = 32, which iq4nl keeps): the package's values element for element, at the file's bytes (IQ4_XS: its
+    two-level scales flattened, 20 bytes per 32 weights against 17)."""
+    path = write_gguf(tmp_path / "iq4.gguf", rng, uniform(qtype), layers=(0,))
     ck = open_checkpoint(path)
-    assert ck.importer.default() == ck.importer.resolve(path, ck.dims, "int4", None, None)
-    assert not ck.importer.exact(ck.importer.default())
-    fmt = ck.importer.resolve(path, ck.dims, "int8", None, None)
-    assert ck.importer.describe(fmt) == "GGUF IQ4_NL -> int8, group 32, fp16 scales (exact)"
-    store = ExpertStore.load(ck, progress=False, weight_format="int8")
+    fmt = ck.importer.default()
+    assert (fmt.fmt, fmt.group, fmt.scale_dtype) == ("iq4nl", 32, scale_dtype) and ck.importer.exact(fmt)
+    assert ck.importer.describe(fmt) == f"GGUF {qtype.name} -> iq4nl, group 32, {scale_dtype} scales (exact)"
+    store = ExpertStore.load(ck, progress=False)
+    assert (store.weight_format, store.group, store.scale_dtype) == ("iq4nl", 32, scale_dtype)
     reference = package_dequantized(path)
-    for kind in KINDS:
-        got, want = store_values(store, 0, kind), reference[f"blk.0.ffn_{kind}_exps.weight"]
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kind
-
-
-def test_iq4_xs_loads_exactly_as_int8_with_fp32_scales(tmp_path, rng):
-    """IQ4_XS's sub-block scales d * (ls - 32) are exact in fp32: asked for int8 with fp32
-    scales it loads with the package's values (random sub-block scales include ls = 32, a
-    zero scale over non-zero codes: those blocks load as zeros); int8 with fp16 scales is a
-    requantization."""
-    path = write_gguf(tmp_path / "iq4xs.gguf", rng, uniform(T.IQ4_XS), layers=(0,))
-    ck = open_checkpoint(path)
-    assert not ck.importer.exact(ck.importer.resolve(path, ck.dims, "int8", None, None))
-    fmt = ck.importer.resolve(path, ck.dims, "int8", None, "fp32")
-    assert ck.importer.describe(fmt) == "GGUF IQ4_XS -> int8, group 32, fp32 scales (exact)"
-    store = ExpertStore.load(ck, progress=False, weight_format="int8", scale_dtype="fp32")
-    reference = package_dequantized(path)
+    file_bytes = sum(m.nbytes for m in ck.expert_matrices())
+    loaded = sum(store.weights(0, k).nbytes + store.scales(0, k).nbytes for k in KINDS)
+    assert loaded == pytest.approx(bytes_ratio * file_bytes)
     zero_blocks = 0
     for kind in KINDS:
         got, want = store_values(store, 0, kind), reference[f"blk.0.ffn_{kind}_exps.weight"]
         np.testing.assert_array_equal(got, want, err_msg=kind)  # equal values (the sign of a zero aside)
-        zero_blocks += int(np.sum(np.all(want.reshape(-1, 32) == 0, axis=1)))
-    assert zero_blocks > 0, "no sub-block with a zero scale: the case is untested"
+        zero_blocks += int(np.sum(store.scales(0, kind).astype(np.float32) == 0))
+    assert zero_blocks > 0, "no block with a zero scale: the case is untested"
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q8_0, T.BF16, T.F16],
@@ -280,8 +272,9 @@ def test_dims_from_metadata_and_what_is_reported_apart(tmp_path, rng):
     assert m.file_offset == info.file_offset + 3 * m.nbytes and info.nbytes == E * m.nbytes
 
 
-@pytest.mark.parametrize("types", [uniform(T.Q8_0), uniform(T.MXFP4), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
-                         ids=["Q8_0", "MXFP4", "Q4_K_M"])
+@pytest.mark.parametrize("types", [uniform(T.Q8_0), uniform(T.MXFP4), uniform(T.IQ4_NL), uniform(T.IQ4_XS),
+                                   {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
+                         ids=["Q8_0", "MXFP4", "IQ4_NL", "IQ4_XS", "Q4_K_M"])
 def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     from numa_moe.layer.moe_layer import MoELayer
     from numa_moe.placement.topology import Topology
@@ -299,7 +292,7 @@ def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     expected = moe_reference(x, ids, weights, gates, ups, downs)
     # int8 activations (blocks of 32) on top of the int8 weights; requantized K-quants add
     # their own error (< 1% relative, test above)
-    assert rel_error(y, expected) < (0.02 if types["gate"] in (T.Q8_0, T.MXFP4) else 0.03)
+    assert rel_error(y, expected) < (0.02 if types["gate"] in (T.Q8_0, T.MXFP4, T.IQ4_NL, T.IQ4_XS) else 0.03)
 
 
 def test_gpt_oss_gguf_experts_take_their_biases_and_clamped_swiglu(tmp_path, rng):

@@ -12,14 +12,13 @@ with ``rows x cols / block x block bytes`` bytes. Sizes come from the metadata
 
 Conversion into the store's layout (``GGUFImport``, one expert matrix at a time):
 
-* Q8_0 -> int8 and Q4_0 -> int4, group 32, fp16 scales, and MXFP4 -> mxfp4, group 32,
-  e8m0 scales: bytes re-arranged, no loss (``numa_moe.quant.from_q8_0`` / ``from_q4_0`` /
-  ``from_gguf_mxfp4``; the block scales land in their own row-major tensor);
-* IQ4_NL and Q5_0 -> int8, group 32, fp16 scales, and IQ4_XS -> int8, group 32, fp32
-  scales, when that is the format asked for (Q5_0's default; the IQ4 types default to int4,
-  requantized, at the file's bytes): each block's values are int8 under its scale (IQ4_XS:
-  d * (ls - 32), exact in fp32), so no loss, at 1.9x (IQ4_NL), 2.1x (IQ4_XS) and 1.5x (Q5_0)
-  the file's bytes (``from_iq4_nl`` / ``from_iq4_xs`` / ``from_q5_0``);
+* Q8_0 -> int8 and Q4_0 -> int4, group 32, fp16 scales, MXFP4 -> mxfp4, group 32, e8m0
+  scales, IQ4_NL -> iq4nl, group 32, fp16 scales: bytes re-arranged, no loss, at the
+  file's own bytes (``numa_moe.quant.from_q8_0`` / ``from_q4_0`` / ``from_gguf_mxfp4`` /
+  ``from_iq4_nl``; the block scales land in their own row-major tensor);
+* IQ4_XS -> iq4nl, group 32, fp32 scales d * (ls - 32) (exact in fp32), at 1.18x the
+  file's bytes (its two-level scales flattened, ``from_iq4_xs``), and Q5_0 -> int8, group
+  32, fp16 scales, at 1.5x (``from_q5_0``): no loss, their defaults;
 * BF16, F16, F32: copied as they are;
 * every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_1, NVFP4, ...):
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
@@ -76,14 +75,12 @@ _DENSE = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down)\.weight")
 GGML_FLOATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 # ggml types that convert without loss: -> the contract's format (group 32) and the
 # function that re-arranges their blocks
-LOSSLESS = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
+EXACT = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
             "Q4_0": LoadFormat("int4", q.GGML_BLOCK, "fp16"),
-            "MXFP4": LoadFormat("mxfp4", q.MX_BLOCK, "e8m0")}
-# ... and the types that convert without loss into a format of more bits than their own
-# (not their default where that costs more than the requantized default's bytes)
-EXACT = {**LOSSLESS, "IQ4_NL": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
-         "IQ4_XS": LoadFormat("int8", q.GGML_BLOCK, "fp32"),
-         "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16")}
+            "MXFP4": LoadFormat("mxfp4", q.MX_BLOCK, "e8m0"),
+            "IQ4_NL": LoadFormat("iq4nl", q.GGML_BLOCK, "fp16"),
+            "IQ4_XS": LoadFormat("iq4nl", q.GGML_BLOCK, "fp32"),
+            "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16")}
 _EXACT_READERS = {"Q8_0": q.from_q8_0, "Q4_0": q.from_q4_0, "MXFP4": q.from_gguf_mxfp4,
                   "IQ4_NL": q.from_iq4_nl, "IQ4_XS": q.from_iq4_xs, "Q5_0": q.from_q5_0}
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
@@ -653,8 +650,8 @@ class GGUFImport(ExpertImport):
             (only,) = self.types
             if only in GGML_FLOATS:
                 return LoadFormat(GGML_FLOATS[only])
-            if only in LOSSLESS:
-                return LOSSLESS[only]
+            if only in EXACT:
+                return EXACT[only]
         low_bit = all(_bits_per_weight(t) <= INT4_DEFAULT_BITS for t in self.types)
         return LoadFormat("int4" if low_bit else "int8", q.GGML_BLOCK, "fp16")
 
@@ -679,10 +676,10 @@ class GGUFImport(ExpertImport):
                                       f"block {c})")
             # A block whose scale is +-0 holds zeros (ggml writes d = 0 for an all-zero
             # block; IQ4_XS's sub-block scale d * (ls - 32) is 0 at ls = 32, whatever its
-            # codes, and IQ4's codebook has no 0): the contract's scales are never 0, so
-            # such a block becomes values 0 under the scale +-1, the same zeros (e8m0 has
-            # no zero: mxfp4 never takes this).
-            zero = block_scales == 0
+            # codes): iq4nl keeps the zero scale (its codebook has no 0); the other
+            # formats' scales are never 0, so such a block becomes values 0 under the
+            # scale +-1, the same zeros (e8m0 has no zero: mxfp4 never takes this).
+            zero = (block_scales == 0) & (not q.zero_scales_allowed(fmt.fmt))
             block_values = np.ascontiguousarray(qm.q)
             if np.any(zero):
                 block_values.reshape(*zero.shape, -1)[zero] = 0
