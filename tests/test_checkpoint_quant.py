@@ -120,6 +120,26 @@ def test_nan_inf_zero_scales_refused_on_load(tmp_path, rng, bad, word):
         ck.check_scales()
 
 
+def test_iq4nl_zero_scales_load_as_blocks_of_zeros(tmp_path, rng):
+    """iq4nl's codebook has no zero, so its zero scale is a block of zeros: loaded, not
+    refused (NaN still is), and the layer's values there are 0."""
+    tensors, _ = _experts(rng, fmt="iq4nl", scale_dtype="fp32")
+    name = "model.layers.0.mlp.experts.1.down_proj.weight_scale"
+    tensors[name] = tensors[name].copy()
+    tensors[name][5, 1] = 0
+    _write(tmp_path / "model.safetensors", tensors, _meta("iq4nl", 32, "fp32"))
+    ck = open_checkpoint(tmp_path)
+    ck.check_scales()
+    store = ExpertStore.load(ck, progress=False)
+    assert store.weight_format == "iq4nl"
+    down = q.QuantizedMatrix("iq4nl", 32, store.weights(0, "down")[H:2 * H], store.scales(0, "down")[H:2 * H])
+    assert np.all(q.dequantize(down)[5, 32:64] == 0) and np.any(q.dequantize(down)[5, :32] != 0)
+    tensors[name][5, 1] = np.nan
+    _write(tmp_path / "model.safetensors", tensors, _meta("iq4nl", 32, "fp32"))
+    with pytest.raises(CheckpointError, match=r"1 NaN, infinite or zero scale\(s\) .* is NaN\); scales must be finite$"):
+        open_checkpoint(tmp_path).check_scales()
+
+
 def test_unknown_scheme_in_metadata(tmp_path, rng):
     tensors, _ = _experts(rng)
     _write(tmp_path / "model.safetensors", tensors, _meta(fmt="int3"))

@@ -172,8 +172,9 @@ def test_k_quants_are_requantized_within_the_documented_bound(tmp_path, rng, fmt
 def test_iq4_types_load_exactly_as_iq4nl(tmp_path, rng, qtype, scale_dtype, bytes_ratio):
     """IQ4_NL and IQ4_XS load by default as iq4nl, the codes re-paired and the scales as
     they are (IQ4_NL: its fp16 d of either sign; IQ4_XS: d * (ls - 32), exact in fp32;
-    both with zero scales over non-zero codes, d = 0 or ls = 32, which iq4nl keeps): the package's values element for element, at the file's bytes (IQ4_XS: its
-    two-level scales flattened, 20 bytes per 32 weights against 17)."""
+    both with zero scales over non-zero codes, d = 0 or ls = 32, which iq4nl keeps): the
+    package's values element for element, at the file's bytes (IQ4_XS: its two-level
+    scales flattened, 20 bytes per 32 weights against 17)."""
     path = write_gguf(tmp_path / "iq4.gguf", rng, uniform(qtype), layers=(0,))
     ck = open_checkpoint(path)
     fmt = ck.importer.default()

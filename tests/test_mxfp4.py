@@ -193,12 +193,19 @@ def test_scale_layout_fills_the_formats_own():
     assert q.scale_layout("int8", default_group=32) == (32, "fp16")
     assert q.groups_for("mxfp4") == (32,) and q.scale_dtypes_for("mxfp4") == ("e8m0",)
     assert "e8m0" not in q.scale_dtypes_for("int8")
+    assert q.scale_layout("iq4nl") == (32, "fp16") and q.scale_layout("iq4nl", scale_dtype="fp32") == (32, "fp32")
+    assert q.groups_for("iq4nl") == (32,) and "e8m0" not in q.scale_dtypes_for("iq4nl")
+    with pytest.raises(ValueError, match="weight_format 'iq4nl' takes group 32 only"):
+        q.scale_layout("iq4nl", group=64)
+    with pytest.raises(ValueError, match="scale_dtype 'e8m0' belongs to weight_format 'mxfp4' only, not 'iq4nl'"):
+        q.quantize(np.zeros((2, 32)), "iq4nl", scale_dtype="e8m0")
 
 
 @pytest.mark.parametrize("n_nodes", [1, 2, 3])
-def test_layer_on_mxfp4_experts_against_a_float64_loop(rng, n_nodes):
-    """MoELayer.from_tensors(weight_format="mxfp4") against the float64 loop over the
-    dequantized experts (numa_moe.quant, checked above against gguf): the kernels' only
+@pytest.mark.parametrize("fmt", ["mxfp4", "iq4nl"])
+def test_layer_on_codebook_experts_against_a_float64_loop(rng, n_nodes, fmt):
+    """MoELayer.from_tensors(weight_format="mxfp4" or "iq4nl") against the float64 loop
+    over the dequantized experts (numa_moe.quant, checked against gguf): the kernels' only
     other error is the int8 quantization of the tokens per block of 32 (docs/quantization.md)."""
     from moe_reference import moe_reference, random_bf16, rel_error
     from numa_moe.layer.moe_layer import MoELayer
@@ -208,9 +215,9 @@ def test_layer_on_mxfp4_experts_against_a_float64_loop(rng, n_nodes):
     gate_up = random_bf16(rng, (experts, 2 * inter, hidden), hidden ** -0.5)
     down = random_bf16(rng, (experts, hidden, inter), inter ** -0.5)
     layer = MoELayer.from_tensors(gate_up, down, topology=Topology.virtual(n_nodes), tables="theoretical",
-                                  weight_format="mxfp4")
-    assert layer.weight_format == "mxfp4"
-    deq = [[q.dequantize(q.quantize(m.astype(np.float32), "mxfp4")) for m in mats]
+                                  weight_format=fmt)
+    assert layer.weight_format == fmt
+    deq = [[q.dequantize(q.quantize(m.astype(np.float32), fmt)) for m in mats]
            for mats in (gate_up[:, :inter], gate_up[:, inter:], down)]
     x = random_bf16(rng, (tokens, hidden))
     ids = np.stack([rng.choice(experts, 2, replace=False) for _ in range(tokens)])

@@ -48,7 +48,8 @@ def source(tmp_path, rng):
 
 @pytest.mark.parametrize("fmt,group,scale_dtype", [("int8", 128, "fp16"), ("int4", 32, "bf16"),
                                                     ("int4", 64, "fp32"), ("int8", 32, "fp32"),
-                                                    ("mxfp4", 32, "e8m0")])
+                                                    ("mxfp4", 32, "e8m0"), ("iq4nl", 32, "fp16"),
+                                                    ("iq4nl", 32, "fp32")])
 def test_round_trip_within_the_bound_and_layout(source, tmp_path, fmt, group, scale_dtype):
     out = tmp_path / "q"
     result = quantize_checkpoint(source, out, fmt, group, scale_dtype, progress=False)
