@@ -26,6 +26,10 @@ def test_weight_format_settings():
         plugin.weight_format_from_env({"NUMA_MOE_VLLM_GROUP": "x"})
     with pytest.raises(ValueError, match="must be positive"):
         plugin.weight_format_from_env({"NUMA_MOE_VLLM_GROUP": "0"})
+    for fmt in ("mxfp4", "iq4nl"):  # their own group
+        assert plugin.weight_format_from_env({"NUMA_MOE_VLLM_WEIGHT_FORMAT": fmt}) == (fmt, 32)
+        with pytest.raises(ValueError, match=f"NUMA_MOE_VLLM_GROUP=64: {fmt} takes group 32 only"):
+            plugin.weight_format_from_env({"NUMA_MOE_VLLM_WEIGHT_FORMAT": fmt, "NUMA_MOE_VLLM_GROUP": "64"})
 
 
 @pytest.mark.parametrize("environ, cpus", [

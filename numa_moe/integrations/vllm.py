@@ -17,12 +17,12 @@ clamped SwiGLU: numa_moe.activation.GPT_OSS); no expert parallelism. Anything el
 vLLM's own experts and logs one line saying why. Settings (environment, read in the worker when a layer is built):
 
     NUMA_MOE_VLLM=0                       do not register (vLLM runs as if not installed)
-    NUMA_MOE_VLLM_WEIGHT_FORMAT=bf16|int8|int4   quantize the experts at load (default bf16)
-    NUMA_MOE_VLLM_GROUP=128               columns per scale for int8/int4
+    NUMA_MOE_VLLM_WEIGHT_FORMAT=bf16|int8|int4|mxfp4|iq4nl   quantize the experts at load (default bf16)
+    NUMA_MOE_VLLM_GROUP=128               columns per scale for int8/int4 (mxfp4, iq4nl: 32, their own)
 
 Weights are held once. bf16: vLLM's ``w13_weight``/``w2_weight`` parameters are re-pointed
 at numa-moe's interleaved buffers (same [E, 2I, H] / [E, H, I] layout, no repacking), so
-vLLM's weight reloading writes straight into the buffers the kernel reads. int8/int4, and
+vLLM's weight reloading writes straight into the buffers the kernel reads. The quantized formats, and
 gpt-oss's interleaved ``w13`` (de-interleaved into gate rows first while copied): vLLM's
 copies are released; reloading weights then raises a clear error.
 
@@ -42,10 +42,12 @@ import re
 
 import torch
 
+from numa_moe.formats import FIXED_GROUPS, QUANT_FORMATS
+
 DISABLE_ENV = "NUMA_MOE_VLLM"
 WEIGHT_FORMAT_ENV = "NUMA_MOE_VLLM_WEIGHT_FORMAT"
 GROUP_ENV = "NUMA_MOE_VLLM_GROUP"
-WEIGHT_FORMATS = ("bf16", "int8", "int4")
+WEIGHT_FORMATS = ("bf16", *QUANT_FORMATS)
 
 # A child of vLLM's logger: its lines come out in vLLM's format, where vLLM's come out.
 logger = logging.getLogger("vllm.numa_moe")
@@ -68,17 +70,20 @@ def plugin_enabled(environ=os.environ) -> bool:
 
 
 def weight_format_from_env(environ=os.environ) -> tuple[str, int]:
-    """(weight format, group) from the environment; ValueError naming the variable."""
+    """(weight format, group) from the environment; ValueError naming the variable. The
+    formats with a group of their own (mxfp4, iq4nl: 32) take it."""
     fmt = environ.get(WEIGHT_FORMAT_ENV, "bf16").strip().lower() or "bf16"
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"{WEIGHT_FORMAT_ENV}={fmt!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
-    text = environ.get(GROUP_ENV, "128").strip()
+    text = environ.get(GROUP_ENV, str(FIXED_GROUPS.get(fmt, 128))).strip()
     try:
         group = int(text)
     except ValueError:
         raise ValueError(f"{GROUP_ENV}={text!r} is not an integer") from None
     if group <= 0:
         raise ValueError(f"{GROUP_ENV}={group}: must be positive")
+    if fmt in FIXED_GROUPS and group != FIXED_GROUPS[fmt]:
+        raise ValueError(f"{GROUP_ENV}={group}: {fmt} takes group {FIXED_GROUPS[fmt]} only")
     return fmt, group
 
 

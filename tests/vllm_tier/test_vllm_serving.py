@@ -216,9 +216,9 @@ def test_greedy_tokens_on_avx2_kernels(models):
     check_logprobs(models["mixtral"], "mixtral", stock, ours, comparison)
 
 
-@pytest.mark.parametrize("weight_format", ["int8", "int4"])
+@pytest.mark.parametrize("weight_format", ["int8", "int4", "iq4nl"])
 def test_quantized_experts_at_load(models, stock_run, weight_format):
-    """NUMA_MOE_VLLM_WEIGHT_FORMAT=int8|int4: the layer holds integer experts, vLLM's bf16
+    """NUMA_MOE_VLLM_WEIGHT_FORMAT=int8|int4|iq4nl: the layer holds integer experts, vLLM's bf16
     copies are released, the outputs follow float64 on the dequantized weights, and
     generation starts with stock vLLM's first tokens where the stock run's choice was clear."""
     prompt_list = vc.prompts(N_PROMPTS, vocab=SHAPE.vocab)
