@@ -277,14 +277,27 @@ constexpr int64_t column_bytes(int64_t c) {
 // vpshufb zeroes a byte whose index has bit 7 set, so it needs the nibble masked; vpermb
 // (VBMI, the avx512_vbmi_quant.cpp build) indexes by the low six bits, which the repeated
 // table makes the nibble's, and needs no mask: one operation a vector where vpshufb takes two.
-template <Format F>
-inline __m512i biased_low_nibbles(__m512i bytes) {
-    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kBiasedCodes<F>.bytes)));
+inline __m512i lookup_low_nibbles(__m512i bytes, const void* table16) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(static_cast<const __m128i*>(table16)));
 #ifdef NUMA_MOE_AVX512_VBMI
     return _mm512_permutexvar_epi8(bytes, table);
 #else
     return _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, _mm512_set1_epi8(0x0f)));
 #endif
+}
+
+template <Format F>
+inline __m512i biased_low_nibbles(__m512i bytes) {
+    return lookup_low_nibbles(bytes, kBiasedCodes<F>.bytes);
+}
+
+// 64 columns (or the first 32, upper half zero) of a nibble-format row, column c's code in
+// the low nibble of byte c (the bits above it not cleared): widened to 16 bits, byte 0x?HL
+// becomes the pair of bytes (L, H) with word | word << 4.
+inline __m512i spread_nibbles(const uint8_t* p, bool full) {
+    const __m256i raw = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi8(0xffff, p);
+    const __m512i wide = _mm512_cvtepu8_epi16(raw);
+    return _mm512_or_si512(wide, _mm512_slli_epi16(wide, 4));
 }
 
 // 64 columns (or the first 32, upper half zero) of a weight row as unsigned bytes
@@ -295,17 +308,29 @@ inline __m512i load_unsigned(const uint8_t* p, bool full) {
         const __m512i w = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xffffffffull, p);
         return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
     } else {
-        // Two columns per byte: widened to 16 bits, byte 0x?HL becomes the pair of bytes
-        // (L, H) with (word | word << 4) & 0x0f0f, after the xor that biases each int4
-        // nibble (the codebook formats: looked up after).
-        __m256i raw = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi8(0xffff, p);
-        if constexpr (F == Format::int4) raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x88)));
-        const __m512i wide = _mm512_cvtepu8_epi16(raw);
-        if constexpr (F == Format::int4)
+        // Two columns per byte, spread as spread_nibbles does: int4 biases each nibble
+        // with an xor first and masks with the spreading (one ternary logic); the codebook
+        // formats look the spread codes up.
+        if constexpr (F == Format::int4) {
+            __m256i raw = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi8(0xffff, p);
+            raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x88)));
+            const __m512i wide = _mm512_cvtepu8_epi16(raw);
             return _mm512_ternarylogic_epi32(wide, _mm512_slli_epi16(wide, 4), _mm512_set1_epi16(0x0f0f), 0xa8);
-        else
-            return biased_low_nibbles<F>(_mm512_or_si512(wide, _mm512_slli_epi16(wide, 4)));
+        } else {
+            return biased_low_nibbles<F>(spread_nibbles(p, full));
+        }
     }
+}
+
+// 64 columns (or the first 32, upper half zero) of a nibble-format row as signed bytes in
+// column order: int4 its unsigned bytes less the bias (no wrap: u <= 15), the codebook
+// formats their signed values looked up (iq4nl's u - 127 would wrap a byte).
+template <Format F>
+inline __m512i load_signed(const uint8_t* p, bool full) {
+    if constexpr (F == Format::int4)
+        return _mm512_sub_epi8(load_unsigned<F>(p, full), _mm512_set1_epi8(kBias<F>));
+    else
+        return lookup_low_nibbles(spread_nibbles(p, full), NibbleCodes<F>::kValues);
 }
 
 // n (<= 16) consecutive scales of one row from group g0, as fp32 (lanes past n: 0). e8m0
@@ -609,7 +634,7 @@ void pair_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 // Many tokens: lanes.
 
 // The row block's columns [c0, c1) as signed bytes, column c at rows[r] + c - c0: int8
-// rows in place, int4 rows unpacked into this thread's buffer.
+// rows in place, the nibble formats' rows unpacked into this thread's buffer.
 template <Format F, int R>
 void signed_rows(const RowBlock<R>& b, int64_t c0, int64_t c1, const int8_t* rows[R]) {
     if constexpr (F == Format::int8) {
@@ -617,13 +642,10 @@ void signed_rows(const RowBlock<R>& b, int64_t c0, int64_t c1, const int8_t* row
     } else {
         const int64_t n = c1 - c0, padded = (n + 63) / 64 * 64;
         int8_t* buffer = static_cast<int8_t*>(thread_scratch(kUnpackedRowsSlot, R * padded));
-        const __m512i bias = _mm512_set1_epi8(kBias<F>);
         for (int r = 0; r < R; ++r) {
             int8_t* dst = buffer + r * padded;
-            for (int64_t c = 0; c < n; c += kStepColumns) {
-                const __m512i u = load_unsigned<F>(b.w[r] + (c0 + c) / 2, n - c >= kStepColumns);
-                _mm512_storeu_si512(dst + c, _mm512_sub_epi8(u, bias));
-            }
+            for (int64_t c = 0; c < n; c += kStepColumns)
+                _mm512_storeu_si512(dst + c, load_signed<F>(b.w[r] + (c0 + c) / 2, n - c >= kStepColumns));
             rows[r] = dst;
         }
     }
