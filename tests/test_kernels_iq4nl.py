@@ -158,6 +158,12 @@ def test_iq4nl_operands_get_clear_errors(rng):
         call(qm.q, e8m0)
     with pytest.raises(ValueError, match="format 'iq4' is not one of bf16, int8, int4, mxfp4, iq4nl"):
         call(qm.q, qm.scales, "iq4")
+    with pytest.raises(ValueError, match="format 'iq4' is not one of"):
+        call(qm.q, None, "iq4")
+    with pytest.raises(ValueError, match="weight: iq4nl weights need their group scales"):
+        call(qm.q, None)
+    with pytest.raises(ValueError, match="weight: bf16 weights take no scales"):
+        call(qm.q, qm.scales, "bf16")
     assert np.all(out == 0)
     # a zero scale is iq4nl's block of zeros; int4's scales are never 0
     zero = qm.scales.copy()

@@ -259,7 +259,8 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
                          const std::string& format) {
     WeightArg arg;
     if (scales_obj.is_none()) {
-        NUMA_MOE_CHECK(format.empty() || format == "bf16", name, ": ", format, " weights need their group scales");
+        NUMA_MOE_CHECK(format.empty() || weight_format_named(format) == kernels::Format::bf16, name, ": ", format,
+                       " weights need their group scales");
         const Bf16Rows w = bf16_rows(values, name);
         arg.weights.data = w.data;
         arg.weights.ld = w.ld;
