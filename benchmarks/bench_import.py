@@ -31,9 +31,13 @@ from numa_moe.formats import KINDS
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}  # hidden, intermediate
 
 
+# Types the gguf package dequantizes but does not quantize: written as random raw blocks.
+RAW_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+
+
 def random_k_blocks(rng, qtype, shape):
-    """Random raw K-quant blocks with finite fp16 scales (the gguf package dequantizes
-    K-quants but does not quantize them)."""
+    """Random raw blocks of a type of RAW_TYPES with finite fp16 scales (d where the
+    K-quants and IQ4 types keep it; the bytes after it, dmin or codes, the same)."""
     import gguf
 
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -60,7 +64,7 @@ def write_gguf(path: Path, types: dict, experts: int, hidden: int, inter: int, r
         shape = (experts, inter, hidden) if kind != "down" else (experts, hidden, inter)
         x = (rng.standard_normal(shape, dtype=np.float32) * shape[-1] ** -0.5)
         qtype = gguf.GGMLQuantizationType[types[kind]]
-        data = (random_k_blocks(rng, qtype, shape) if types[kind].endswith("_K")
+        data = (random_k_blocks(rng, qtype, shape) if types[kind] in RAW_TYPES
                 else gguf.quants.quantize(x, qtype))
         w.add_tensor(f"blk.0.ffn_{kind}_exps.weight", data, raw_dtype=qtype)
     w.write_header_to_file()
@@ -150,7 +154,8 @@ def main() -> None:
     hidden, inter = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     cases = [("Q8_0", dict.fromkeys(KINDS, "Q8_0"), None), ("Q4_0", dict.fromkeys(KINDS, "Q4_0"), None),
-             ("MXFP4", dict.fromkeys(KINDS, "MXFP4"), None), ("BF16", dict.fromkeys(KINDS, "BF16"), None),
+             ("MXFP4", dict.fromkeys(KINDS, "MXFP4"), None), ("IQ4_NL", dict.fromkeys(KINDS, "IQ4_NL"), None),
+             ("IQ4_XS", dict.fromkeys(KINDS, "IQ4_XS"), None), ("BF16", dict.fromkeys(KINDS, "BF16"), None),
              ("Q4_K_M", {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, None),
              ("Q4_K_M", {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, "int4")]
     with tempfile.TemporaryDirectory() as tmp:
