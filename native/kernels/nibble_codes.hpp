@@ -19,9 +19,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/isa_namespace.hpp"
 #include "kernels/kernel_api.hpp"
 
 namespace numa_moe::kernels {
+// In each ISA's own namespace: the tables are inline variables, which would otherwise be
+// weak symbols shared by the ISA objects (isa_namespace.hpp).
+inline namespace NUMA_MOE_ISA_NS {
 
 template <Format F>
 struct NibbleCodes;
@@ -61,4 +65,5 @@ constexpr BiasedCodes<F> kBiasedCodes{};
 // refuse it.
 inline float e8m0_scale(uint8_t e) { return std::ldexp(1.0f, static_cast<int>(e) - 128); }
 
+}  // namespace NUMA_MOE_ISA_NS
 }  // namespace numa_moe::kernels
