@@ -15,6 +15,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency of n
                                           "(pyproject.toml); install it with tools/setup.sh")
 
 from numa_moe import quant as q  # noqa: E402
+from numa_moe.layer import kernels  # noqa: E402
 from numa_moe.formats import NUMPY_DTYPES, SCALE_DTYPE_CODES, SCALE_DTYPES, nibble_packed  # noqa: E402
 
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
@@ -217,6 +218,7 @@ def test_layer_on_codebook_experts_against_a_float64_loop(rng, n_nodes, fmt):
     layer = MoELayer.from_tensors(gate_up, down, topology=Topology.virtual(n_nodes), tables="theoretical",
                                   weight_format=fmt)
     assert layer.weight_format == fmt
+    assert all(layer.isa_for_tokens(m) in kernels.available_isas(fmt) for m in (1, 16))
     deq = [[q.dequantize(q.quantize(m.astype(np.float32), fmt)) for m in mats]
            for mats in (gate_up[:, :inter], gate_up[:, inter:], down)]
     x = random_bf16(rng, (tokens, hidden))

@@ -65,10 +65,11 @@ public:
     // into several pool runs.
     void set_group_budget_bytes(int64_t bytes) { group_budget_bytes_ = bytes; }
 
-    // The kernels an expert with m tokens of a weight format runs with (not forced):
-    // kernels_for_tokens (kernel_choice.hpp) with this layer's amx_min_tokens.
+    // The kernels an expert with m tokens of a weight format and group (0: the format's
+    // default, kernel_api.hpp default_group) runs with (not forced): kernels_for_tokens
+    // (kernel_choice.hpp) with this layer's amx_min_tokens.
     const KernelOps* isa_for_tokens(int64_t m, kernels::Format format = kernels::Format::bf16,
-                                    int64_t group = kernels::kDefaultGroup) const;
+                                    int64_t group = 0) const;
 
     // Returns false when keep_going() asked to abort (out is then unspecified).
     bool forward(const bf16* x, int64_t ldx, int64_t n_tokens, const int64_t* ids, const float* weights, int64_t top_k,
