@@ -13,7 +13,8 @@ import pytest
 from numa_moe import _native, quant
 from numa_moe.layer import kernels
 
-from test_kernels_quant import FFN_BOUND, covered_rows, quantize_tokens
+from test_kernels_mxfp4 import check_odd_segments, ffn_model, reference_matmul
+from test_kernels_quant import FFN_BOUND
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CODEBOOK = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float64)
@@ -44,13 +45,6 @@ def dequantized(qm) -> np.ndarray:
     return CODEBOOK[codes] * np.repeat(qm.scales.astype(np.float64), GROUP, axis=1)
 
 
-def reference_matmul(w64, x, rows, k0, k1) -> np.ndarray:
-    """float64 [len(rows), m]: the weights against the quantized tokens (the token rule)."""
-    x_q, x_s = quantize_tokens(x.astype(np.float32), GROUP)
-    tokens = x_q * np.repeat(x_s.astype(np.float64), GROUP, axis=1)
-    return w64[np.ix_(rows, np.arange(k0, k1))] @ tokens[:, k0:k1].T
-
-
 def test_every_isa_has_iq4nl_kernels_where_it_has_int4_ones():
     assert kernels.available_isas("iq4nl") == kernels.available_isas("int4")
     assert ISAS == kernels.tested_isas("int4")
@@ -63,30 +57,8 @@ def test_matmul_segments_on_odd_segments_and_token_counts(rng, isa, scale_dtype)
     kernels that read 64 columns at a time), a thread's row range cutting them, and token
     counts across every kernel's switches: against the float64 model, and equal to ref bit
     for bit."""
-    rows, cols = 77, 11 * GROUP
-    qm = random_iq4nl(rng, rows, cols, scale_dtype)
-    w64 = dequantized(qm)
-    segments = np.array([[3, 7, 10, 32, 160], [1, 3, 9, 0, 352], [5, 1, 19, 96, 128], [0, 5, 15, 320, 352],
-                         [2, 3, 25, 64, 288]], np.int64)
-    row_begin, row_end = 4, 71
-    covered = covered_rows(segments, rows, row_begin, row_end)
-    for m in (1, 2, 3, 4, 5, 8, 12, 13, 16, 17, 33, 64):
-        x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
-        out = np.full((rows, m), np.nan, np.float32)
-        out[covered] = rng.standard_normal((covered.sum(), m))
-        start = out.copy()
-        kernels.matmul_segments(qm, segments, x, out, isa=isa, row_begin=row_begin, row_end=row_end)
-        assert np.all(np.isnan(out[~covered])), "rows outside the segments or the row range were written"
-        expected = start.astype(np.float64)
-        for row0, stride, nrows, k0, k1 in segments:
-            rs = np.arange(row0, row0 + stride * nrows, stride)
-            rs = rs[(rs >= row_begin) & (rs < row_end)]
-            expected[rs] += reference_matmul(w64, x, rs, k0, k1)
-        err = np.abs(out[covered] - expected[covered]).max() / np.abs(expected[covered]).max()
-        assert err < 1e-5, (m, err)
-        ref_out = start.copy()
-        kernels.matmul_segments(qm, segments, x, ref_out, isa="ref", row_begin=row_begin, row_end=row_end)
-        np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
+    qm = random_iq4nl(rng, 77, 11 * GROUP, scale_dtype)
+    check_odd_segments(rng, qm, dequantized(qm), isa)
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
@@ -111,16 +83,6 @@ def test_the_codebook_ends_against_the_largest_tokens(rng, isa, m):
     ref_out = np.zeros_like(out)
     kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
     np.testing.assert_array_equal(out, ref_out)
-
-
-def ffn_model(x, experts64, index):
-    """float64 FFN of the weights given (gate, up, down) on the kernels' token rule."""
-    gate, up, down = experts64
-    xs = x[index]
-    g = reference_matmul(gate, xs, np.arange(gate.shape[0]), 0, gate.shape[1]).T
-    u = reference_matmul(up, xs, np.arange(up.shape[0]), 0, up.shape[1]).T
-    act = (g / (1 + np.exp(-g)) * u).astype(np.float32)
-    return reference_matmul(down, act, np.arange(down.shape[0]), 0, down.shape[1]).T
 
 
 @pytest.mark.parametrize("isa", [None, *ISAS])

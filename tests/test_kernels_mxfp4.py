@@ -50,21 +50,12 @@ def reference_matmul(w64, x, rows, k0, k1) -> np.ndarray:
     return w64[np.ix_(rows, np.arange(k0, k1))] @ tokens[:, k0:k1].T
 
 
-def test_every_isa_has_mxfp4_kernels_where_it_has_int4_ones():
-    assert kernels.available_isas("mxfp4") == kernels.available_isas("int4")
-    assert ISAS == kernels.tested_isas("int4")
-
-
-@pytest.mark.parametrize("isa", ALL_ISAS)
-def test_matmul_segments_on_odd_segments_and_token_counts(rng, isa):
-    """Strided segments that start and end on odd 32-column groups (the half steps of
-    kernels that read 64 columns at a time), a thread's row range cutting them, and token
-    counts across every kernel's switches (avx512: pairs to 3, row lanes to 16 in two
-    passes, lanes from 17; AMX: tiles of 16 and 32): against the float64 model, and equal
-    to ref bit for bit."""
-    rows, cols = 77, 11 * GROUP
-    qm = random_mxfp4(rng, rows, cols)
-    w64 = dequantized(qm)
+def check_odd_segments(rng, qm, w64, isa):
+    """matmul_segments of a rows x 11 * GROUP codebook matrix on strided segments that start
+    and end on odd 32-column groups, a row range cutting them, and token counts across every
+    kernel's switches (avx512: pairs to 3, row lanes to 16 in two passes, lanes from 17; AMX:
+    tiles of 16 and 32): against the float64 weights w64, and equal to ref bit for bit."""
+    rows, cols = w64.shape
     segments = np.array([[3, 7, 10, 32, 160], [1, 3, 9, 0, 352], [5, 1, 19, 96, 128], [0, 5, 15, 320, 352],
                          [2, 3, 25, 64, 288]], np.int64)
     row_begin, row_end = 4, 71
@@ -86,6 +77,22 @@ def test_matmul_segments_on_odd_segments_and_token_counts(rng, isa):
         ref_out = start.copy()
         kernels.matmul_segments(qm, segments, x, ref_out, isa="ref", row_begin=row_begin, row_end=row_end)
         np.testing.assert_array_equal(out[covered], ref_out[covered], err_msg=f"m={m}")
+
+
+def test_every_isa_has_mxfp4_kernels_where_it_has_int4_ones():
+    assert kernels.available_isas("mxfp4") == kernels.available_isas("int4")
+    assert ISAS == kernels.tested_isas("int4")
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_matmul_segments_on_odd_segments_and_token_counts(rng, isa):
+    """Strided segments that start and end on odd 32-column groups (the half steps of
+    kernels that read 64 columns at a time), a thread's row range cutting them, and token
+    counts across every kernel's switches (avx512: pairs to 3, row lanes to 16 in two
+    passes, lanes from 17; AMX: tiles of 16 and 32): against the float64 model, and equal
+    to ref bit for bit."""
+    qm = random_mxfp4(rng, 77, 11 * GROUP)
+    check_odd_segments(rng, qm, dequantized(qm), isa)
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
