@@ -215,6 +215,10 @@ def test_isa_for_tokens_refuses_what_names_no_expert():
         kernels.isa_for_tokens(0, "int8")
     with pytest.raises(ValueError, match="format 'int3' is not one of bf16, int8, int4"):
         kernels.isa_for_tokens(1, "int3")
+    with pytest.raises(ValueError, match="group 48 is not one of 32, 64, 128 for int4 weights"):
+        kernels.isa_for_tokens(1, "int4", 48)
+    with pytest.raises(ValueError, match=r"group 64 is not one of 32 \(mxfp4's block\) for mxfp4 weights"):
+        kernels.isa_for_tokens(1, "mxfp4", 64)
 
 
 def test_isa_for_tokens_follows_numa_moe_isa(monkeypatch):

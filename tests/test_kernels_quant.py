@@ -352,15 +352,26 @@ def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_neve
 
 # The default, and the builds the default never picks: AMX, the AMX model and the emulated ones.
 LAYER_ISAS = [None] + [isa for isa in kernels.tested_isas("int8") if isa == "amx" or isa in kernels.EMULATED_ISAS]
-# The per-expert rule's integer defaults (docs/kernels.md): AMX-INT8 from these token counts.
-AMX_MIN_TOKENS = {"int8": 5, "int4": 5}
+# The per-expert rule's integer defaults (docs/kernels.md): AMX-INT8 from these token
+# counts, per format and group.
+AMX_MIN_TOKENS = {("int8", 32): 4, ("int8", 64): 5, ("int8", 128): 5,
+                  ("int4", 32): 14, ("int4", 64): 7, ("int4", 128): 5,
+                  ("mxfp4", 32): 14, ("iq4nl", 32): 14}
 
 
-def default_integer_isa(fmt, m):
-    """The per-expert rule, restated: AMX (where this CPU has it) from the format's default
-    token count, else the fastest of the others; never the model."""
+def default_integer_isa(fmt, m, group=64):
+    """The per-expert rule, restated: AMX (where this CPU has it) from the format's and
+    group's default token count, else the fastest of the others; never the model."""
     order = [isa for isa in ("amx", "avx512", "avx2", "ref") if isa in kernels.available_isas(fmt)]
-    return order[1] if order[0] == "amx" and m < AMX_MIN_TOKENS[fmt] else order[0]
+    return order[1] if order[0] == "amx" and m < AMX_MIN_TOKENS[fmt, group] else order[0]
+
+
+@pytest.mark.parametrize("fmt, group", sorted(AMX_MIN_TOKENS))
+def test_the_amx_crossover_depends_on_format_and_group(fmt, group):
+    for m in range(1, 20):
+        assert kernels.isa_for_tokens(m, fmt, group) == default_integer_isa(fmt, m, group), (m, group)
+    default = {"int8": 128, "int4": 128}.get(fmt, 32)
+    assert kernels.isa_for_tokens(13, fmt) == default_integer_isa(fmt, 13, default)
 
 
 def integer_layer(rng, fmt, n_nodes, group=64, **kwargs):
@@ -409,14 +420,15 @@ def test_layer_with_integer_experts(rng, fmt, n_nodes, isa):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_integer_experts_take_amx_from_the_formats_default_token_count(rng, fmt):
-    """Each expert of a step gets its kernels from its own token count: AMX-INT8 from 5
-    tokens (int8 and int4) where the CPU has it, AVX-512-VNNI below; amx_min_tokens
+    """Each expert of a step gets its kernels from its own token count: AMX-INT8 from the
+    format's and group's crossover where the CPU has it, AVX-512-VNNI below; amx_min_tokens
     overrides the default; the output is the reference's either way."""
     layer, experts, _ = integer_layer(rng, fmt, 1)
+    assert layer.weight_group == 64
     for m in range(1, 18):
         assert layer.isa_for_tokens(m) == default_integer_isa(fmt, m), m
-        assert kernels.isa_for_tokens(m, fmt) == layer.isa_for_tokens(m), m  # what bench kernels runs
-    threshold = AMX_MIN_TOKENS[fmt]
+        assert kernels.isa_for_tokens(m, fmt, 64) == layer.isa_for_tokens(m), m  # what bench kernels runs
+    threshold = AMX_MIN_TOKENS[fmt, 64]
     n_tokens = threshold + 1  # expert 0: every token, expert 1: one, expert 2: threshold
     ids = np.array([[0, 1]] + [[0, 2]] * (n_tokens - 1))
     x = rng.standard_normal((n_tokens, layer.hidden)).astype(BF16)

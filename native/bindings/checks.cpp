@@ -92,6 +92,16 @@ kernels::Format weight_format_named(const std::string& name) {
     return format;
 }
 
+std::string group_choices(kernels::Format format) {
+    return kernels::is_codebook_format(format) ? message("32 (", kernels::format_name(format), "'s block)")
+                                               : std::string("32, 64, 128");
+}
+
+void check_group_of(kernels::Format format, int64_t group) {
+    NUMA_MOE_CHECK(group == 0 || format == kernels::Format::bf16 || kernels::has_group(format, group), "group ", group,
+                   " is not one of ", group_choices(format), " for ", kernels::format_name(format), " weights");
+}
+
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format, int64_t group) {
     kernels::Isa parsed;
     NUMA_MOE_CHECK(kernels::parse_isa(isa.c_str(), &parsed), "unknown ISA '", isa, "': not one of ", kernels::isa_names());
@@ -289,9 +299,7 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
                    " matrix ([rows, cols / group])");
     arg.weights.group = arg.cols / scales.shape(1);
     NUMA_MOE_CHECK(kernels::has_group(arg.format, arg.weights.group), scales_name, ": group ", arg.weights.group,
-                   " (cols / scale columns) is not one of ",
-                   kernels::is_codebook_format(arg.format) ? message("32 (", kernels::format_name(arg.format), "'s block)")
-                                                           : std::string("32, 64, 128"));
+                   " (cols / scale columns) is not one of ", group_choices(arg.format));
     arg.weights.scales = scales.data();
     arg.weights.scales_ld = scales.shape(1);
     const int64_t bad = first_bad_scale(scales.data(), scales.size(), arg.weights.scale_dtype, arg.format);

@@ -44,6 +44,14 @@ bool check_output(const py::array& out, const std::string& name, int64_t rows, i
 // A weight format name: bf16, int8 or int4 (anything else is refused).
 kernels::Format weight_format_named(const std::string& name);
 
+// "32, 64, 128": the groups a weight format's tables exist for (kernels::has_group), for
+// error messages.
+std::string group_choices(kernels::Format format);
+
+// A group given with a weight format: 0 (the format's default), any for bf16, else one of
+// group_choices (anything else is refused).
+void check_group_of(kernels::Format format, int64_t group);
+
 // The KernelOps of an ISA name for a weight format (and group; 0: the format's default,
 // kernels::default_group); unknown or unavailable names are refused.
 const kernels::KernelOps& ops_for(const std::string& isa, kernels::Format format = kernels::Format::bf16,

@@ -186,9 +186,11 @@ The NUMA-partitioned MoE layer step over a WorkerPool (see numa_moe.moe.MoELayer
             NUMA_MOE_CHECK(b >= 0, "group budget must be >= 0 bytes, got ", b);
             l.core->set_group_budget_bytes(b);
         })
-        .def("isa_for_tokens", [](const PyLayer& l, int64_t m, const std::string& format) {
-            return std::string(l.core->isa_for_tokens(m, weight_format_named(format))->name);
-        }, py::arg("m"), py::arg("format") = "bf16")
+        .def("isa_for_tokens", [](const PyLayer& l, int64_t m, const std::string& format, int64_t group) {
+            const kernels::Format f = weight_format_named(format);
+            check_group_of(f, group);
+            return std::string(l.core->isa_for_tokens(m, f, group)->name);
+        }, py::arg("m"), py::arg("format") = "bf16", py::arg("group") = 0)
         .def("thread_rows",
              [](const PyLayer& l, int64_t expert, const std::string& kind) {
                  py::list result;

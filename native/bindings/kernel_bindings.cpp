@@ -165,12 +165,15 @@ void register_kernels(py::module_& m) {
     }, py::arg("format") = "bf16",
           "The fastest ISA with kernels for a weight format here (amx > avx512 > avx2 > ref; never amx_model), "
           "NUMA_MOE_ISA not consulted.");
-    m.def("kernel_isa_for_tokens", [](int64_t m, const std::string& format) {
+    m.def("kernel_isa_for_tokens", [](int64_t m, const std::string& format, int64_t group) {
         NUMA_MOE_CHECK(m >= 1, "tokens must be >= 1, got ", m);
-        return std::string(engine::kernels_for_tokens(m, weight_format_named(format), 0, 0)->name);
-    }, py::arg("m"), py::arg("format") = "bf16",
+        const kernels::Format f = weight_format_named(format);
+        check_group_of(f, group);
+        return std::string(engine::kernels_for_tokens(m, f, group, 0)->name);
+    }, py::arg("m"), py::arg("format") = "bf16", py::arg("group") = 0,
           "The ISA an MoE layer with the default amx_min_tokens runs an expert of m tokens with (AMX from the "
-          "format's crossover, else the fastest other), NUMA_MOE_ISA not consulted.");
+          "format's and group's crossover, else the fastest other), NUMA_MOE_ISA not consulted. group: the "
+          "weights' columns per scale (0: the format's default; ignored for bf16).");
     m.def("default_kernel_isa", [] { return std::string(kernels::isa_name(kernels::default_isa())); },
           "The ISA chosen by default (amx > avx512 > avx2 > ref, or NUMA_MOE_ISA).");
     m.def("matmul_segments", &py_matmul_segments, py::arg("isa"), py::arg("weight"), py::arg("segments"),

@@ -8,7 +8,7 @@ namespace numa_moe::engine {
 
 const kernels::KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, int64_t group, int64_t amx_min_tokens) {
     using kernels::Isa;
-    if (amx_min_tokens <= 0) amx_min_tokens = default_amx_min_tokens(format);
+    if (amx_min_tokens <= 0) amx_min_tokens = default_amx_min_tokens(format, group);
     if (m >= amx_min_tokens)
         if (const kernels::KernelOps* ops = kernels::kernel_ops(Isa::amx, format, group)) return ops;
     for (Isa isa : {Isa::avx512, Isa::avx2, Isa::ref})

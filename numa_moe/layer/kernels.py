@@ -92,12 +92,14 @@ def forced_isa() -> str | None:
     return default_isa()
 
 
-def isa_for_tokens(m: int, fmt: str = "bf16") -> str:
+def isa_for_tokens(m: int, fmt: str = "bf16", group: int | None = None) -> str:
     """The ISA an ``MoELayer`` without an ``isa`` of its own (and with the default
     ``amx_min_tokens``) runs an expert of `m` tokens with: ``NUMA_MOE_ISA`` if set, else
-    AMX from the weight format's crossover (bf16 1, int8, int4 and mxfp4 5 tokens) where this CPU
-    runs it, else the fastest other."""
-    return forced_isa() or _native.kernel_isa_for_tokens(int(m), fmt)
+    AMX from the weight format's and group's crossover where this CPU runs it, else the
+    fastest other (docs/kernels.md, "The per-expert rule": bf16 from 1 token; int8 from 5,
+    4 at group 32; the nibble formats from 5, 7 at group 64, 14 at group 32). group: the
+    weights' columns per scale (None: the format's default)."""
+    return forced_isa() or _native.kernel_isa_for_tokens(int(m), fmt, int(group or 0))
 
 
 def _resolve_isa(isa: str | None, fmt: str = "bf16") -> str:
@@ -191,7 +193,7 @@ def expert_ffn(
     elif threads < 1:
         raise ValueError(f"threads: must be >= 1, got {threads}")
     _native.expert_ffn(
-        str(isa) if isa is not None else isa_for_tokens(max(m, 1), fmt),
+        str(isa) if isa is not None else isa_for_tokens(max(m, 1), fmt, getattr(w_gate, "group", None)),
         x_u16,
         index,
         wg,

@@ -15,9 +15,10 @@ Routing rule: a token that lists the same expert several times gets that expert 
 with the weights summed (the same sum the transformers loop computes with index_add_).
 
 Kernel choice, per expert from its own token count and weight format: AMX (AMX-BF16, or
-AMX-INT8 for int8 / int4 / mxfp4 weights, when the CPU and OS allow it) from ``amx_min_tokens``
-tokens (default: 1 for bf16, 5 for int8, int4 and mxfp4, where AMX-INT8 starts to read
-faster than AVX-512-VNNI; docs/kernels.md), otherwise AVX-512 (BF16, or VNNI for integer weights),
+AMX-INT8 for int8 / int4 / mxfp4 / iq4nl weights, when the CPU and OS allow it) from
+``amx_min_tokens`` tokens (default: where AMX starts to read faster than AVX-512-VNNI,
+per format and group: 1 for bf16; 5 for int8, 4 at group 32; 5 for the nibble formats, 7
+at group 64, 14 at group 32; docs/kernels.md), otherwise AVX-512 (BF16, or VNNI for integer weights),
 AVX2, the scalar reference; never the AMX software model unless forced. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
 
 Thread safety: one layer runs one forward at a time (a per-layer lock; its partial
@@ -134,6 +135,7 @@ class MoELayer:
         self._core = _native.MoELayerCore(self.pool, self.hidden, self.intermediate)
         self._core.set_activation(**self.activation.native_args())
         self.weight_format = "bf16"
+        self.weight_group = 0  # columns per scale of the quantized experts' weights; 0 for bf16
         for e, (weights, table_set) in enumerate(zip(experts, self.tables)):
             operands = [weight_operand(f"expert {e} {kind}", w) for w, kind in zip(weights, KINDS)]
             mats = ExpertMatrices(*(values for values, _, _ in operands))
@@ -149,6 +151,7 @@ class MoELayer:
                                   down_scales=scales[2], gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
                                   format=operands[0][2])
             self.weight_format = operands[0][2]
+            self.weight_group = int(getattr(weights[0], "group", 0))
             self.experts.append(mats)
         self.isa = isa if isa is not None else kernels.forced_isa()
         self._core.set_isa(self.isa)
@@ -421,7 +424,11 @@ class MoELayer:
         return stats
 
     def isa_for_tokens(self, m: int) -> str:
-        return self._core.isa_for_tokens(int(m), self.weight_format) if self.isa is None else self.isa
+        """The ISA this layer runs an expert of `m` tokens with: its own ``isa``, else the
+        per-expert rule for its weight format and group (kernels.isa_for_tokens)."""
+        if self.isa is not None:
+            return self.isa
+        return self._core.isa_for_tokens(int(m), self.weight_format, self.weight_group)
 
     def expert_weight_bytes_per_node(self, expert: int) -> dict[int, int]:
         total = np.zeros(len(self.node_ids), dtype=np.int64)

@@ -285,7 +285,7 @@ def run(shapes=None, m_values=M_VALUES, repeats: int = 20, threads: int | None =
         import torch
 
         torch_version = torch.__version__
-    isa_of = (lambda m: isa) if isa != AUTO_ISA else (lambda m: kernels.isa_for_tokens(m, weight_format))
+    isa_of = (lambda m: isa) if isa != AUTO_ISA else (lambda m: kernels.isa_for_tokens(m, weight_format, group))
     isas = list(dict.fromkeys(isa_of(m) for m in m_values))
     peaks = {name: measure_peak_gflop_s(name, threads, weight_format=weight_format) for name in isas}
     instructions = {name: native_loops.peak_instruction(name, weight_format) if peaks[name] else None
