@@ -123,13 +123,13 @@ def page_cache_read_seconds(path, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def measure(path, weight_format, repeats: int, threads: int):
+def measure(path, weight_format, repeats: int, threads: int, page: str):
     """(median load seconds, expert bytes loaded, read-ceiling GB/s of the loaded buffers,
     source label, median seconds of the page-cache read of the source's expert bytes)."""
     times, ceilings = [], []
     for _ in range(repeats):
         started = time.perf_counter()
-        store = ExpertStore.load(path, progress=False, weight_format=weight_format)
+        store = ExpertStore.load(path, page=page, progress=False, weight_format=weight_format)
         times.append(time.perf_counter() - started)
         buffers = store_buffers(store)
         nbytes = sum(b.nbytes for b in buffers)
@@ -150,6 +150,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="threads of the read ceiling")
+    parser.add_argument("--page", choices=("4k", "2m"), default="4k",
+                        help="page size of the loaded buffers (ExpertStore.load's page)")
     args = parser.parse_args()
     hidden, inter = SHAPES[args.shape]
     rng = np.random.default_rng(0)
@@ -163,7 +165,7 @@ def main() -> None:
         baseline_path = make_checkpoint(tmp / "st", "qwen3-30b-a3b", 1, args.experts, 0, hidden_size=hidden,
                                         intermediate_size=inter, progress=False, shared=False)
         def row(path, fmt):
-            seconds, nbytes, ceiling, label, read = measure(path, fmt, args.repeats, args.threads)
+            seconds, nbytes, ceiling, label, read = measure(path, fmt, args.repeats, args.threads, args.page)
             return label, fmt or "default", seconds, nbytes, ceiling, read
 
         rows = [row(baseline_path, None)]
@@ -177,7 +179,7 @@ def main() -> None:
         for fmt in (None, "int8"):
             rows.append(row(fp8, fmt))
     print(f"ExpertStore.load of 1 layer x {args.experts} experts, {args.shape} shapes (H={hidden}, I={inter}); "
-          f"median of {args.repeats} loads from the page cache")
+          f"median of {args.repeats} loads from the page cache into {args.page} pages")
     print(f"{'source':<28} {'--format':<8} {'load ms':>9} {'loaded MB':>10} {'GB/s':>7} "
           f"{'time x bf16':>11} {'read ms':>8} {'x read':>7} {'of ceiling':>10}")
     for label, fmt, seconds, nbytes, ceiling, read in rows:
