@@ -6,7 +6,8 @@ format, as one table per phase (docs/benchmarks.md, "Decode kernels without AMX"
 
 Decode (M = 1, 2, 4, 8): each format's fraction of the read ceiling of its own bytes
 (weights + scales, `numa-moe bench kernels`' /read column) and the step ratios int8/bf16,
-int4/int8 and mxfp4/int4 (mxfp4 always in its blocks of 32: compare it with --group 32).
+int4/int8, mxfp4/int4 and iq4nl/int4 (mxfp4 and iq4nl always in their blocks of 32:
+compare them with --group 32).
 Prefill (M = 64, 256): each format's fraction of its ISA's peak loop (fp32 FMA for avx2
 bf16, vdpbf16ps for avx512 bf16, vpmaddubsw / vpdpbusd for the integer formats). Every figure comes from `numa_moe.apps.benchmarking.kernels.run`, the code of `numa-moe
 bench kernels` (medians against the fastest interleaved read, 2 MiB pages, no torch).
@@ -23,7 +24,7 @@ import platform
 from numa_moe.layer import kernels
 from numa_moe.apps.benchmarking import kernels as bench
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "iq4nl")
 DECODE_M = (1, 2, 4, 8)
 PREFILL_M = (64, 256)
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "qwen3-235b", "deepseek-v3", "mixtral-8x7b")
@@ -59,8 +60,8 @@ def measure(shapes, isas, m_values, group: int, min_seconds: float) -> dict:
 
 
 def decode_table(rows, shapes, isas) -> list[str]:
-    lines = ["shape            M  isa     bf16 /read  int8 /read  int4 /read mxfp4 /read  int8/bf16  int4/int8"
-             "  mxfp4/int4"]
+    lines = ["shape            M  isa     bf16 /read  int8 /read  int4 /read mxfp4 /read iq4nl /read"
+             "  int8/bf16  int4/int8  mxfp4/int4  iq4nl/int4"]
     for shape in shapes:
         for m in DECODE_M:
             for isa in isas:
@@ -69,12 +70,13 @@ def decode_table(rows, shapes, isas) -> list[str]:
                              "  ".join(f"{cell[fmt].fraction_of_read:>10.2f}" for fmt in FORMATS) +
                              f"  {cell['int8'].ours_ms / cell['bf16'].ours_ms:>9.2f}"
                              f"  {cell['int4'].ours_ms / cell['int8'].ours_ms:>9.2f}"
-                             f"  {cell['mxfp4'].ours_ms / cell['int4'].ours_ms:>10.2f}")
+                             f"  {cell['mxfp4'].ours_ms / cell['int4'].ours_ms:>10.2f}"
+                             f"  {cell['iq4nl'].ours_ms / cell['int4'].ours_ms:>10.2f}")
     return lines
 
 
 def prefill_table(rows, shapes, isas) -> list[str]:
-    lines = ["shape            M  isa     bf16 /peak  int8 /peak  int4 /peak mxfp4 /peak"]
+    lines = ["shape            M  isa     bf16 /peak  int8 /peak  int4 /peak mxfp4 /peak iq4nl /peak"]
     for shape in shapes:
         for m in PREFILL_M:
             for isa in isas:
@@ -102,7 +104,7 @@ def main() -> None:
     m_values = DECODE_M + (() if args.no_prefill else PREFILL_M)
     threads = len(os.sched_getaffinity(0))
     print(f"{cpu_model()}; {threads} threads; ISAs {', '.join(isas)}; int8 / int4 group {args.group}, fp16 scales; "
-          f"mxfp4 e8m0 per 32; 2 MiB pages")
+          f"mxfp4 e8m0 per 32; iq4nl fp16 per 32; 2 MiB pages")
     rows = measure(shapes, isas, m_values, args.group, args.min_seconds)
     print("\n".join(["", "decode: fraction of the read ceiling of each format's bytes; step ratios"]
                     + decode_table(rows, shapes, isas)))
