@@ -127,7 +127,7 @@ def test_bench_layer_cli_with_integer_formats(monkeypatch, tmp_path):
 
     monkeypatch.setitem(layer_bench.BENCH_MODELS, "qwen3-30b-a3b", (6, 2, 256, 128))
     out = tmp_path / "rows.json"
-    result = CliRunner().invoke(cli, ["bench", "layer", "--model", "qwen3-30b-a3b", "-t", "1", "-t", "3", "-r", "2",
+    result = CliRunner().invoke(cli, ["bench", "layer", "--like", "qwen3-30b-a3b", "-t", "1", "-t", "3", "-r", "2",
                                       "--format", "int8", "--format", "int4", "--group", "64", "--json", str(out)])
     assert result.exit_code == 0, result.output
     lines = [line.split() for line in result.output.splitlines() if " T=" in line and not line.startswith("warning")]

@@ -11,9 +11,10 @@ from numa_moe_cli.options import WEIGHT_FORMAT_CHOICES, check_output, isa_option
 
 
 @click.command("layer")
-@click.option("--model", "models", multiple=True,
+@click.option("--like", "--model", "models", multiple=True,
               type=click.Choice(["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b"]),
-              help="layer shapes to run (default: qwen3-30b-a3b and mixtral-8x7b)")
+              help="published models whose layer shapes to run, as --like of run and simulate "
+                   "(default: qwen3-30b-a3b and mixtral-8x7b; --model is the same option)")
 @click.option("--tokens", "-t", "tokens", multiple=True, type=click.IntRange(1), help="token counts (default: 1, 16)")
 @click.option("--repeats", "-r", default=20, show_default=True, type=click.IntRange(1),
               help="random routings per case (medians are reported)")
