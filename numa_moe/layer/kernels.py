@@ -96,8 +96,7 @@ def isa_for_tokens(m: int, fmt: str = "bf16", group: int | None = None) -> str:
     """The ISA an ``MoELayer`` without an ``isa`` of its own (and with the default
     ``amx_min_tokens``) runs an expert of `m` tokens with: ``NUMA_MOE_ISA`` if set, else
     AMX from the weight format's and group's crossover where this CPU runs it, else the
-    fastest other (docs/kernels.md, "The per-expert rule": bf16 from 1 token; int8 from 5,
-    4 at group 32; the nibble formats from 5, 7 at group 64, 14 at group 32). group: the
+    fastest other (the crossovers: docs/kernels.md, "The per-expert rule"). group: the
     weights' columns per scale (None: the format's default)."""
     return forced_isa() or _native.kernel_isa_for_tokens(int(m), fmt, int(group or 0))
 

@@ -17,8 +17,7 @@ with the weights summed (the same sum the transformers loop computes with index_
 Kernel choice, per expert from its own token count and weight format: AMX (AMX-BF16, or
 AMX-INT8 for int8 / int4 / mxfp4 / iq4nl weights, when the CPU and OS allow it) from
 ``amx_min_tokens`` tokens (default: where AMX starts to read faster than AVX-512-VNNI,
-per format and group: 1 for bf16; 5 for int8, 4 at group 32; 5 for the nibble formats, 7
-at group 64, 14 at group 32; docs/kernels.md), otherwise AVX-512 (BF16, or VNNI for integer weights),
+per format and group: docs/kernels.md, "The per-expert rule"), otherwise AVX-512 (BF16, or VNNI for integer weights),
 AVX2, the scalar reference; never the AMX software model unless forced. ``isa=`` (or the environment variable ``NUMA_MOE_ISA``) forces one ISA.
 
 Thread safety: one layer runs one forward at a time (a per-layer lock; its partial
