@@ -114,7 +114,8 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
     grid), a thread's row range cutting segments, many token counts (avx512: both sides of
     the row lanes' 5, 12 (int8) and 16 (int4, in two token passes) and of the lane
     kernel's 16-token lane groups, 16-row row-lane blocks cut; AMX: row and token tiles of
-    16 and 32 cut, more than 16 groups per segment). The avx512 and AMX kernels add the
+    16 and 32 cut, more than 16 groups per segment, and int8 at group 32 in passes of 8
+    token tiles and a short last one). The avx512 and AMX kernels add the
     same fp32 terms in the same order as ref: equal bit for bit."""
     rows, cols = 77, 640
     _, qm = random_qm(rng, rows, cols, fmt, group, scale_dtype)
@@ -123,7 +124,7 @@ def test_matmul_segments_odd_segments_scales_and_groups(rng, fmt, isa, scale_dty
     segments[3, 3] = cols - group  # a last segment of one group
     row_begin, row_end = 4, 71
     covered = covered_rows(segments, rows, row_begin, row_end)
-    for m in sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 31, 33, int(rng.integers(10, 64)), 64}):
+    for m in sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 31, 33, int(rng.integers(10, 64)), 64, 130}):
         x = (rng.standard_normal((m, cols)) * rng.choice([1e-3, 1.0, 50.0], size=(m, 1))).astype(BF16)
         out = np.full((rows, m), np.nan, np.float32)
         out[covered] = rng.standard_normal((covered.sum(), m))
@@ -521,30 +522,46 @@ def test_layer_from_a_quantized_store(tmp_path, rng, fmt, n_nodes):
     assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < FFN_BOUND
 
 
-def tile_rule_counts(row_blocks, m, n_blocks, n_groups, fmt):
-    """The tile instructions of the AMX integer tile rule (docs/kernels.md): per 32-row x
-    32-token block, A tiles a = ceil(rows / 16), B tiles b = ceil(tokens / 16); per
-    K-column block (K = min(group, 64)) a + b loads and a * b tdpbssd, per group a * b
-    tilezero and tilestored;
-    A streamed (tileloadt1) when m <= 32 and the weights are int8 (int4 loads from its
-    staging buffer)."""
+AMX_RESIDENT_MIN_TOKENS = 32  # amx_quant.cpp's kResidentMinTokens (int8 at group 32)
+
+
+def tile_rule_counts(rows, m, cols, group, fmt):
+    """The tile instructions of the AMX integer tile rule (docs/kernels.md) for one segment
+    of rows x cols, and the most tile configurations it loads.
+    - int8 at group 32 from AMX_RESIDENT_MIN_TOKENS tokens: row blocks of 16, C tiles of 16
+      tokens (the last m % 16 in a tile of their own); per tile and group two loads, one
+      tdpbssd, one tilezero and one tilestored; per row block one configuration, two
+      with a short last tile.
+    - else: row blocks of 32 and token blocks of 32, A tiles a = ceil(rows / 16), B tiles
+      b = ceil(tokens / 16); per K-column block (K = min(group, 64)) a + b loads and a * b
+      tdpbssd, per group a * b tilezero and tilestored; A streamed (tileloadt1) when
+      m <= 32 and the weights are int8 (int4 loads from its staging buffer); one
+      configuration per token block shape."""
+    n_groups = cols // group
     counts = dict(loads=0, stream_loads=0, stores=0, zeros=0, dpbssd=0)
-    for rows in row_blocks:
+    if fmt == "int8" and group == 32 and m >= AMX_RESIDENT_MIN_TOKENS:
+        row_blocks = -(-rows // 16)
+        tiles = -(-m // 16)
+        counts.update(loads=2 * row_blocks * tiles * n_groups, stores=row_blocks * tiles * n_groups,
+                      zeros=row_blocks * tiles * n_groups, dpbssd=row_blocks * tiles * n_groups)
+        return counts, row_blocks * (2 if m % 16 else 1)
+    n_blocks = cols // min(group, 64)
+    for block_rows in [32] * (rows // 32) + ([rows % 32] if rows % 32 else []):
         for t0 in range(0, m, 32):
-            a, b = -(-rows // 16), -(-min(32, m - t0) // 16)
+            a, b = -(-block_rows // 16), -(-min(32, m - t0) // 16)
             counts["loads"] += n_blocks * (a + b)
             counts["stream_loads"] += n_blocks * a if (m <= 32 and fmt == "int8") else 0
             counts["dpbssd"] += n_blocks * a * b
             for key in ("stores", "zeros"):
                 counts[key] += n_groups * a * b
-    return counts
+    return counts, 2 * (-(-m // 32))
 
 
 @pytest.mark.skipif("amx_model" not in kernels.available_isas("int8"), reason="the AMX model needs AVX2 + FMA here")
 @pytest.mark.skipif(not hasattr(_native, "testing"), reason="the extension was built without test hooks")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("m", [1, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 16, 17, 40, 160])
 def test_amx_integer_kernel_does_the_tile_work_of_its_rule(rng, fmt, group, m):
     """Counted on the AMX model: one tdpbssd per C tile and K-column block (K = 64, or 32
     for groups of 32), one C tile store per group, no tile work beyond the rule (an extra or
@@ -557,9 +574,9 @@ def test_amx_integer_kernel_does_the_tile_work_of_its_rule(rng, fmt, group, m):
     _native.testing.amx_model_counts(reset=True)
     kernels.matmul_segments(qm, segments, x, out, isa="amx_model")
     counts = _native.testing.amx_model_counts(reset=True)
-    expected = tile_rule_counts([32, 16], m, cols // min(group, 64), cols // group, fmt)
+    expected, most_configs = tile_rule_counts(rows, m, cols, group, fmt)
     assert {key: counts[key] for key in expected} == expected
-    assert counts["dpbf16ps"] == 0 and 1 <= counts["loadconfig"] <= 2 * (-(-m // 32))
+    assert counts["dpbf16ps"] == 0 and 1 <= counts["loadconfig"] <= most_configs
     x_q, x_s = quantize_tokens(x.astype(np.float32), group)
     expected_out = reference_matmul(qm, x_q, x_s, np.arange(rows), 0, cols)
     assert np.abs(out - expected_out).max() <= 1e-5 * np.abs(expected_out).max()

@@ -44,7 +44,10 @@
 //     acc[r][t] += float(dot) * (s_w[r][group] * s_x[t][group])
 // over the stored tile read flat (16 (row, token) pairs a vector, whatever the token count,
 // with the two scale vectors spread by permutes): the reference's fp32 terms in its block
-// order, hence its result bit for bit.
+// order, hence its result bit for bit. int8 at groups of 32 from 32 tokens instead: blocks
+// of 16 rows x 16-token C tiles whose sums stay in registers across groups
+// (run_pass_resident), the same terms in the same order.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -67,6 +70,10 @@ namespace AMX_NAMESPACE {
 namespace {
 
 constexpr int kChunkGroups = 16;  // groups per transposed scale table
+// run_pass_resident: the groups a token tile runs through between turns, and the token
+// tiles of 16 that share one pass over a block's weights.
+constexpr int64_t kResidentGroups = 8;
+constexpr int kPassTiles = 8;
 
 // Streamed weights are requested one row block (32 rows) ahead of the block being read,
 // when their rows are at most 4 KiB: for such rows one block ahead reads faster from
@@ -358,12 +365,13 @@ struct Block {
     TileShape shape;
 };
 
-// A thread's working memory for one matmul_segments call (20 KiB, L1-resident).
+// A thread's working memory for one matmul_segments call (28 KiB).
 struct Scratch {
     alignas(64) float acc[4][256];        // fp32 sums per C tile, pairs in the flat order
     alignas(64) int32_t dots[2][4][256];  // the C tiles of a group, flat; alternate groups
     alignas(64) int8_t stage[2][32][64];  // int4 rows unpacked to int8: a group's two K-steps
     alignas(64) float sw_table[2][kChunkGroups][16];  // weight scales, [group][row] per A tile
+    alignas(64) float pass_sums[kPassTiles][256];  // run_pass_resident: each token tile's sums between turns
 };
 
 // 16 dots of a stored C tile as floats, divided by 2^kShift (dot_shift: exact, the dots
@@ -570,16 +578,142 @@ void run_block(const Block& blk, const Weights& w, int64_t k0, int64_t k1, const
         }
 }
 
+// int8 at groups of 32 (GGUF Q8_0 imports) from kResidentMinTokens tokens: a tdpbssd
+// covers one group, so every 32 columns' dots leave the tile unit to be scaled, and with
+// run_block's 2 x 2 C tiles the epilogue kept the fp32 sums in memory (a load and a store
+// per 16 pairs and group). Here a C tile is 16 rows x 16 tokens (fewer at the edges) whose
+// sums stay in registers (16 vectors: the tile's pairs, flat) while it runs through
+// kResidentGroups groups; the pass's token tiles take turns over those groups (their A
+// rows and B columns then come from L1), each saving its sums once per turn. Consecutive
+// groups alternate between two sets of tiles (A0 B0 C00, A1 B1 C11), and a group's dots are
+// scaled kResidentDepth groups after its store is issued: tiles are not renamed, and the
+// vector loads wait for the tile store. The nibble formats gained nothing from it
+// (docs/kernels.md), their rows' unpacking being the larger part of their work.
+constexpr int64_t kResidentMinTokens = 32;
+constexpr int kResidentDepth = 2;  // groups between a tile store and its epilogue
+
+template <Format F, int64_t G>
+constexpr bool has_resident_pass() {
+    return F == Format::int8 && G == 32;
+}
+
+// acc += the scaled dots of one group of a rows x n C tile, read flat (16 pairs a vector).
+__attribute__((always_inline)) inline void scale_and_add_resident(int rows, int n, const float* sw_rows,
+                                                                   const float* xs, const int32_t* dots,
+                                                                   __m512 (&acc)[16]) {
+    const __m512 sx = _mm512_maskz_loadu_ps(tail_mask16(n), xs);
+    if (n == 16) {  // vector v is row v: its weight scale broadcast, no permutes
+#pragma GCC unroll 16
+        for (int v = 0; v < 16; ++v) {
+            if (v >= rows) break;
+            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sw_rows[v]), sx);
+            acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(dots_as_floats<0>(dots + 16 * v), scale));
+        }
+        return;
+    }
+    const __m512 sw = _mm512_load_ps(sw_rows);
+    const int vectors = (rows * n + 15) / 16;
+#pragma GCC unroll 16
+    for (int v = 0; v < 16; ++v) {
+        if (v >= vectors) break;
+        const __m512 sx_v = _mm512_permutexvar_ps(_mm512_load_si512(kFlatIndex.token[n][v]), sx);
+        const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_load_si512(kFlatIndex.row[n][v]), sw), sx_v);
+        acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(dots_as_floats<0>(dots + 16 * v), scale));
+    }
+}
+
+// Groups [h0, h0 + n_groups) of one token tile (B columns from bq, token scales from xs):
+// per group a product and its store, and the epilogue kResidentDepth groups later.
+// sw_table[g - sw_g0] holds group g's row scales.
+__attribute__((always_inline)) inline void resident_groups(const Block& blk, int64_t h0, int n_groups, const int8_t* bq,
+                                                           const float* xs, int64_t m, const float (*sw_table)[16],
+                                                           int64_t sw_g0, Scratch& scratch, __m512 (&acc)[16]) {
+    constexpr int64_t G = 32;
+    const int rows = blk.shape.rows[0], n = blk.shape.tokens[0];
+    const auto dots_of = [&](int64_t g) { return scratch.dots[0][g & 3]; };  // kResidentDepth + 1 <= 4 buffers
+    const auto epilogue = [&](int64_t g) {
+        scale_and_add_resident(rows, n, sw_table[g - sw_g0], xs + g * m, dots_of(g), acc);
+    };
+    for (int i = 0; i < n_groups; ++i) {
+        const int64_t g = h0 + i;
+        const uint8_t* a = blk.w + g * G;
+        const int8_t* b = bq + g * G * m;
+        int32_t* dots = dots_of(g);
+// Tile registers are literal digits in the instructions' text: one expansion per set.
+#define NUMA_MOE_GROUP_PRODUCT(kA, kB, kC)     \
+    TILE_ZERO(kC);                             \
+    TILE_LOADD(kA, a, blk.w_step_bytes);       \
+    TILE_LOADD(kB, b, 4 * m);                  \
+    TILE_DPBSSD(kC, kA, kB);                   \
+    TILE_STORED(kC, dots, 4 * n)
+        if (g & 1) {
+            NUMA_MOE_GROUP_PRODUCT(kA1, kB1, kC11);
+        } else {
+            NUMA_MOE_GROUP_PRODUCT(kA0, kB0, kC00);
+        }
+#undef NUMA_MOE_GROUP_PRODUCT
+        if (i >= kResidentDepth) epilogue(g - kResidentDepth);
+    }
+    for (int i = n_groups > kResidentDepth ? n_groups - kResidentDepth : 0; i < n_groups; ++i) epilogue(h0 + i);
+}
+
+// One pass of int8 at groups of 32: a block of rows (<= 16) x `tiles` token tiles of n
+// tokens each (<= kPassTiles; n = 16 but in a pass of one tile), over the segment columns
+// [k0, k1); out += the sums at the end.
+void run_pass_resident(const Block& blk, int tiles, const Weights& w, int64_t k0, int64_t k1, const int8_t* q,
+                       const float* xs, int64_t m, Scratch& scratch) {
+    constexpr int64_t G = 32;
+    const int rows = blk.shape.rows[0], n = blk.shape.tokens[0];
+    float (&sw_table)[kChunkGroups][16] = scratch.sw_table[0];
+    float (&sums)[kPassTiles][256] = scratch.pass_sums;
+    __m512 acc[16];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    for (int tile = 0; tile < tiles; ++tile) std::memset(sums[tile], 0, sizeof(sums[tile]));
+    const int64_t g_first = k0 / G, g_end = k1 / G;
+    for (int64_t g0 = g_first; g0 < g_end; g0 += kChunkGroups) {
+        const int n_table = static_cast<int>(g_end - g0 < kChunkGroups ? g_end - g0 : kChunkGroups);
+        row_scale_table(w.scale_dtype, blk.scales, blk.scales_step_bytes, rows, g0, n_table, sw_table);
+        for (int64_t h0 = g0; h0 < g0 + n_table; h0 += kResidentGroups) {
+            const int n_groups = static_cast<int>(std::min<int64_t>(g0 + n_table - h0, kResidentGroups));
+            for (int tile = 0; tile < tiles; ++tile) {
+                // A pass of one tile keeps its sums in registers throughout.
+                if (tiles > 1)
+                    for (int v = 0; v < 16; ++v) acc[v] = _mm512_load_ps(sums[tile] + 16 * v);
+                resident_groups(blk, h0, n_groups, q + 4 * (blk.t0 + 16 * tile), xs + blk.t0 + 16 * tile, m,
+                                sw_table, g0, scratch, acc);
+                if (tiles > 1)
+                    for (int v = 0; v < 16; ++v) _mm512_store_ps(sums[tile] + 16 * v, acc[v]);
+            }
+        }
+    }
+    if (tiles == 1)
+        for (int v = 0; v < 16; ++v) _mm512_store_ps(sums[0] + 16 * v, acc[v]);
+    for (int tile = 0; tile < tiles; ++tile) {
+        float* out = blk.out + 16 * tile;
+        if (n < 16) {
+            add_sums(sums[tile], rows, n, out, blk.out_step_floats);
+            continue;
+        }
+        for (int i = 0; i < rows; ++i) {
+            float* o = out + i * blk.out_step_floats;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_load_ps(sums[tile] + 16 * i)));
+        }
+    }
+}
+
 // Each segment in row blocks of 32 (16 for unprefetched rows at <= 16 tokens) and, within
 // one, token blocks of 32 (a block's weights are read once per token block: from memory
-// once when m <= 32, hence tileloadt1 then).
+// once when m <= 32, hence tileloadt1 then). int8 at groups of 32 from kResidentMinTokens:
+// row blocks of 16, each in passes over up to kPassTiles whole token tiles of 16, then one
+// pass for the last m % 16 tokens (run_pass_resident).
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
     if (m <= 0) return;
+    const bool resident = has_resident_pass<F, G>() && m >= kResidentMinTokens;
     const int8_t* q = static_cast<const int8_t*>(packed);
     const float* xs = token_scales(packed, m, k);
-    const bool stream_weights = m <= 32;
+    const bool stream_weights = m <= 32 && !resident;
     const int64_t row_bytes = column_bytes<F>(w.ld);
     const int64_t scale_row_bytes = w.scales_ld * scale_dtype_bytes(w.scale_dtype);
     TileShape current{{-1, -1}, {-1, -1}, -1};  // tile state of other code on this thread is not trusted
@@ -595,7 +729,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
         // Rows the software does not request are left to the hardware prefetchers, which
         // follow 16 rows read side by side better than 32 (at up to 16 tokens one A tile
         // per block costs no more tile loads per weight byte).
-        const int64_t block_rows = !prefetch && m <= 16 ? 16 : 32;
+        const int64_t block_rows = resident || (!prefetch && m <= 16) ? 16 : 32;
         for (int64_t j = j_lo; j < j_hi; j += block_rows) {
             const int rows = static_cast<int>(j_hi - j < block_rows ? j_hi - j : block_rows);
             const int64_t r = seg.row0 + j * stride;
@@ -603,8 +737,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             const bool request_ahead = prefetch && j + kPrefetchAheadRows < j_hi;
             LinePrefetcher ahead(static_cast<const uint8_t*>(w.data) + (r + kPrefetchAheadRows * stride) * row_bytes,
                                  column_bytes<F>(seg.k0), column_bytes<F>(seg.k1), stride * row_bytes);
-            for (int64_t t0 = 0; t0 < m; t0 += 32) {
-                const int nt = static_cast<int>(m - t0 < 32 ? m - t0 : 32);
+            const auto block_at = [&](int64_t t0, TileShape shape) {
                 Block blk{static_cast<const uint8_t*>(w.data) + r * row_bytes,
                           stride * row_bytes,
                           static_cast<const uint8_t*>(w.scales) + r * scale_row_bytes,
@@ -612,15 +745,31 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                           out + r * ldo + t0,
                           stride * ldo,
                           t0,
-                          TileShape{{rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0},
-                                    {nt < 16 ? nt : 16, nt > 16 ? nt - 16 : 0},
-                                    static_cast<int>(columns_per_product<G>())}};
-                if (!(blk.shape == current)) {
-                    configure(blk.shape);
-                    current = blk.shape;
+                          shape};
+                if (!(shape == current)) {
+                    configure(shape);
+                    current = shape;
                 }
-                run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, request_ahead ? &ahead : nullptr,
-                                scratch);
+                return blk;
+            };
+            LinePrefetcher* requests = request_ahead ? &ahead : nullptr;
+            if (resident) {
+                for (int64_t t0 = 0; t0 < m;) {
+                    const int64_t whole = std::min<int64_t>((m - t0) / 16, kPassTiles);
+                    const int n = whole ? 16 : static_cast<int>(m - t0);
+                    // Both tile sets of run_pass_resident: A0 B0 C00 and A1 B1 C11.
+                    const Block blk = block_at(t0, TileShape{{rows, rows}, {n, n}, static_cast<int>(G)});
+                    run_pass_resident(blk, whole ? static_cast<int>(whole) : 1, w, seg.k0, seg.k1, q, xs, m, scratch);
+                    t0 += whole ? 16 * whole : n;
+                }
+            } else {
+                for (int64_t t0 = 0; t0 < m; t0 += 32) {
+                    const int nt = static_cast<int>(m - t0 < 32 ? m - t0 : 32);
+                    const Block blk = block_at(t0, TileShape{{rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0},
+                                                             {nt < 16 ? nt : 16, nt > 16 ? nt - 16 : 0},
+                                                             static_cast<int>(columns_per_product<G>())});
+                    run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, requests, scratch);
+                }
             }
         }
     });
