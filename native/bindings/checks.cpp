@@ -77,6 +77,17 @@ py::array checked_layout(const py::object& obj, const std::string& name, int ndi
     return a;
 }
 
+py::array byte_rows(const py::object& obj, const std::string& name, int64_t rows, int64_t cols, int64_t itemsize) {
+    NUMA_MOE_CHECK(py::isinstance<py::array>(obj), name, ": expected a numpy array");
+    py::array a = py::reinterpret_borrow<py::array>(obj);
+    NUMA_MOE_CHECK(a.ndim() == 2 && a.shape(0) == rows && a.shape(1) == cols, name, ": shape ", shape_text(a),
+                   ", expected [", rows, ", ", cols, "]");
+    NUMA_MOE_CHECK(a.itemsize() == itemsize, name, ": ", a.itemsize(), "-byte elements, expected ", itemsize);
+    NUMA_MOE_CHECK(a.strides(1) == itemsize && a.strides(0) >= cols * itemsize, name, ": rows must be contiguous");
+    NUMA_MOE_CHECK(a.writeable(), name, ": must be writable");
+    return a;
+}
+
 bool check_output(const py::array& out, const std::string& name, int64_t rows, int64_t cols) {
     const bool bf16 = has_kind(out, Kind::bf16);
     check_array(out, name, bf16 ? Kind::bf16 : Kind::f32, 2, true);

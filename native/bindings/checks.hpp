@@ -37,6 +37,10 @@ py::array checked_array(const py::object& obj, const std::string& name, Kind kin
 // checks): an array, ndim, C-contiguous, aligned.
 py::array checked_layout(const py::object& obj, const std::string& name, int ndim);
 
+// A writable [rows, cols] array of `itemsize`-byte elements (any dtype: the caller's
+// format tells) whose rows are contiguous (any row stride): a conversion's output.
+py::array byte_rows(const py::object& obj, const std::string& name, int64_t rows, int64_t cols, int64_t itemsize);
+
 // The output array of a kernel: float32 or bf16, C-contiguous, writable, of this shape.
 // Returns whether it is bf16.
 bool check_output(const py::array& out, const std::string& name, int64_t rows, int64_t cols);

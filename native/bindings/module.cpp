@@ -8,6 +8,7 @@
 
 namespace numa_moe::bindings {
 void register_placement(pybind11::module_& m);
+void register_formats(pybind11::module_& m);
 void register_kernels(pybind11::module_& m);
 void register_engine(pybind11::module_& m);
 void register_attention(pybind11::module_& m);
@@ -19,8 +20,9 @@ void register_testing(pybind11::module_& m);
 #endif
 
 PYBIND11_MODULE(_native, m) {
-    m.doc() = "numa-moe native core: placement syscalls, expert FFN kernels, per-node workers";
+    m.doc() = "numa-moe native core: placement syscalls, weight-format conversions, expert FFN kernels, per-node workers";
     numa_moe::bindings::register_placement(m);
+    numa_moe::bindings::register_formats(m);
     numa_moe::bindings::register_kernels(m);
     numa_moe::bindings::register_engine(m);
     numa_moe::bindings::register_attention(m);

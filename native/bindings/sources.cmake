@@ -6,6 +6,7 @@ list(APPEND NUMA_MOE_SOURCES
   native/bindings/attention_checks.cpp
   native/bindings/checks.cpp
   native/bindings/engine_bindings.cpp
+  native/bindings/format_bindings.cpp
   native/bindings/gil.cpp
   native/bindings/kernel_bindings.cpp
   native/bindings/placement_bindings.cpp

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/fp16.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/kernel_api.hpp"
@@ -22,24 +23,6 @@
 
 namespace numa_moe::kernels {
 namespace {
-
-float fp16_to_float(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    float value;
-    if (exponent == 0) {
-        value = std::ldexp(static_cast<float>(mantissa), -24);  // zero or subnormal
-    } else if (exponent == 31) {
-        value = mantissa ? std::nanf("") : INFINITY;
-    } else {
-        value = std::ldexp(static_cast<float>(mantissa | 0x400u), static_cast<int>(exponent) - 25);
-    }
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    bits |= sign;
-    std::memcpy(&value, &bits, sizeof(value));
-    return value;
-}
 
 float weight_scale(const Weights& w, int64_t r, int64_t c) {
     const int64_t index = r * w.scales_ld + c / w.group;

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from numa_moe import _native
 from numa_moe import quant as q
 from numa_moe.activation import GPT_OSS, Activation
 from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
@@ -81,8 +82,6 @@ EXACT = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
             "IQ4_NL": LoadFormat("iq4nl", q.GGML_BLOCK, "fp16"),
             "IQ4_XS": LoadFormat("iq4nl", q.GGML_BLOCK, "fp32"),
             "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16")}
-_EXACT_READERS = {"Q8_0": q.from_q8_0, "Q4_0": q.from_q4_0, "MXFP4": q.from_gguf_mxfp4,
-                  "IQ4_NL": q.from_iq4_nl, "IQ4_XS": q.from_iq4_xs, "Q5_0": q.from_q5_0}
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
 INT4_DEFAULT_BITS = 4.5
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -665,27 +664,17 @@ class GGUFImport(ExpertImport):
             read_matrix_into(matrix, values, fd)
             return
         if t in EXACT and EXACT[t] == fmt:
+            # One native pass straight into the store's buffers, checking each block's
+            # scale. A block whose scale is +-0 holds zeros (ggml writes d = 0 for an
+            # all-zero block; IQ4_XS's sub-block scale d * (ls - 32) is 0 at ls = 32,
+            # whatever its codes): iq4nl keeps the zero scale (its codebook has no 0); the
+            # other formats' scales are never 0, so such a block becomes values 0 under the
+            # scale +-1, the same zeros (e8m0 has no zero). The numpy readers of
+            # numa_moe.quant give the same bytes before that rule (tests/test_ggml_blocks.py).
             try:
-                qm = _EXACT_READERS[t](_raw(matrix, fd), matrix.rows, matrix.cols)
+                _native.convert_ggml_blocks(t, _raw(matrix, fd), matrix.rows, matrix.cols, values, scales)
             except ValueError as err:
                 raise CheckpointError(f"{_where(matrix)}: {err}") from None
-            block_scales = qm.scales.astype(np.float32)
-            if not np.all(np.isfinite(block_scales)):
-                r, c = (int(i) for i in np.argwhere(~np.isfinite(block_scales))[0])
-                raise CheckpointError(f"{_where(matrix)}: a NaN or infinite block scale (row {r}, "
-                                      f"block {c})")
-            # A block whose scale is +-0 holds zeros (ggml writes d = 0 for an all-zero
-            # block; IQ4_XS's sub-block scale d * (ls - 32) is 0 at ls = 32, whatever its
-            # codes): iq4nl keeps the zero scale (its codebook has no 0); the other
-            # formats' scales are never 0, so such a block becomes values 0 under the
-            # scale +-1, the same zeros (e8m0 has no zero: mxfp4 never takes this).
-            zero = (block_scales == 0) & (not q.zero_scales_allowed(fmt.fmt))
-            block_values = np.ascontiguousarray(qm.q)
-            if np.any(zero):
-                block_values.reshape(*zero.shape, -1)[zero] = 0
-            values[...] = block_values
-            scales[...] = qm.scales
-            scales[zero] = np.copysign(1, block_scales[zero])
             return
         convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
 

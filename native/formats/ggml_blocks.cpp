@@ -1,0 +1,150 @@
+// One pass over a matrix of ggml blocks (ggml_blocks.hpp): per block the scale checked and
+// copied, the codes copied or re-paired. Plain loops the compiler vectorizes; the loader
+// runs one matrix a thread.
+#include "formats/ggml_blocks.hpp"
+
+#include "common/fp16.hpp"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace numa_moe::formats {
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr uint16_t kFp16ExponentMask = 0x7c00, kFp16SignMask = 0x8000, kFp16One = 0x3c00;
+constexpr uint8_t kE8m0Nan = 0xff;
+
+[[noreturn]] void refuse(int64_t row, int64_t block, const std::string& what) {
+    throw std::invalid_argument(what + " (row " + std::to_string(row) + ", block " + std::to_string(block) + ")");
+}
+
+uint16_t fp16_at(const uint8_t* p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
+
+// A block's fp16 scale, checked; zero scales of the formats that refuse them become +-1
+// (the caller then writes the block's codes as zeros).
+uint16_t checked_scale(uint16_t d, bool keeps_zero, int64_t row, int64_t block, bool* zero_block) {
+    if ((d & kFp16ExponentMask) == kFp16ExponentMask) refuse(row, block, "a NaN or infinite block scale");
+    *zero_block = !keeps_zero && (d & ~kFp16SignMask) == 0;
+    return *zero_block ? static_cast<uint16_t>((d & kFp16SignMask) | kFp16One) : d;
+}
+
+// ggml's 16 code bytes (weight j low in byte j, weight j + 16 high) as the store pairs
+// them: byte i holds weights 2i (low) and 2i + 1 (high), each nibble xor-ed with flip.
+inline void pair_nibbles(const uint8_t* codes, uint8_t* out, uint8_t flip) {
+    for (int i = 0; i < 8; ++i) {
+        const uint8_t even = codes[2 * i], odd = codes[2 * i + 1];
+        out[i] = static_cast<uint8_t>(((even & 0x0f) | (odd & 0x0f) << 4) ^ flip);
+        out[8 + i] = static_cast<uint8_t>(((even >> 4) | (odd & 0xf0)) ^ flip);
+    }
+}
+
+// Whether 32 int8 codes hold -128 (byte 0x80): a word has a byte 0x80 where its xor with
+// 0x80 bytes has a zero byte, which (v - 0x01..) & ~v & 0x80.. tells without false positives
+// for the word as a whole.
+bool holds_minus_128(const uint8_t* codes) {
+    constexpr uint64_t kOnes = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
+    uint64_t found = 0;
+    for (int i = 0; i < 4; ++i) {
+        uint64_t word;
+        std::memcpy(&word, codes + 8 * i, sizeof(word));
+        word ^= kHighs;
+        found |= (word - kOnes) & ~word & kHighs;
+    }
+    return found != 0;
+}
+
+void store_fp16(uint8_t* p, uint16_t v) {
+    p[0] = static_cast<uint8_t>(v);
+    p[1] = static_cast<uint8_t>(v >> 8);
+}
+
+}  // namespace
+
+int64_t ggml_block_weights(GgmlBlocks type) { return type == GgmlBlocks::iq4_xs ? 8 * kBlock : kBlock; }
+
+int64_t ggml_block_bytes(GgmlBlocks type) {
+    switch (type) {
+        case GgmlBlocks::q8_0: return 2 + kBlock;
+        case GgmlBlocks::q4_0:
+        case GgmlBlocks::iq4_nl: return 2 + kBlock / 2;
+        case GgmlBlocks::mxfp4: return 1 + kBlock / 2;
+        case GgmlBlocks::q5_0: return 2 + 4 + kBlock / 2;
+        case GgmlBlocks::iq4_xs: return 2 + 2 + 4 + 8 * kBlock / 2;
+    }
+    return 0;
+}
+
+int64_t ggml_scale_bytes(GgmlBlocks type) {
+    return type == GgmlBlocks::mxfp4 ? 1 : type == GgmlBlocks::iq4_xs ? 4 : 2;
+}
+
+void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int64_t cols, uint8_t* values,
+                         int64_t values_ld, uint8_t* scales, int64_t scales_ld) {
+    const int64_t block_weights = ggml_block_weights(type), block_bytes = ggml_block_bytes(type);
+    if (cols % block_weights)
+        throw std::invalid_argument("cols=" + std::to_string(cols) + " is not a multiple of " +
+                                    std::to_string(block_weights));
+    const int64_t blocks = cols / block_weights;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* in = raw + r * blocks * block_bytes;
+        uint8_t* v = values + r * values_ld;
+        uint8_t* s = scales + r * scales_ld;
+        for (int64_t b = 0; b < blocks; ++b, in += block_bytes) {
+            bool zero = false;
+            switch (type) {
+                case GgmlBlocks::q8_0: {
+                    store_fp16(s + 2 * b, checked_scale(fp16_at(in), false, r, b, &zero));
+                    uint8_t* out = v + b * kBlock;
+                    if (holds_minus_128(in + 2)) refuse(r, b, "a block holds q = -128, outside the symmetric int8 [-127, 127]");
+                    if (zero)
+                        std::memset(out, 0, kBlock);
+                    else
+                        std::memcpy(out, in + 2, kBlock);
+                    break;
+                }
+                case GgmlBlocks::q4_0:
+                case GgmlBlocks::iq4_nl: {
+                    const bool q4 = type == GgmlBlocks::q4_0;
+                    store_fp16(s + 2 * b, checked_scale(fp16_at(in), !q4, r, b, &zero));
+                    uint8_t* out = v + b * kBlock / 2;
+                    if (zero)
+                        std::memset(out, 0, kBlock / 2);
+                    else
+                        pair_nibbles(in + 2, out, q4 ? 0x88 : 0x00);  // Q4_0: q + 8 -> q's two's complement
+                    break;
+                }
+                case GgmlBlocks::mxfp4:
+                    if (in[0] == kE8m0Nan) refuse(r, b, "scale byte 0xFF (NaN in e8m0)");
+                    s[b] = in[0];
+                    pair_nibbles(in + 1, v + b * kBlock / 2, 0x00);
+                    break;
+                case GgmlBlocks::q5_0: {
+                    store_fp16(s + 2 * b, checked_scale(fp16_at(in), false, r, b, &zero));
+                    uint32_t fifth;
+                    std::memcpy(&fifth, in + 2, sizeof(fifth));  // little-endian, as x86-64
+                    auto* out = reinterpret_cast<int8_t*>(v + b * kBlock);
+                    for (int j = 0; j < kBlock; ++j) {
+                        const int low = j < 16 ? in[6 + j] & 0x0f : in[6 + j - 16] >> 4;
+                        out[j] = zero ? 0 : static_cast<int8_t>((low | (fifth >> j & 1) << 4) - 16);
+                    }
+                    break;
+                }
+                case GgmlBlocks::iq4_xs: {
+                    const float d = fp16_to_float(checked_scale(fp16_at(in), true, r, b, &zero));
+                    const uint16_t high_bits = fp16_at(in + 2);
+                    for (int sub = 0; sub < 8; ++sub) {
+                        const int ls = (in[4 + sub / 2] >> 4 * (sub % 2) & 0x0f) | (high_bits >> 2 * sub & 3) << 4;
+                        const float scale = d * static_cast<float>(ls - 32);
+                        std::memcpy(s + 4 * (8 * b + sub), &scale, sizeof(scale));
+                        pair_nibbles(in + 8 + 16 * sub, v + (8 * b + sub) * kBlock / 2, 0x00);
+                    }
+                    break;
+                }
+            }
+        }
+    }
+}
+
+}  // namespace numa_moe::formats

@@ -1,0 +1,42 @@
+// llama.cpp's blocks of weights that load without loss into the store's layouts
+// (docs/checkpoints.md, docs/quantization.md), converted in one pass over the file's bytes.
+//
+// Layouts:
+//   raw     rows x (cols / 32) blocks, row after row. Q8_0: fp16 d, 32 int8 q (w = d q).
+//           Q4_0 / IQ4_NL: fp16 d, 16 code bytes, byte j holding weight j in its low nibble
+//           and weight j + 16 in its high one (Q4_0: q + 8; IQ4_NL: a codebook index).
+//           MXFP4: the e8m0 scale byte, then 16 e2m1 code bytes in Q4_0's order.
+//           Q5_0: fp16 d, a little-endian uint32 whose bit j is weight j's fifth bit, 16
+//           bytes of the low four bits in Q4_0's order (w = d (q - 16)).
+//           IQ4_XS, per 256 weights: fp16 d, a uint16 of the 8 sub-blocks' high scale bits
+//           (2 each), 4 bytes of their low ones (4 each, sub-block 2i in byte i's low
+//           nibble), 8 x 16 IQ4_NL code bytes; sub-block i has the scale d * (ls_i - 32).
+//   values  Q8_0 and Q5_0 int8 [rows, cols]; the others two codes a byte [rows, cols / 2], column 2i
+//           in byte i's low nibble (Q4_0 as two's complement int4); rows values_ld bytes apart
+//   scales  [rows, cols / 32]: fp16 bits (MXFP4: e8m0 bytes; IQ4_XS: fp32 d * (ls - 32),
+//           exact: 11 x 6 significant bits); rows scales_ld bytes apart
+#pragma once
+
+#include <cstdint>
+
+namespace numa_moe::formats {
+
+enum class GgmlBlocks { q8_0, q4_0, iq4_nl, mxfp4, iq4_xs, q5_0 };
+
+// Weights of one block (32; IQ4_XS 256), and its bytes.
+int64_t ggml_block_weights(GgmlBlocks type);
+int64_t ggml_block_bytes(GgmlBlocks type);
+
+// Bytes of one converted scale (fp16 2, e8m0 1, IQ4_XS's fp32 4).
+int64_t ggml_scale_bytes(GgmlBlocks type);
+
+// raw -> values and scales. A block whose fp16 scale is +-0 holds zeros: Q8_0, Q5_0 and Q4_0,
+// whose formats refuse zero scales, store it as zeros under the scale +-1 (the same
+// weights); IQ4_NL and IQ4_XS keep zero scales (their codebook has no zero). Throws
+// std::invalid_argument naming the row and block of the first NaN or infinite fp16 scale,
+// e8m0 scale 0xFF (NaN) or Q8_0 q = -128 (outside the symmetric int8 the kernels take);
+// the outputs are then partly written. cols must be a multiple of the block.
+void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int64_t cols, uint8_t* values,
+                         int64_t values_ld, uint8_t* scales, int64_t scales_ld);
+
+}  // namespace numa_moe::formats

@@ -1,0 +1,110 @@
+"""The loader's native conversion of llama.cpp blocks (_native.convert_ggml_blocks, used by
+every exact GGUF import: Q8_0, Q5_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS): the same bytes as
+numa_moe.quant's numpy readers with the loader's zero-scale rule, the gguf package's values
+element for element, and every bad block or argument refused by name."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from numa_moe import _native
+from numa_moe import quant as q
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+READERS = {"Q8_0": q.from_q8_0, "Q5_0": q.from_q5_0, "Q4_0": q.from_q4_0, "IQ4_NL": q.from_iq4_nl,
+           "MXFP4": q.from_gguf_mxfp4, "IQ4_XS": q.from_iq4_xs}
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "IQ4_NL": 18, "MXFP4": 17, "IQ4_XS": 136}
+BLOCK_WEIGHTS = {"IQ4_XS": 256}
+
+
+def random_blocks(rng, qtype, rows, cols):
+    """Random raw blocks: random codes; fp16 scales of both signs with +0 and -0 among them
+    (MXFP4: random e8m0 bytes but 0xFF); Q8_0 codes without -128."""
+    blocks = rng.integers(0, 256, (rows * cols // BLOCK_WEIGHTS.get(qtype, 32), BLOCK_BYTES[qtype]), dtype=np.uint8)
+    if qtype == "MXFP4":
+        blocks[:, 0] = rng.integers(0, 255, len(blocks))
+    else:
+        d = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        d[::7] = 0
+        d[3::7] = -0.0
+        blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype == "Q8_0":
+        codes = blocks[:, 2:]
+        codes[codes == 0x80] = 0x7F
+    return blocks.reshape(-1)
+
+
+def buffers(qtype, rows, cols, pad=3):
+    """values and scales with rows further apart than their bytes (views into wider arrays)."""
+    bytes_a_weight = qtype in ("Q8_0", "Q5_0")
+    value_cols = cols if bytes_a_weight else cols // 2
+    values = np.full((rows, value_cols + pad), 0x5A, np.int8 if bytes_a_weight else np.uint8)[:, :value_cols]
+    scale_dtype = {"MXFP4": ml_dtypes.float8_e8m0fnu, "IQ4_XS": np.float32}.get(qtype, np.float16)
+    scales = np.zeros((rows, cols // 32 + pad), scale_dtype)[:, :cols // 32]
+    return values, scales
+
+
+@pytest.mark.parametrize("qtype", list(READERS))
+def test_native_conversion_equals_the_readers_and_the_package(rng, qtype):
+    rows, cols = 7, 512
+    raw = random_blocks(rng, qtype, rows, cols)
+    values, scales = buffers(qtype, rows, cols)
+    _native.convert_ggml_blocks(qtype, raw, rows, cols, values, scales)
+    qm = READERS[qtype](raw, rows, cols)
+    want_values, want_scales = np.array(qm.q), np.array(qm.scales)
+    if not q.zero_scales_allowed(qm.fmt) and qtype != "MXFP4":  # the loader's rule: zeros under +-1
+        zero = want_scales.astype(np.float32) == 0
+        assert zero.any()
+        want_values.reshape(rows, cols // 32, -1)[zero] = 0
+        want_scales[zero] = np.copysign(1, want_scales[zero].astype(np.float32))
+    np.testing.assert_array_equal(values.view(np.uint8), want_values.view(np.uint8))
+    np.testing.assert_array_equal(scales.view(np.uint8), want_scales.view(np.uint8))
+    with np.errstate(over="ignore"):  # e8m0 bytes up to 254: 2^127 x 6 is inf on both sides
+        theirs = np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), T[qtype]), np.float32)
+        ours = q.dequantize(q.QuantizedMatrix(qm.fmt, 32, values, scales))
+    np.testing.assert_array_equal(ours, theirs)  # equal values (the sign of a zero aside)
+
+
+@pytest.mark.parametrize("qtype, offset, byte, message", [
+    ("Q8_0", 1, 0x7C, r"a NaN or infinite block scale \(row 2, block 3\)"),  # fp16 +inf's high byte
+    ("Q4_0", 1, 0xFE, r"a NaN or infinite block scale \(row 2, block 3\)"),  # a negative NaN
+    ("IQ4_NL", 1, 0xFC, r"a NaN or infinite block scale \(row 2, block 3\)"),
+    ("IQ4_XS", 1, 0x7C, r"a NaN or infinite block scale \(row 2, block 3\)"),
+    ("MXFP4", 0, 0xFF, r"scale byte 0xFF \(NaN in e8m0\) \(row 2, block 3\)"),
+    ("Q5_0", 1, 0xFF, r"a NaN or infinite block scale \(row 2, block 3\)"),
+    ("Q8_0", 9, 0x80, r"q = -128, outside the symmetric int8 \[-127, 127\] \(row 2, block 3\)")])
+def test_a_bad_block_is_named(rng, qtype, offset, byte, message):
+    rows, cols = 4, 1280
+    raw = random_blocks(rng, qtype, rows, cols)
+    at = (2 * (cols // BLOCK_WEIGHTS.get(qtype, 32)) + 3) * BLOCK_BYTES[qtype] + offset
+    raw[at] = byte
+    if offset == 1:
+        raw[at - 1] = 0x00 if byte == 0x7C else 0x01  # exponent all ones: +inf, or a NaN
+    values, scales = buffers(qtype, rows, cols)
+    with pytest.raises(ValueError, match=message):
+        _native.convert_ggml_blocks(qtype, raw, rows, cols, values, scales)
+
+
+def test_bad_arguments_are_refused(rng):
+    rows, cols = 2, 64
+    raw = random_blocks(rng, "Q4_0", rows, cols)
+    values, scales = buffers("Q4_0", rows, cols)
+    convert = _native.convert_ggml_blocks
+    with pytest.raises(ValueError, match="ggml type 'Q4_K' is not one of Q8_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS, Q5_0"):
+        convert("Q4_K", raw, rows, cols, values, scales)
+    with pytest.raises(ValueError, match="cols a positive multiple of 32"):
+        convert("Q4_0", raw, rows, 48, values, scales)
+    with pytest.raises(ValueError, match="Q4_0: 72 bytes for a 2 x 96 matrix, expected 108"):
+        convert("Q4_0", raw, rows, 96, values, scales)
+    with pytest.raises(ValueError, match=r"values: shape \(2, 16\), expected \[2, 32\]"):
+        convert("Q4_0", raw, rows, cols, values[:, :16], scales)
+    with pytest.raises(ValueError, match="values: rows must be contiguous"):
+        convert("Q4_0", raw, rows, cols, np.zeros((rows, 64), np.uint8)[:, ::2], scales)
+    with pytest.raises(ValueError, match="scales: 4-byte elements, expected 2"):
+        convert("Q4_0", raw, rows, cols, values, scales.astype(np.float32))
+    values.flags.writeable = False
+    with pytest.raises(ValueError, match="values: must be writable"):
+        convert("Q4_0", raw, rows, cols, values, scales)
