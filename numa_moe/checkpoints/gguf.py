@@ -18,7 +18,9 @@ Conversion into the store's layout (``GGUFImport``, one expert matrix at a time)
   ``from_iq4_nl``; the block scales land in their own row-major tensor);
 * IQ4_XS -> iq4nl, group 32, fp32 scales d * (ls - 32) (exact in fp32), at 1.18x the
   file's bytes (its two-level scales flattened, ``from_iq4_xs``), and Q5_0 -> int8, group
-  32, fp16 scales, at 1.5x (``from_q5_0``): no loss, their defaults;
+  32, fp16 scales, at 1.5x (``from_q5_0``): no loss, their defaults. These exact loads run
+  natively, one pass from the file's bytes into the store's buffers
+  (``_native.convert_ggml_blocks``: the same bytes as the numpy readers named here);
 * BF16, F16, F32: copied as they are;
 * every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_1, NVFP4, ...):
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
