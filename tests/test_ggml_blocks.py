@@ -38,12 +38,14 @@ def random_blocks(rng, qtype, rows, cols):
 
 
 def buffers(qtype, rows, cols, pad=3):
-    """values and scales with rows further apart than their bytes (views into wider arrays)."""
+    """values and scales with rows further apart than their bytes (views into wider arrays),
+    both filled with the byte 0x5A, so that an element the conversion leaves unwritten shows."""
     bytes_a_weight = qtype in ("Q8_0", "Q5_0")
     value_cols = cols if bytes_a_weight else cols // 2
     values = np.full((rows, value_cols + pad), 0x5A, np.int8 if bytes_a_weight else np.uint8)[:, :value_cols]
     scale_dtype = {"MXFP4": ml_dtypes.float8_e8m0fnu, "IQ4_XS": np.float32}.get(qtype, np.float16)
-    scales = np.zeros((rows, cols // 32 + pad), scale_dtype)[:, :cols // 32]
+    scales = np.full((rows, (cols // 32 + pad) * np.dtype(scale_dtype).itemsize), 0x5A, np.uint8)
+    scales = scales.view(scale_dtype)[:, :cols // 32]
     return values, scales
 
 
