@@ -165,10 +165,9 @@ def check_fits(nbytes: int, what: str) -> None:
 
 def _real_nodes() -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(online nodes, nodes this process may allocate on): real kernel ids."""
-    from numa_moe.placement.topology import Topology
+    from numa_moe.placement.topology import memory_nodes
 
-    topo = Topology.detect()
-    return topo.node_ids, topo.allowed_nodes
+    return memory_nodes()
 
 
 def _validate_nodes(nodes: Sequence[int] | None, call: str) -> tuple[int, ...]:
