@@ -76,8 +76,9 @@ void query_resident_pages(const void* address, std::size_t length, unsigned char
 std::vector<int> get_affinity(int pid);
 void set_affinity(int pid, const std::vector<int>& cpus);
 
-// Writes one byte per `stride_bytes` over [address, address + length) using up to
-// `threads` threads, so that every page is faulted in by a write (first touch).
+// Faults every page of [address, address + length) in by a write (first touch), using up
+// to `threads` threads: MADV_POPULATE_WRITE where the kernel has it, else one byte written
+// per `stride_bytes` (address and stride page-aligned).
 void parallel_first_touch(void* address, std::size_t length, std::size_t stride_bytes,
                           int threads);
 
