@@ -180,7 +180,8 @@ def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | 
     int8 / int4: each group's scale is its largest magnitude over Q_MAX, rounded to
     ``scale_dtype``; q is computed with that stored scale (round half to even, clipped),
     so dequantize() reproduces exactly what a kernel computes. An all-zero group gets scale
-    1 (never 0: zero scales are refused on load).
+    1 (never 0: zero scales are refused on load); a group whose scale rounds to infinity
+    (fp16 from 65520) is refused.
 
     mxfp4 (OCP MX v1.0): each block of 32 shares the scale 2^(floor(log2(amax)) - 2), the
     exponent clamped to e8m0's range (an all-zero block gets 2^0), and every element
@@ -208,7 +209,13 @@ def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | 
         return _quantize_mxfp4(blocks, amax)
     if fmt == "iq4nl":
         return _quantize_iq4nl(blocks, scale_dtype)
-    scales = (amax / Q_MAX[fmt]).astype(SCALE_DTYPES[scale_dtype])
+    with np.errstate(over="ignore"):  # refused just below
+        scales = (amax / Q_MAX[fmt]).astype(SCALE_DTYPES[scale_dtype])
+    beyond = np.isinf(scales.astype(np.float32))
+    if beyond.any():
+        r, g = (int(i[0]) for i in np.nonzero(beyond))
+        raise ValueError(f"the group's largest magnitude {float(amax[r, g]):f} needs a scale beyond its dtype's "
+                         f"range (row {r}, group {g})")
     scales[scales.astype(np.float32) == 0] = 1  # all-zero (or underflowing) groups
     s32 = scales.astype(np.float32)[:, :, None]
     q = np.clip(np.rint(blocks / s32), Q_MIN[fmt], Q_MAX[fmt]).astype(np.int8).reshape(rows, cols)

@@ -1,7 +1,8 @@
 """FP8 (DeepSeek-V3 style) checkpoints: tiny files written with torch's float8_e4m3fn and
 128 x 128 block scales; the BF16 import equals torch's own dequantization bit for bit,
 INT8 stays within numa_moe.quant.error_bound of it, and missing or mis-shaped scales are
-one-line errors when the headers are read."""
+one-line errors when the headers are read. The native pass (_native.dequantize_fp8_blocks)
+on every e4m3 code against torch, and NaN weight bytes named."""
 
 from __future__ import annotations
 
@@ -123,3 +124,69 @@ def test_block_size_from_the_config_must_match_the_scales(tmp_path):
     path, _ = write_fp8(tmp_path / "ck", 3, config_block=(64, 64))
     with pytest.raises(CheckpointError, match="one scale per 64 x 64 block"):
         open_checkpoint(path)
+
+
+def test_every_e4m3_code_dequantizes_as_torch_does(rng):
+    """The native pass on every finite e4m3 byte (subnormals, both zeros, the largest 448),
+    partial blocks on both axes, scales of random magnitude: torch's products bit for bit,
+    in float32 and rounded to bf16, into rows further apart than their elements."""
+    from numa_moe import _native
+
+    rows, cols, block = 130, 300, (64, 128)
+    codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)
+    w = rng.permutation(np.resize(codes, rows * cols)).reshape(rows, cols)
+    scales = (rng.random((3, 3)) * np.exp(rng.uniform(-20, 20, (3, 3)))).astype(np.float32)
+    tw = torch.from_numpy(w).view(torch.float8_e4m3fn)
+    ts = torch.from_numpy(scales).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    want = tw.to(torch.float32) * ts
+    out = np.full((rows, cols + 7), np.nan, np.float32)[:, :cols]
+    _native.dequantize_fp8_blocks(w, scales, *block, out)
+    np.testing.assert_array_equal(out.view(np.uint32), want.numpy().view(np.uint32))
+    out16 = np.zeros((rows, cols + 3), np.uint16)[:, :cols]
+    _native.dequantize_fp8_blocks(w, scales, *block, out16)
+    np.testing.assert_array_equal(out16, want.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_a_nan_weight_is_named(tmp_path, rng, byte):
+    from numa_moe import _native
+
+    w = rng.integers(0, 0x7E, (4, 256), dtype=np.uint8)
+    w[2, 200] = byte
+    scales = np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match=rf"a NaN weight \(byte 0x{byte:02X}\) \(row 2, column 200\)"):
+        _native.dequantize_fp8_blocks(w, scales, 128, 128, np.empty((4, 256), np.float32))
+    path, tensors = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    bad = tensors[name].view(torch.uint8).clone()
+    bad[5, 17] = byte
+    tensors[name] = bad.view(torch.float8_e4m3fn)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{name}.*expert 1 up\): a NaN weight \(byte 0x{byte:02X}\) "
+                                              r"\(row 5, column 17\)"):
+        ExpertStore.load(path, progress=False)
+
+
+def test_fp8_bad_arguments_are_refused():
+    from numa_moe import _native
+
+    w = np.zeros((4, 256), np.uint8)
+    scales = np.ones((1, 2), np.float32)
+    out = np.empty((4, 256), np.float32)
+    fp8 = _native.dequantize_fp8_blocks
+    with pytest.raises(ValueError, match=r"scales: shape \(1, 2\), expected \(2, 2\) for a 4 x 256 matrix in "
+                                         "blocks of 2 x 128"):
+        fp8(w, scales, 2, 128, out)
+    with pytest.raises(ValueError, match="block 0 x 128: both sides must be positive"):
+        fp8(w, scales, 0, 128, out)
+    with pytest.raises(ValueError, match="w: expected e4m3 bytes"):
+        fp8(w.view(np.uint16), scales, 128, 128, out)
+    with pytest.raises(ValueError, match="scales: dtype float64, expected float32"):
+        fp8(w, scales.astype(np.float64), 128, 128, out)
+    with pytest.raises(ValueError, match="out: expected float32 or bfloat16 elements"):
+        fp8(w, scales, 128, 128, np.zeros((4, 256), np.float16))
+    with pytest.raises(ValueError, match=r"out: shape \(4, 128\), expected \[4, 256\]"):
+        fp8(w, scales, 128, 128, out[:, :128])
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out: must be writable"):
+        fp8(w, scales, 128, 128, out)

@@ -1,7 +1,9 @@
 """The loader's native conversion of llama.cpp blocks (_native.convert_ggml_blocks, used by
 every exact GGUF import: Q8_0, Q5_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS): the same bytes as
 numa_moe.quant's numpy readers with the loader's zero-scale rule, the gguf package's values
-element for element, and every bad block or argument refused by name."""
+element for element, and every bad block or argument refused by name. The K-quants'
+dequantization (_native.dequantize_ggml_k_blocks: Q2_K .. Q6_K, the requantized imports)
+against the gguf package's, bit for bit."""
 
 from __future__ import annotations
 
@@ -110,3 +112,71 @@ def test_bad_arguments_are_refused(rng):
     values.flags.writeable = False
     with pytest.raises(ValueError, match="values: must be writable"):
         convert("Q4_0", raw, rows, cols, values, scales)
+
+
+# ------------------------------------------------------------------ K-quants (dequantized)
+
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# (byte offset of d, of dmin or None) in each type's 256-weight block
+K_SUPER_SCALES = {"Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+
+
+def random_k_blocks(rng, qtype, rows, cols):
+    """Random K-quant blocks: random bytes, then finite fp16 d and dmin of both signs with
+    +0, -0 and subnormals among them."""
+    size = gguf.GGML_QUANT_SIZES[T[qtype]][1]
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    for at in K_SUPER_SCALES[qtype]:
+        if at is None:
+            continue
+        d = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        d[::5] = 0
+        d[1::5] = -0.0
+        d[2::5] = np.float16(3e-6) * rng.integers(-8, 8, len(d[2::5]))  # fp16 subnormals
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+@pytest.mark.parametrize("rows, cols", [(1, 256), (5, 768), (3, 2048)])
+def test_k_quants_dequantize_as_the_package_does(rng, qtype, rows, cols):
+    raw = random_k_blocks(rng, qtype, rows, cols)
+    out = np.full((rows, cols), np.nan, np.float32)
+    _native.dequantize_ggml_k_blocks(qtype, raw, rows, cols, out)
+    want = np.asarray(gguf.quants.dequantize(raw, T[qtype]), dtype=np.float32).reshape(rows, cols)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))  # bit for bit, signed zeros too
+
+
+@pytest.mark.parametrize("qtype, scale", [(t, i) for t in K_QUANTS for i in range(2) if K_SUPER_SCALES[t][i] is not None])
+@pytest.mark.parametrize("high_byte", [0x7C, 0xFE])  # +inf, a negative NaN
+def test_a_k_quant_nan_or_infinite_super_scale_is_named(rng, qtype, scale, high_byte):
+    rows, cols = 4, 1024
+    raw = random_k_blocks(rng, qtype, rows, cols)
+    size = gguf.GGML_QUANT_SIZES[T[qtype]][1]
+    at = (2 * (cols // 256) + 3) * size + K_SUPER_SCALES[qtype][scale]
+    raw[at:at + 2] = (0x00 if high_byte == 0x7C else 0x01, high_byte)
+    name = ("d", "dmin")[scale]
+    with pytest.raises(ValueError, match=rf"a NaN or infinite {name} \(row 2, block 3\)"):
+        _native.dequantize_ggml_k_blocks(qtype, raw, rows, cols, np.empty((rows, cols), np.float32))
+
+
+def test_k_quant_bad_arguments_are_refused(rng):
+    rows, cols = 2, 512
+    raw = random_k_blocks(rng, "Q4_K", rows, cols)
+    out = np.empty((rows, cols), np.float32)
+    dequantize = _native.dequantize_ggml_k_blocks
+    with pytest.raises(ValueError, match="ggml type 'Q4_0' is not one of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"):
+        dequantize("Q4_0", raw, rows, cols, out)
+    with pytest.raises(ValueError, match="cols a positive multiple of 256"):
+        dequantize("Q4_K", raw, rows, 384, out)
+    with pytest.raises(ValueError, match="Q4_K: 576 bytes for a 2 x 768 matrix, expected 864"):
+        dequantize("Q4_K", raw, rows, 768, np.empty((rows, 768), np.float32))
+    with pytest.raises(ValueError, match=r"out: shape \(2, 256\), expected \(2, 512\)"):
+        dequantize("Q4_K", raw, rows, cols, out[:, :256].copy())
+    with pytest.raises(ValueError, match="out: dtype float64, expected float32"):
+        dequantize("Q4_K", raw, rows, cols, np.zeros((rows, cols)))
+    with pytest.raises(ValueError, match="out: must be C-contiguous"):
+        dequantize("Q4_K", raw, rows, cols, np.empty((rows, 2 * cols), np.float32)[:, ::2])
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out: must be writable"):
+        dequantize("Q4_K", raw, rows, cols, out)

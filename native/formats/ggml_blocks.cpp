@@ -147,4 +147,119 @@ void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int6
     }
 }
 
+namespace {
+
+// A K-quant super-scale (d or dmin), checked.
+float checked_super_scale(const uint8_t* p, int64_t row, int64_t block, const char* name) {
+    const uint16_t bits = fp16_at(p);
+    if ((bits & kFp16ExponentMask) == kFp16ExponentMask) refuse(row, block, std::string("a NaN or infinite ") + name);
+    return fp16_to_float(bits);
+}
+
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and minima of the 8 sub-blocks: bytes 0-3 hold
+// sub-blocks 0-3's scales (low 6 bits) and the top bits of 4-7's, bytes 4-7 the same for
+// the minima, bytes 8-11 the low 4 bits of 4-7's scale (low nibble) and minimum (high).
+void scales_and_minima(const uint8_t* p, int sc[8], int m[8]) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = p[j] & 63;
+        m[j] = p[4 + j] & 63;
+        sc[4 + j] = (p[8 + j] & 0x0f) | ((p[j] >> 2) & 0x30);
+        m[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
+    }
+}
+
+// Q4_K and Q5_K (fifth = the 32 bytes of fifth bits, or null): sub-block j's weights
+// are the low (j even) or high nibbles of bytes 32 (j / 2) ..+ 32, the fifth bit bit j of
+// fifth[i].
+void dequantize_q45_k(const uint8_t* block, const uint8_t* fifth, const uint8_t* codes, int64_t row, int64_t b,
+                      float* out) {
+    const float d = checked_super_scale(block, row, b, "d"), dmin = checked_super_scale(block + 2, row, b, "dmin");
+    int sc[8], m[8];
+    scales_and_minima(block + 4, sc, m);
+    for (int j = 0; j < 8; ++j) {
+        const float scale = d * static_cast<float>(sc[j]), minimum = dmin * static_cast<float>(m[j]);
+        const uint8_t* bytes = codes + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < 32; ++i) {
+            int q = bytes[i] >> shift & 0x0f;
+            if (fifth != nullptr) q |= (fifth[i] >> j & 1) << 4;
+            out[32 * j + i] = scale * static_cast<float>(q) - minimum;
+        }
+    }
+}
+
+// Q6_K: weight e = 128 h + 32 s + i (h < 2, s < 4, i < 32) has its low 4 bits in byte
+// 64 h + 32 (s % 2) + i of the low bits (nibble s / 2), its high 2 in bits 2 s of byte
+// 32 h + i of the high bits; scale e / 16.
+void dequantize_q6_k(const uint8_t* block, int64_t row, int64_t b, float* out) {
+    const uint8_t *low = block, *high = block + 128;
+    const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = checked_super_scale(block + 208, row, b, "d");
+    for (int e = 0; e < kGgmlSuperBlock; ++e) {
+        const int h = e / 128, s = e % 128 / 32, i = e % 32;
+        const int q = (low[64 * h + 32 * (s % 2) + i] >> 4 * (s / 2) & 0x0f) | (high[32 * h + i] >> 2 * s & 3) << 4;
+        out[e] = (d * static_cast<float>(scales[e / 16])) * static_cast<float>(q - 32);
+    }
+}
+
+// Q3_K: weight e = 128 h + 32 s + i: 2 bits at 2 s of byte 32 h + i, the high bit bit
+// (4 h + s) of hmask[i]; scale e / 16, its low 4 bits in byte k % 8 (nibble k / 8), its
+// high 2 at 2 (k / 4) of byte 8 + k % 4.
+void dequantize_q3_k(const uint8_t* block, int64_t row, int64_t b, float* out) {
+    const uint8_t *hmask = block, *codes = block + 32, *packed = block + 96;
+    const float d = checked_super_scale(block + 108, row, b, "d");
+    for (int e = 0; e < kGgmlSuperBlock; ++e) {
+        const int h = e / 128, s = e % 128 / 32, i = e % 32, k = e / 16;
+        const int scale = ((packed[k % 8] >> 4 * (k / 8) & 0x0f) | (packed[8 + k % 4] >> 2 * (k / 4) & 3) << 4) - 32;
+        const int q = (codes[32 * h + i] >> 2 * s & 3) - 4 * (1 - (hmask[i] >> (4 * h + s) & 1));
+        out[e] = (d * static_cast<float>(scale)) * static_cast<float>(q);
+    }
+}
+
+// Q2_K: weight e = 128 h + 32 s + i: 2 bits at 2 s of byte 32 h + i; sub-block e / 16's
+// scale in the low nibble of its byte, its minimum in the high one.
+void dequantize_q2_k(const uint8_t* block, int64_t row, int64_t b, float* out) {
+    const uint8_t *packed = block, *codes = block + 16;
+    const float d = checked_super_scale(block + 80, row, b, "d"), dmin = checked_super_scale(block + 82, row, b, "dmin");
+    for (int e = 0; e < kGgmlSuperBlock; ++e) {
+        const int h = e / 128, s = e % 128 / 32, i = e % 32, k = e / 16;
+        const float scale = d * static_cast<float>(packed[k] & 0x0f), minimum = dmin * static_cast<float>(packed[k] >> 4);
+        out[e] = scale * static_cast<float>(codes[32 * h + i] >> 2 * s & 3) - minimum;
+    }
+}
+
+}  // namespace
+
+int64_t ggml_k_block_bytes(GgmlKQuant type) {
+    switch (type) {
+        case GgmlKQuant::q2_k: return 16 + 64 + 2 + 2;
+        case GgmlKQuant::q3_k: return 32 + 64 + 12 + 2;
+        case GgmlKQuant::q4_k: return 2 + 2 + 12 + 128;
+        case GgmlKQuant::q5_k: return 2 + 2 + 12 + 32 + 128;
+        case GgmlKQuant::q6_k: return 128 + 64 + 16 + 2;
+    }
+    return 0;
+}
+
+void dequantize_ggml_k_blocks(GgmlKQuant type, const uint8_t* raw, int64_t rows, int64_t cols, float* out,
+                              int64_t out_ld) {
+    if (cols % kGgmlSuperBlock)
+        throw std::invalid_argument("cols=" + std::to_string(cols) + " is not a multiple of " +
+                                    std::to_string(kGgmlSuperBlock));
+    const int64_t blocks = cols / kGgmlSuperBlock, block_bytes = ggml_k_block_bytes(type);
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* in = raw + r * blocks * block_bytes;
+        for (int64_t b = 0; b < blocks; ++b, in += block_bytes) {
+            float* o = out + r * out_ld + b * kGgmlSuperBlock;
+            switch (type) {
+                case GgmlKQuant::q2_k: dequantize_q2_k(in, r, b, o); break;
+                case GgmlKQuant::q3_k: dequantize_q3_k(in, r, b, o); break;
+                case GgmlKQuant::q4_k: dequantize_q45_k(in, nullptr, in + 16, r, b, o); break;
+                case GgmlKQuant::q5_k: dequantize_q45_k(in, in + 16, in + 48, r, b, o); break;
+                case GgmlKQuant::q6_k: dequantize_q6_k(in, r, b, o); break;
+            }
+        }
+    }
+}
+
 }  // namespace numa_moe::formats

@@ -39,4 +39,29 @@ int64_t ggml_scale_bytes(GgmlBlocks type);
 void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int64_t cols, uint8_t* values,
                          int64_t values_ld, uint8_t* scales, int64_t scales_ld);
 
+// llama.cpp's K-quants: super-blocks of 256 weights under fp16 scales, 6- or 4-bit scales
+// (and minima) per sub-block of 16 or 32. They load through float32 (their sub-block
+// structure is not one of the store's formats):
+//   Q2_K  16 scale bytes (sub-block k of 16: scale low nibble, minimum high), 64 bytes of
+//         2-bit q, fp16 d, fp16 dmin: w = (d sc) q - (dmin m)
+//   Q3_K  32 bytes of high bits, 64 of 2-bit q, 12 bytes of 6-bit scales, fp16 d:
+//         w = (d (sc - 32)) (q - 4 (1 - high bit))
+//   Q4_K  fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minima per sub-block of 32, 128
+//         bytes of 4-bit q: w = (d sc) q - (dmin m)
+//   Q5_K  as Q4_K with 32 bytes of fifth bits before the 4-bit q
+//   Q6_K  128 bytes of low 4 bits, 64 of high 2, 16 int8 scales per 16, fp16 d:
+//         w = (d sc) (q - 32)
+// The bits of each q as gguf-py's dequantize_blocks reads them (docs/checkpoints.md).
+enum class GgmlKQuant { q2_k, q3_k, q4_k, q5_k, q6_k };
+
+constexpr int64_t kGgmlSuperBlock = 256;  // weights of a K-quant block
+int64_t ggml_k_block_bytes(GgmlKQuant type);
+
+// raw (rows x cols / 256 blocks) -> out float32 [rows, cols], rows out_ld floats apart:
+// float32 arithmetic in the gguf package's order (each product and difference rounded),
+// so the result equals gguf.quants.dequantize's bit for bit. Throws std::invalid_argument
+// naming the row and block of the first NaN or infinite d or dmin (out partly written).
+void dequantize_ggml_k_blocks(GgmlKQuant type, const uint8_t* raw, int64_t rows, int64_t cols, float* out,
+                              int64_t out_ld);
+
 }  // namespace numa_moe::formats

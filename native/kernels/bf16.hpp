@@ -1,32 +1,17 @@
-// bf16 <-> fp32 conversions (round to nearest even, NaN kept quiet) and the activation,
-// shared by every kernel translation unit; each ISA gets its own copies (isa_namespace.hpp).
+// bf16 rows <-> fp32 (the scalar conversions: common/fp16.hpp) and the activation, shared
+// by every kernel translation unit; each ISA gets its own copies (isa_namespace.hpp).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "common/fp16.hpp"
 #include "common/isa_namespace.hpp"
 #include "kernels/kernel_api.hpp"
 
 namespace numa_moe::kernels {
 inline namespace NUMA_MOE_ISA_NS {
-
-inline float bf16_to_float(uint16_t value) {
-    const uint32_t bits = static_cast<uint32_t>(value) << 16;
-    float result;
-    std::memcpy(&result, &bits, sizeof(result));
-    return result;
-}
-
-// Branch-free, so that loops over it (floats_to_bf16) vectorise in baseline code.
-inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
 
 inline void floats_to_bf16(const float* src, uint16_t* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numa_moe import formats, quant as q
+from numa_moe import _native, formats, quant as q
 from numa_moe.files import CheckpointError, OpenFiles
 from numa_moe.formats import FLOAT_NUMPY, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
 
@@ -112,13 +112,28 @@ class ExpertImport:
 def convert_float(w: np.ndarray, values: np.ndarray, scales: np.ndarray | None,
                   fmt: LoadFormat, where: str) -> None:
     """float32 values of one matrix into the store's rows: rounded to a float format
-    (round to nearest even), or quantized by ``numa_moe.quant.quantize``."""
+    (round to nearest even), or quantized (quantize_into)."""
 
     if fmt.group is None:
         values[...] = w.astype(FLOAT_NUMPY[fmt.fmt])
         return
+    quantize_into(w, fmt.fmt, fmt.group, fmt.scale_dtype, values, scales, where)
+
+
+def quantize_into(w, fmt: str, group: int, scale_dtype: str, values: np.ndarray, scales: np.ndarray,
+                  where: str) -> None:
+    """``numa_moe.quant.quantize(w, fmt, group, scale_dtype)`` written into ``values`` and
+    ``scales`` (a store's rows: each row contiguous): int8 and int4 in one native pass
+    (``_native.quantize_groups``: the same bytes, tests/test_group_quant.py), the other
+    formats through quant.quantize. A weight it refuses (NaN, infinity, a group whose scale
+    is beyond its dtype) is a CheckpointError naming ``where``."""
     try:
-        qm = q.quantize(w, fmt.fmt, fmt.group, fmt.scale_dtype)
+        if fmt in ("int8", "int4"):
+            w32 = np.ascontiguousarray(w, dtype=np.float32)
+            q.check_arguments(weight_format=fmt, group=group, scale_dtype=scale_dtype)
+            _native.quantize_groups(w32, fmt, group, scale_dtype, values, scales)
+            return
+        qm = q.quantize(w, fmt, group, scale_dtype)
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}; cannot quantize it") from None
     values[...] = qm.q

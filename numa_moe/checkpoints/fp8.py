@@ -8,9 +8,11 @@ config.json ``quantization_config.weight_block_size`` (default 128 x 128). The w
 
     W[r, c] = float(w8[r, c]) * scale_inv[r // b0, c // b1]
 
-computed in float32, as ``torch``'s ``w.to(float32) * scale`` does. Loading to bf16 rounds
-that product to nearest even, exactly as ``.to(torch.bfloat16)``; int8/int4 quantize it
-(``numa_moe.quant.quantize``) with the group asked for. Scale tensors are checked when the
+computed in float32, as ``torch``'s ``w.to(float32) * scale`` does (natively, one pass a
+matrix: ``native/formats/fp8_blocks.cpp``). Loading to bf16 rounds that product to nearest
+even, exactly as ``.to(torch.bfloat16)``; int8/int4 quantize it (``numa_moe.quant``'s rule,
+``expert_import.quantize_into``) with the group asked for. A NaN weight byte (0x7F, 0xFF)
+is an error naming the tensor, row and column. Scale tensors are checked when the
 checkpoint is opened (present, float, the right shape), their values (finite) when read.
 """
 
@@ -19,9 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import ml_dtypes
 import numpy as np
 
+from numa_moe import _native
 from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
 from numa_moe.checkpoints.safetensors import Checkpoint, ExpertLayer, ExpertMatrix, matrices_of, read_matrix_into
 from numa_moe.files import CheckpointError, short
@@ -136,24 +138,37 @@ class FP8Import(ExpertImport):
 
     def read_into(self, matrix: ExpertMatrix, fd: int, values: np.ndarray,
                   scales: np.ndarray | None, fmt: LoadFormat) -> None:
-        convert_float(self.dequantize(matrix, fd), values, scales, fmt,
-                      f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer "
-                      f"{matrix.layer} expert {matrix.expert} {matrix.kind})")
+        if fmt.fmt == "bf16":  # the products rounded straight into the store's rows
+            self._dequantize_into(matrix, fd, values)
+            return
+        convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
 
     def dequantize(self, matrix: ExpertMatrix, fd: int) -> np.ndarray:
+        out = np.empty((matrix.rows, matrix.cols), dtype=np.float32)
+        self._dequantize_into(matrix, fd, out)
+        return out
+
+    def _dequantize_into(self, matrix: ExpertMatrix, fd: int, out: np.ndarray) -> None:
+        """The matrix times its block scales into ``out`` (float32, or bf16 rounded to
+        nearest even) in one native pass (``_native.dequantize_fp8_blocks``: torch's
+        ``w.to(float32) * scale`` bit for bit, tests/test_fp8_checkpoint.py)."""
         s = matrix.scales
-        w8 = np.empty((matrix.rows, matrix.cols), dtype=ml_dtypes.float8_e4m3fn)
+        w8 = np.empty((matrix.rows, matrix.cols), dtype=np.uint8)
         read_matrix_into(matrix, w8, fd)
         scale = np.empty((s.rows, s.cols), dtype=NUMPY_DTYPES[s.dtype])
         read_matrix_into(s, scale, fd if s.tensor.path == matrix.tensor.path else None)
-        scale = scale.astype(np.float32)
+        scale = np.ascontiguousarray(scale, dtype=np.float32)
         if not np.all(np.isfinite(scale)):
             r, c = (int(i) for i in np.argwhere(~np.isfinite(scale))[0])
             raise CheckpointError(f"{s.tensor.path}: tensor {short(s.tensor.name)}: a NaN or "
                                   f"infinite block scale for layer {matrix.layer} expert "
                                   f"{matrix.expert} {matrix.kind} (block row {r}, column {c})")
-        b0, b1 = self.block
-        # indexed, not np.repeat: the expansion is the matrix's size whatever the block
-        expanded = scale[(np.arange(matrix.rows) // b0)[:, None], np.arange(matrix.cols) // b1]
-        return w8.astype(np.float32) * expanded
+        try:
+            _native.dequantize_fp8_blocks(w8, scale, *self.block, out)
+        except ValueError as err:
+            raise CheckpointError(f"{_where(matrix)}: {err}") from None
 
+
+def _where(matrix: ExpertMatrix) -> str:
+    return (f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer {matrix.layer} expert "
+            f"{matrix.expert} {matrix.kind})")

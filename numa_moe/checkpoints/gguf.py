@@ -84,6 +84,8 @@ EXACT = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
             "IQ4_NL": LoadFormat("iq4nl", q.GGML_BLOCK, "fp16"),
             "IQ4_XS": LoadFormat("iq4nl", q.GGML_BLOCK, "fp32"),
             "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16")}
+# llama.cpp's K-quants: dequantized natively (the other requantized types by the gguf package)
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)
 INT4_DEFAULT_BITS = 4.5
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -681,9 +683,18 @@ class GGUFImport(ExpertImport):
         convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
 
     def dequantize(self, matrix: ExpertMatrix, fd: int) -> np.ndarray:
-        """The matrix as float32 by the gguf package's dequantization: its type's row
-        dequantizer on chunks of about ``DEQUANTIZE_CHUNK_WEIGHTS`` weights where it has one
-        (the quantized types), else ``gguf.quants.dequantize`` (F16, F32)."""
+        """The matrix as float32 by the gguf package's dequantization: the K-quants in one
+        native pass (``_native.dequantize_ggml_k_blocks``, bit for bit the package's,
+        tests/test_ggml_blocks.py), the other types by their row dequantizer on chunks of
+        about ``DEQUANTIZE_CHUNK_WEIGHTS`` weights where the package has one, else
+        ``gguf.quants.dequantize`` (F16, F32)."""
+        if matrix.dtype in K_QUANTS:
+            out = np.empty((matrix.rows, matrix.cols), dtype=np.float32)
+            try:
+                _native.dequantize_ggml_k_blocks(matrix.dtype, _raw(matrix, fd), matrix.rows, matrix.cols, out)
+            except ValueError as err:
+                raise CheckpointError(f"{_where(matrix)}: {err}") from None
+            return out
         gguf = _gguf()
         raw = _raw(matrix, fd).reshape(matrix.rows, -1)
         rows_of = getattr(getattr(gguf.quants, matrix.dtype, None), "dequantize_rows", None)

@@ -28,6 +28,7 @@ import numpy as np
 
 from numa_moe import quant as q
 from numa_moe.checkpoints.dispatch import open_checkpoint
+from numa_moe.checkpoints.expert_import import quantize_into
 from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import (QUANT_METADATA, Checkpoint, ExpertMatrix, TensorInfo, overlapping_source, read_matrix_into, read_safetensors_header, scale_tensor_name)
 from numa_moe.checkpoints.writer import TensorPlan, building_directory, check_replaceable, write_safetensors
@@ -54,18 +55,21 @@ class QuantizeResult:
     not_copied: tuple[str, ...] = ()  # entries of the source directory left out, and why
 
 
-def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int,
-                    scale_dtype: str) -> q.QuantizedMatrix:
-    """Read one float expert matrix from its file and quantize it (numa_moe.quant);
-    NaN/Inf weights are a CheckpointError naming the tensor."""
+def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int, scale_dtype: str,
+                    values: np.ndarray | None = None, scales: np.ndarray | None = None) -> q.QuantizedMatrix:
+    """Read one float expert matrix from its file and quantize it (numa_moe.quant's rule,
+    expert_import.quantize_into) into ``values`` and ``scales`` (a store's rows; new arrays
+    when None); NaN/Inf weights are a CheckpointError naming the tensor."""
     src = np.empty((matrix.rows, matrix.cols), dtype=NUMPY_DTYPES[matrix.dtype])
     read_matrix_into(matrix, src, fd)
-    try:
-        return q.quantize(src, fmt, group, scale_dtype)
-    except ValueError as err:
-        raise CheckpointError(f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer "
-                              f"{matrix.layer} expert {matrix.expert} {matrix.kind}): {err}; "
-                              "cannot quantize it") from None
+    if values is None or scales is None:
+        value_cols = matrix.cols // 2 if nibble_packed(fmt) else matrix.cols
+        values = np.empty((matrix.rows, value_cols), dtype=NUMPY_DTYPES[QUANT_DTYPES[fmt]])
+        scales = np.empty((matrix.rows, matrix.cols // group), dtype=SCALE_DTYPES[scale_dtype])
+    where = (f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer {matrix.layer} expert "
+             f"{matrix.expert} {matrix.kind})")
+    quantize_into(src, fmt, group, scale_dtype, values, scales, where)
+    return q.QuantizedMatrix(fmt, group, values, scales)
 
 
 def _check_request(ck: Checkpoint, fmt: str, group: int, scale_dtype: str) -> None:

@@ -479,9 +479,7 @@ class _LayerLoader:
         if self.importer is not None:
             self.importer.read_into(matrix, fd, values, scales, LoadFormat(self.fmt, self.group, self.scale_dtype))
         elif self.quantize:
-            qm = quantize_expert(matrix, fd, self.fmt, self.group, self.scale_dtype)
-            values[...] = qm.q
-            scales[...] = qm.scales
+            quantize_expert(matrix, fd, self.fmt, self.group, self.scale_dtype, values, scales)
         else:
             read_matrix_into(matrix, values, fd)
             if scales is not None:
