@@ -15,7 +15,8 @@
 //   earlier commit REV: git show REV:native/kernels/avx512_quant.cpp > /tmp/prev.cpp, then
 //   -DKERNEL='"/tmp/prev.cpp"'; run the two alternately, several times (the machines are
 //   shared).
-//   /tmp/quant_loop int8|int4 ROWS K M[,M...] [CALLS [CHUNK_ROWS]]   (group 128, fp16 scales;
+//   /tmp/quant_loop int8|int4[/G] ROWS K M[,M...] [CALLS [CHUNK_ROWS]]   (group G 32, 64 or
+//       128, default 128; fp16 scales;
 //       e.g. int8 256 2048 4,8: 512 KB of weights, in L2; CALLS per M, 2000). CHUNK_ROWS > 0
 //       runs the rows as ranges of that many, the even ranges first, then the odd ones: the
 //       short row ranges of a layer's threads, whose neighbours are read at another time.
@@ -50,12 +51,16 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 }  // namespace
 
 int main(int argc, char** argv) {
-    if ((argc < 5 || argc > 7) || (std::strcmp(argv[1], "int8") != 0 && std::strcmp(argv[1], "int4") != 0)) {
-        std::fprintf(stderr, "usage: %s int8|int4 ROWS K M[,M...] [CALLS [CHUNK_ROWS]]\n", argv[0]);
+    const std::string spec = argc >= 2 ? argv[1] : "";
+    const std::string format_name = spec.substr(0, spec.find('/'));
+    const int64_t group = spec.find('/') == std::string::npos ? 128 : std::atoll(spec.c_str() + spec.find('/') + 1);
+    if ((argc < 5 || argc > 7) || (format_name != "int8" && format_name != "int4") ||
+        (group != 32 && group != 64 && group != 128)) {
+        std::fprintf(stderr, "usage: %s int8|int4[/32|/64|/128] ROWS K M[,M...] [CALLS [CHUNK_ROWS]]\n", argv[0]);
         return 2;
     }
-    const Format format = std::strcmp(argv[1], "int8") == 0 ? Format::int8 : Format::int4;
-    const int64_t group = 128, rows = std::atoll(argv[2]), k = std::atoll(argv[3]);
+    const Format format = format_name == "int8" ? Format::int8 : Format::int4;
+    const int64_t rows = std::atoll(argv[2]), k = std::atoll(argv[3]);
     const int calls = argc >= 6 ? std::atoi(argv[5]) : 2000;
     const int64_t chunk_rows = argc == 7 ? std::atoll(argv[6]) : 0;
     if (rows < 1 || k < group || k % group != 0 || calls < 1 || chunk_rows < 0) {
