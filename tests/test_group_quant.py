@@ -1,6 +1,6 @@
-"""The loader's native group quantization (_native.quantize_groups, through
+"""The native group quantization (_native.quantize_groups, through
 numa_moe.checkpoints.expert_import.quantize_into: every int8 / int4 conversion of a float
-checkpoint, GGUF K-quant or FP8 expert): the same bytes as numa_moe.quant.quantize, the
+checkpoint, GGUF K-quant or FP8 expert, and MoELayer.from_tensors'): the same bytes as numa_moe.quant.quantize, the
 numpy statement of the rule, on weights whose scales cover fp16's subnormals, ties and every
 group and scale dtype; bad weights and arguments refused by name."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from numa_moe import _native
 from numa_moe import quant as q
-from numa_moe.checkpoints.expert_import import quantize_into
+from numa_moe.checkpoints.expert_import import LoadFormat, convert_float, quantize_into
 from numa_moe.files import CheckpointError
 from numa_moe.formats import SCALE_DTYPES
 
@@ -59,12 +59,12 @@ def test_quantize_into_takes_the_other_formats_through_quant(rng):
     want = q.quantize(w, "mxfp4")
     values = np.empty_like(want.q)
     scales = np.empty_like(want.scales)
-    quantize_into(w, "mxfp4", 32, "e8m0", values, scales, "here")
+    quantize_into(w, "mxfp4", 32, "e8m0", values, scales)
     np.testing.assert_array_equal(values, want.q)
     np.testing.assert_array_equal(scales.view(np.uint8), want.scales.view(np.uint8))
     bf16 = w.astype(ml_dtypes.bfloat16)  # a bf16 matrix: widened exactly before the native pass
     values, scales = destinations("int8", "fp16", 4, 64, 32)
-    quantize_into(bf16, "int8", 32, "fp16", values, scales, "here")
+    quantize_into(bf16, "int8", 32, "fp16", values, scales)
     np.testing.assert_array_equal(values, q.quantize(bf16, "int8", 32, "fp16").q)
 
 
@@ -75,9 +75,11 @@ def test_a_bad_weight_is_named(rng, bad):
     values, scales = destinations("int8", "fp16", 4, 128, 32)
     with pytest.raises(ValueError, match=r"the weight holds NaN or infinity \(row 2, column 77\)"):
         _native.quantize_groups(w, "int8", 32, "fp16", values, scales)
+    with pytest.raises(ValueError, match=r"the weight holds NaN or infinity \(row 2, column 77\)"):
+        quantize_into(w, "int8", 32, "fp16", values, scales)
     with pytest.raises(CheckpointError, match=r"expert 3: the weight holds NaN or infinity \(row 2, column 77\); "
                                               "cannot quantize it"):
-        quantize_into(w, "int8", 32, "fp16", values, scales, "expert 3")
+        convert_float(w, values, scales, LoadFormat("int8", 32, "fp16"), "expert 3")
     with pytest.raises(ValueError, match="NaN or infinity"):
         q.quantize(w, "int8", 32, "fp16")
 

@@ -112,30 +112,30 @@ class ExpertImport:
 def convert_float(w: np.ndarray, values: np.ndarray, scales: np.ndarray | None,
                   fmt: LoadFormat, where: str) -> None:
     """float32 values of one matrix into the store's rows: rounded to a float format
-    (round to nearest even), or quantized (quantize_into)."""
+    (round to nearest even), or quantized (quantize_into); a weight the quantization
+    refuses is a CheckpointError naming ``where``."""
 
     if fmt.group is None:
         values[...] = w.astype(FLOAT_NUMPY[fmt.fmt])
         return
-    quantize_into(w, fmt.fmt, fmt.group, fmt.scale_dtype, values, scales, where)
-
-
-def quantize_into(w, fmt: str, group: int, scale_dtype: str, values: np.ndarray, scales: np.ndarray,
-                  where: str) -> None:
-    """``numa_moe.quant.quantize(w, fmt, group, scale_dtype)`` written into ``values`` and
-    ``scales`` (a store's rows: each row contiguous): int8 and int4 in one native pass
-    (``_native.quantize_groups``: the same bytes, tests/test_group_quant.py), the other
-    formats through quant.quantize. A weight it refuses (NaN, infinity, a group whose scale
-    is beyond its dtype) is a CheckpointError naming ``where``."""
     try:
-        if fmt in ("int8", "int4"):
-            w32 = np.ascontiguousarray(w, dtype=np.float32)
-            q.check_arguments(weight_format=fmt, group=group, scale_dtype=scale_dtype)
-            _native.quantize_groups(w32, fmt, group, scale_dtype, values, scales)
-            return
-        qm = q.quantize(w, fmt, group, scale_dtype)
+        quantize_into(w, fmt.fmt, fmt.group, fmt.scale_dtype, values, scales)
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}; cannot quantize it") from None
+
+
+def quantize_into(w, fmt: str, group: int, scale_dtype: str, values: np.ndarray, scales: np.ndarray) -> None:
+    """``numa_moe.quant.quantize(w, fmt, group, scale_dtype)`` written into ``values`` and
+    ``scales`` (an expert's rows of a stacked buffer: each row contiguous): int8 and int4
+    in one native pass (``_native.quantize_groups``: the same bytes,
+    tests/test_group_quant.py), the other formats through quant.quantize. A weight it
+    refuses (NaN, infinity, a group whose scale is beyond its dtype) is a ValueError naming
+    its row and column (or group)."""
+    if fmt in ("int8", "int4"):
+        q.check_arguments(weight_format=fmt, group=group, scale_dtype=scale_dtype)
+        _native.quantize_groups(np.ascontiguousarray(w, dtype=np.float32), fmt, group, scale_dtype, values, scales)
+        return
+    qm = q.quantize(w, fmt, group, scale_dtype)
     values[...] = qm.q
     scales[...] = qm.scales
 

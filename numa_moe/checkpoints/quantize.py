@@ -66,9 +66,11 @@ def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int, scale_d
         value_cols = matrix.cols // 2 if nibble_packed(fmt) else matrix.cols
         values = np.empty((matrix.rows, value_cols), dtype=NUMPY_DTYPES[QUANT_DTYPES[fmt]])
         scales = np.empty((matrix.rows, matrix.cols // group), dtype=SCALE_DTYPES[scale_dtype])
-    where = (f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer {matrix.layer} expert "
-             f"{matrix.expert} {matrix.kind})")
-    quantize_into(src, fmt, group, scale_dtype, values, scales, where)
+    try:
+        quantize_into(src, fmt, group, scale_dtype, values, scales)
+    except ValueError as err:
+        raise CheckpointError(f"{matrix.tensor.path}: tensor {matrix.tensor.name!r} (layer {matrix.layer} expert "
+                              f"{matrix.expert} {matrix.kind}): {err}; cannot quantize it") from None
     return q.QuantizedMatrix(fmt, group, values, scales)
 
 

@@ -41,6 +41,7 @@ import numpy as np
 from numa_moe import _native, quant
 from numa_moe.activation import activation_named
 from numa_moe.arrays import BF16, as_float_vector, as_index_array, bf16_bits, check_cpu_tensors, is_torch
+from numa_moe.checkpoints.expert_import import quantize_into
 from numa_moe.formats import KINDS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
 from numa_moe.layer import kernels, registry
 from numa_moe.layer.kernels import weight_operand
@@ -258,9 +259,7 @@ class MoELayer:
         (gu_q, gu_s), (d_q, d_s) = stacked(two_i, H), stacked(H, I)
         for e in range(E):
             for src, values, scales in ((gate_up_bits[e], gu_q[e], gu_s[e]), (down_bits[e], d_q[e], d_s[e])):
-                qm = quant.quantize(src.view(BF16), fmt, group, scale_dtype)
-                values[...] = qm.q
-                scales[...] = qm.scales
+                quantize_into(src.view(BF16), fmt, group, scale_dtype, values, scales)
         page_bytes = page_bytes_of(page)
 
         def table(values, rows, cols):
