@@ -22,6 +22,7 @@
 #include <random>
 #include <vector>
 
+using namespace numa_moe;
 using namespace numa_moe::kernels;
 
 namespace {
