@@ -25,6 +25,18 @@ def test_parse_thp_mode():
     assert T.parse_thp_mode("garbage") == "unavailable"
 
 
+def test_memory_nodes_are_the_online_and_allowed_nodes_of_the_kernel():
+    """The allocations' cheap node query (memory_nodes) against sysfs and procfs read here."""
+    online, allowed = T.memory_nodes()
+    node_dir = Path("/sys/devices/system/node")
+    want_online = parse_cpulist((node_dir / "online").read_text()) if (node_dir / "online").exists() else (0,)
+    assert online == want_online
+    status = Path("/proc/self/status").read_text()
+    mems = next(l.split(":")[1] for l in status.splitlines() if l.startswith("Mems_allowed_list"))
+    assert allowed == tuple(n for n in online if n in set(parse_cpulist(mems)))
+    assert allowed
+
+
 def test_detect_matches_the_kernel():
     topo = Topology.detect()
     assert not topo.is_virtual

@@ -29,21 +29,28 @@ GgmlBlocks ggml_blocks_named(const std::string& name) {
     return GgmlBlocks::q8_0;
 }
 
-void py_convert_ggml_blocks(const std::string& type_name, const py::object& raw_obj, int64_t rows, int64_t cols,
-                            const py::object& values_obj, const py::object& scales_obj) {
-    const GgmlBlocks type = ggml_blocks_named(type_name);
-    const int64_t block = formats::ggml_block_weights(type);
+// The raw bytes of a rows x cols matrix of ggml blocks (block weights, block_bytes bytes
+// each), checked: shape against the block, a 1-D byte array of exactly their size.
+const uint8_t* checked_blocks(const std::string& type_name, const py::object& raw_obj, int64_t rows, int64_t cols,
+                              int64_t block, int64_t block_bytes) {
     NUMA_MOE_CHECK(rows > 0 && cols > 0 && cols % block == 0, type_name, ": a ", rows, " x ", cols,
                    " matrix: rows must be positive and cols a positive multiple of ", block);
     py::array raw = checked_layout(raw_obj, "raw", 1);
     NUMA_MOE_CHECK(raw.itemsize() == 1, "raw: expected bytes (uint8), got ", raw.itemsize(), "-byte elements");
-    const int64_t expected = rows * (cols / block) * formats::ggml_block_bytes(type);
+    const int64_t expected = rows * (cols / block) * block_bytes;
     NUMA_MOE_CHECK(raw.size() == expected, type_name, ": ", raw.size(), " bytes for a ", rows, " x ", cols,
                    " matrix, expected ", expected);
+    return static_cast<const uint8_t*>(raw.data());  // the caller's raw_obj keeps the array alive
+}
+
+void py_convert_ggml_blocks(const std::string& type_name, const py::object& raw_obj, int64_t rows, int64_t cols,
+                            const py::object& values_obj, const py::object& scales_obj) {
+    const GgmlBlocks type = ggml_blocks_named(type_name);
+    const uint8_t* in = checked_blocks(type_name, raw_obj, rows, cols, formats::ggml_block_weights(type),
+                                       formats::ggml_block_bytes(type));
     const bool bytes_a_weight = type == GgmlBlocks::q8_0 || type == GgmlBlocks::q5_0;
     py::array values = byte_rows(values_obj, "values", rows, bytes_a_weight ? cols : cols / 2, 1);
     py::array scales = byte_rows(scales_obj, "scales", rows, cols / 32, formats::ggml_scale_bytes(type));
-    const auto* in = static_cast<const uint8_t*>(raw.data());
     auto* v = static_cast<uint8_t*>(values.mutable_data());
     auto* s = static_cast<uint8_t*>(scales.mutable_data());
     const int64_t values_ld = values.strides(0), scales_ld = scales.strides(0);
@@ -64,18 +71,11 @@ formats::GgmlKQuant k_quant_named(const std::string& name) {
 void py_dequantize_ggml_k_blocks(const std::string& type_name, const py::object& raw_obj, int64_t rows, int64_t cols,
                                  const py::object& out_obj) {
     const formats::GgmlKQuant type = k_quant_named(type_name);
-    constexpr int64_t block = formats::kGgmlSuperBlock;
-    NUMA_MOE_CHECK(rows > 0 && cols > 0 && cols % block == 0, type_name, ": a ", rows, " x ", cols,
-                   " matrix: rows must be positive and cols a positive multiple of ", block);
-    py::array raw = checked_layout(raw_obj, "raw", 1);
-    NUMA_MOE_CHECK(raw.itemsize() == 1, "raw: expected bytes (uint8), got ", raw.itemsize(), "-byte elements");
-    const int64_t expected = rows * (cols / block) * formats::ggml_k_block_bytes(type);
-    NUMA_MOE_CHECK(raw.size() == expected, type_name, ": ", raw.size(), " bytes for a ", rows, " x ", cols,
-                   " matrix, expected ", expected);
+    const uint8_t* in = checked_blocks(type_name, raw_obj, rows, cols, formats::kGgmlSuperBlock,
+                                       formats::ggml_k_block_bytes(type));
     py::array out = checked_array(out_obj, "out", Kind::f32, 2, true);
     NUMA_MOE_CHECK(out.shape(0) == rows && out.shape(1) == cols, "out: shape ", shape_text(out), ", expected (", rows,
                    ", ", cols, ")");
-    const auto* in = static_cast<const uint8_t*>(raw.data());
     auto* o = static_cast<float*>(out.mutable_data());
     NoGil released;
     formats::dequantize_ggml_k_blocks(type, in, rows, cols, o, cols);
