@@ -32,6 +32,7 @@ measured table is used.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -579,8 +580,7 @@ def _table_of(memory, buffer: np.ndarray, layer: int, kind: str, rows: int, cols
     info = memory.interleave_info(buffer)
     theory = None
     if info is not None:
-        theory = SegmentTable.theoretical(rows, cols, fmt, info.page_bytes, info.nodes,
-                                          phase=info.phase)
+        theory = _theoretical_table(rows, cols, fmt, info.page_bytes, tuple(info.nodes), info.phase)
     try:
         page_map = memory.page_map(buffer)
     except OSError as err:
@@ -605,6 +605,14 @@ def _table_of(memory, buffer: np.ndarray, layer: int, kind: str, rows: int, cols
         return theory, theory, True, None
     reason = _mismatch_reason(theory, measured, page_map, info)
     return measured, theory, True, PlacementMismatch(layer, kind, reason, theory, measured)
+
+
+@functools.lru_cache(maxsize=256)
+def _theoretical_table(rows: int, cols: int, fmt: str, page_bytes: int, nodes: tuple[int, ...],
+                       phase: int) -> SegmentTable:
+    """SegmentTable.theoretical, once per geometry: every layer of a model has the same
+    buffer shapes, and a table is never changed once built."""
+    return SegmentTable.theoretical(rows, cols, fmt, page_bytes, nodes, phase=phase)
 
 
 def _interleave_page_nodes(page_map, info) -> np.ndarray:
