@@ -2,7 +2,8 @@
 128 x 128 block scales; the BF16 import equals torch's own dequantization bit for bit,
 INT8 stays within numa_moe.quant.error_bound of it, and missing or mis-shaped scales are
 one-line errors when the headers are read. The native pass (_native.dequantize_fp8_blocks)
-on every e4m3 code against torch, and NaN weight bytes named."""
+on every e4m3 code against torch, and NaN weight bytes named; its one-pass requantization
+(_native.requantize_fp8_blocks) against torch's products quantized by numa_moe.quant."""
 
 from __future__ import annotations
 
@@ -190,3 +191,77 @@ def test_fp8_bad_arguments_are_refused():
     out.flags.writeable = False
     with pytest.raises(ValueError, match="out: must be writable"):
         fp8(w, scales, 128, 128, out)
+
+
+@pytest.mark.parametrize("fmt, group, scale_dtype", [("int8", 32, "fp16"), ("int4", 32, "bf16"), ("int8", 64, "fp32")])
+def test_requantization_equals_torch_products_quantized(rng, fmt, group, scale_dtype):
+    """Partial blocks on both axes: the bytes of quant.quantize over torch's float32
+    products, into rows further apart than their elements."""
+    from numa_moe import _native
+
+    rows, cols, block = 130, 320, (64, 128)
+    codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)
+    w = rng.permutation(np.resize(codes, rows * cols)).reshape(rows, cols)
+    scales = (rng.random((3, 3)) * 1e-3).astype(np.float32)
+    tw = torch.from_numpy(w).view(torch.float8_e4m3fn)
+    ts = torch.from_numpy(scales).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    want = q.quantize((tw.to(torch.float32) * ts).numpy(), fmt, group, scale_dtype)
+    value_cols = cols if fmt == "int8" else cols // 2
+    values = np.full((rows, value_cols + 5), 0x5A, np.uint8)[:, :value_cols]
+    out_scales = np.full((rows, cols // group), 0x5A, np.float32 if scale_dtype == "fp32" else np.uint16)
+    _native.requantize_fp8_blocks(w, scales, *block, fmt, group, scale_dtype, values, out_scales)
+    np.testing.assert_array_equal(values, want.q.view(np.uint8))
+    np.testing.assert_array_equal(out_scales.view(np.uint8), want.scales.view(np.uint8))
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_a_nan_weight_is_named_when_requantized(tmp_path, rng, byte):
+    from numa_moe import _native
+
+    w = rng.integers(0, 0x7E, (4, 256), dtype=np.uint8)
+    w[3, 33] = byte
+    values, out_scales = np.empty((4, 256), np.uint8), np.empty((4, 8), np.uint16)
+    with pytest.raises(ValueError, match=rf"a NaN weight \(byte 0x{byte:02X}\) \(row 3, column 33\)"):
+        _native.requantize_fp8_blocks(w, np.ones((1, 2), np.float32), 128, 128, "int8", 32, "fp16", values,
+                                      out_scales)
+    path, tensors = write_fp8(tmp_path / "ck", int(rng.integers(1 << 31)))
+    name = "model.layers.0.mlp.experts.2.down_proj.weight"
+    bad = tensors[name].view(torch.uint8).clone()
+    bad[7, 100] = byte
+    tensors[name] = bad.view(torch.float8_e4m3fn)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{name}.*expert 2 down\): a NaN weight \(byte 0x{byte:02X}\) "
+                                              r"\(row 7, column 100\)"):
+        ExpertStore.load(path, progress=False, weight_format="int8")
+
+
+def test_a_product_beyond_the_scale_dtype_is_named_when_requantized():
+    from numa_moe import _native
+
+    w = np.zeros((3, 128), np.uint8)
+    w[2, 70] = 0x7E  # 448
+    values, out_scales = np.empty((3, 128), np.uint8), np.empty((3, 4), np.uint16)
+    with pytest.raises(ValueError, match=r"needs a scale beyond its dtype's range \(row 2, group 2\)"):
+        _native.requantize_fp8_blocks(w, np.full((1, 1), 1e5, np.float32), 128, 128, "int8", 32, "fp16", values,
+                                      out_scales)
+
+
+def test_fp8_requantization_bad_arguments_are_refused():
+    from numa_moe import _native
+
+    w = np.zeros((4, 256), np.uint8)
+    scales = np.ones((1, 2), np.float32)
+    values, out_scales = np.empty((4, 256), np.uint8), np.empty((4, 8), np.uint16)
+    requantize = _native.requantize_fp8_blocks
+    with pytest.raises(ValueError, match=r"scales: shape \(1, 2\), expected \(2, 2\)"):
+        requantize(w, scales, 2, 128, "int8", 32, "fp16", values, out_scales)
+    with pytest.raises(ValueError, match="block 128 x 0: both sides must be positive"):
+        requantize(w, scales, 128, 0, "int8", 32, "fp16", values, out_scales)
+    with pytest.raises(ValueError, match="format 'bf16' is not one of int8, int4"):
+        requantize(w, scales, 128, 128, "bf16", 32, "fp16", values, out_scales)
+    with pytest.raises(ValueError, match="group 48 is not one of 32, 64, 128"):
+        requantize(w, scales, 128, 128, "int8", 48, "fp16", values, out_scales)
+    with pytest.raises(ValueError, match="values"):
+        requantize(w, scales, 128, 128, "int4", 32, "fp16", values, out_scales)
+    with pytest.raises(ValueError, match="scales"):
+        requantize(w, scales, 128, 128, "int8", 32, "fp32", values, out_scales)

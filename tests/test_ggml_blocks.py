@@ -3,7 +3,9 @@ every exact GGUF import: Q8_0, Q5_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS): the same byte
 numa_moe.quant's numpy readers with the loader's zero-scale rule, the gguf package's values
 element for element, and every bad block or argument refused by name. The K-quants'
 dequantization (_native.dequantize_ggml_k_blocks: Q2_K .. Q6_K, the requantized imports)
-against the gguf package's, bit for bit."""
+against the gguf package's, bit for bit, and their one-pass requantization
+(_native.requantize_ggml_k_blocks) against the package's values quantized by
+numa_moe.quant."""
 
 from __future__ import annotations
 
@@ -180,3 +182,62 @@ def test_k_quant_bad_arguments_are_refused(rng):
     out.flags.writeable = False
     with pytest.raises(ValueError, match="out: must be writable"):
         dequantize("Q4_K", raw, rows, cols, out)
+
+
+def group_destinations(fmt, scale_dtype, rows, cols, group):
+    values = np.full((rows, cols if fmt == "int8" else cols // 2), 0x5A, np.uint8)
+    scales = np.full((rows, cols // group), 0x5A, np.float32 if scale_dtype == "fp32" else np.uint16)
+    return values, scales
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+@pytest.mark.parametrize("fmt, group, scale_dtype", [("int8", 32, "fp16"), ("int4", 32, "fp16"), ("int8", 128, "bf16"),
+                                                     ("int4", 64, "fp32")])
+def test_k_quants_requantize_as_the_package_and_quant_do(rng, qtype, fmt, group, scale_dtype):
+    rows, cols = 5, 768
+    raw = random_k_blocks(rng, qtype, rows, cols)
+    values, scales = group_destinations(fmt, scale_dtype, rows, cols, group)
+    _native.requantize_ggml_k_blocks(qtype, raw, rows, cols, fmt, group, scale_dtype, values, scales)
+    want = q.quantize(np.asarray(gguf.quants.dequantize(raw, T[qtype]), dtype=np.float32).reshape(rows, cols),
+                      fmt, group, scale_dtype)
+    np.testing.assert_array_equal(values, want.q.view(np.uint8))
+    np.testing.assert_array_equal(scales.view(np.uint8), want.scales.view(np.uint8))
+
+
+def test_k_quant_requantization_names_the_row_of_a_bad_block_or_scale(rng):
+    rows, cols = 4, 512
+    raw = random_k_blocks(rng, "Q6_K", rows, cols)
+    size = gguf.GGML_QUANT_SIZES[T.Q6_K][1]
+    values, scales = group_destinations("int8", "fp16", rows, cols, 32)
+    bad = raw.copy()
+    at = (2 * (cols // 256) + 1) * size + K_SUPER_SCALES["Q6_K"][0]
+    bad[at:at + 2] = (0x00, 0x7C)  # +inf d: row 2, block 1
+    with pytest.raises(ValueError, match=r"a NaN or infinite d \(row 2, block 1\)"):
+        _native.requantize_ggml_k_blocks("Q6_K", bad, rows, cols, "int8", 32, "fp16", values, scales)
+    big = raw.copy()
+    at = 3 * (cols // 256) * size + K_SUPER_SCALES["Q6_K"][0]
+    big[at:at + 2] = np.array([60000], np.float16).view(np.uint8)  # row 3's first block: |w| up to 60000 * 128 * 32
+    big[at - 16:at] = 0x7F  # its int8 sub-scales at their largest
+    with pytest.raises(ValueError, match=r"needs a scale beyond its dtype's range \(row 3, group \d+\)"):
+        _native.requantize_ggml_k_blocks("Q6_K", big, rows, cols, "int8", 32, "fp16", values, scales)
+
+
+def test_k_quant_requantization_bad_arguments_are_refused(rng):
+    rows, cols = 2, 512
+    raw = random_k_blocks(rng, "Q4_K", rows, cols)
+    values, scales = group_destinations("int8", "fp16", rows, cols, 32)
+    requantize = _native.requantize_ggml_k_blocks
+    with pytest.raises(ValueError, match="ggml type 'Q8_0' is not one of Q2_K"):
+        requantize("Q8_0", raw, rows, cols, "int8", 32, "fp16", values, scales)
+    with pytest.raises(ValueError, match="format 'mxfp4' is not one of int8, int4"):
+        requantize("Q4_K", raw, rows, cols, "mxfp4", 32, "fp16", values, scales)
+    with pytest.raises(ValueError, match="group 16 is not one of 32, 64, 128"):
+        requantize("Q4_K", raw, rows, cols, "int8", 16, "fp16", values, scales)
+    with pytest.raises(ValueError, match="scale dtype 'e8m0' is not one of fp16, bf16, fp32"):
+        requantize("Q4_K", raw, rows, cols, "int8", 32, "e8m0", values, scales)
+    with pytest.raises(ValueError, match="Q4_K: 576 bytes for a 1 x 512 matrix, expected 288"):
+        requantize("Q4_K", raw, 1, cols, "int8", 32, "fp16", values[:1], scales[:1])
+    with pytest.raises(ValueError, match="values"):
+        requantize("Q4_K", raw, rows, cols, "int4", 32, "fp16", values, scales)  # int8-sized rows for int4
+    with pytest.raises(ValueError, match="scales"):
+        requantize("Q4_K", raw, rows, cols, "int8", 64, "fp16", values, scales)  # group 32's scale columns

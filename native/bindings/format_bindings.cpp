@@ -81,8 +81,11 @@ void py_dequantize_ggml_k_blocks(const std::string& type_name, const py::object&
     formats::dequantize_ggml_k_blocks(type, in, rows, cols, o, cols);
 }
 
-void py_quantize_groups(const py::object& w_obj, const std::string& format_name, int64_t group,
-                        const std::string& scale_dtype, const py::object& values_obj, const py::object& scales_obj) {
+// The int8 / int4 groups a rows x cols matrix converts into: format, group and scale dtype
+// by name, and the caller's values and scales rows (which keep the arrays alive), checked.
+formats::GroupTarget group_target(const std::string& format_name, int64_t group, const std::string& scale_dtype,
+                                  const py::object& values_obj, const py::object& scales_obj, int64_t rows,
+                                  int64_t cols) {
     NUMA_MOE_CHECK(format_name == "int8" || format_name == "int4", "format '", format_name,
                    "' is not one of int8, int4");
     const auto ints = format_name == "int8" ? formats::GroupInts::int8 : formats::GroupInts::int4;
@@ -91,50 +94,94 @@ void py_quantize_groups(const py::object& w_obj, const std::string& format_name,
     const auto scale_type = scale_dtype == "fp16"   ? formats::GroupScales::fp16
                             : scale_dtype == "bf16" ? formats::GroupScales::bf16
                                                     : formats::GroupScales::fp32;
-    py::array w = checked_array(w_obj, "w", Kind::f32, 2);
-    const int64_t rows = w.shape(0), cols = w.shape(1);
     NUMA_MOE_CHECK(group == 32 || group == 64 || group == 128, "group ", group, " is not one of 32, 64, 128");
-    NUMA_MOE_CHECK(rows > 0 && cols > 0 && cols % group == 0, "w: a ", rows, " x ", cols,
+    NUMA_MOE_CHECK(rows > 0 && cols > 0 && cols % group == 0, "a ", rows, " x ", cols,
                    " matrix: rows must be positive and cols a positive multiple of the group ", group);
     py::array values = byte_rows(values_obj, "values", rows, ints == formats::GroupInts::int8 ? cols : cols / 2, 1);
     py::array scales = byte_rows(scales_obj, "scales", rows, cols / group, formats::group_scale_bytes(scale_type));
-    const auto* x = static_cast<const float*>(w.data());
-    auto* v = static_cast<uint8_t*>(values.mutable_data());
-    auto* s = static_cast<uint8_t*>(scales.mutable_data());
-    const int64_t values_ld = values.strides(0), scales_ld = scales.strides(0);
-    NoGil released;
-    formats::quantize_groups(x, cols, rows, cols, ints, group, scale_type, v, values_ld, s, scales_ld);
+    return formats::GroupTarget{ints,
+                                group,
+                                scale_type,
+                                static_cast<uint8_t*>(values.mutable_data()),
+                                values.strides(0),
+                                static_cast<uint8_t*>(scales.mutable_data()),
+                                scales.strides(0)};
 }
 
-void py_dequantize_fp8_blocks(const py::object& w_obj, const py::object& scales_obj, int64_t block_rows,
-                              int64_t block_cols, const py::object& out_obj) {
-    py::array w = checked_layout(w_obj, "w", 2);
+void py_quantize_groups(const py::object& w_obj, const std::string& format_name, int64_t group,
+                        const std::string& scale_dtype, const py::object& values_obj, const py::object& scales_obj) {
+    py::array w = checked_array(w_obj, "w", Kind::f32, 2);
+    const int64_t rows = w.shape(0), cols = w.shape(1);
+    const formats::GroupTarget to = group_target(format_name, group, scale_dtype, values_obj, scales_obj, rows, cols);
+    const auto* x = static_cast<const float*>(w.data());
+    NoGil released;
+    formats::quantize_groups(x, cols, rows, cols, to);
+}
+
+void py_requantize_ggml_k_blocks(const std::string& type_name, const py::object& raw_obj, int64_t rows, int64_t cols,
+                                 const std::string& format_name, int64_t group, const std::string& scale_dtype,
+                                 const py::object& values_obj, const py::object& scales_obj) {
+    const formats::GgmlKQuant type = k_quant_named(type_name);
+    const uint8_t* in = checked_blocks(type_name, raw_obj, rows, cols, formats::kGgmlSuperBlock,
+                                       formats::ggml_k_block_bytes(type));
+    const formats::GroupTarget to = group_target(format_name, group, scale_dtype, values_obj, scales_obj, rows, cols);
+    NoGil released;
+    formats::requantize_ggml_k_blocks(type, in, rows, cols, to);
+}
+
+// FP8 e4m3 bytes w [rows, cols] and their fp32 block scales, checked.
+struct Fp8Matrix {
+    const uint8_t* bytes;
+    int64_t rows, cols;
+    const float* scales;
+};
+
+Fp8Matrix checked_fp8(const py::array& w, const py::array& scales, int64_t block_rows, int64_t block_cols) {
     NUMA_MOE_CHECK(w.itemsize() == 1, "w: expected e4m3 bytes (1-byte elements), got ", w.itemsize(),
                    "-byte elements");
     const int64_t rows = w.shape(0), cols = w.shape(1);
     NUMA_MOE_CHECK(rows > 0 && cols > 0, "w: shape ", shape_text(w), " holds no weights");
     NUMA_MOE_CHECK(block_rows > 0 && block_cols > 0, "block ", block_rows, " x ", block_cols,
                    ": both sides must be positive");
-    py::array scales = checked_array(scales_obj, "scales", Kind::f32, 2);
     const int64_t scale_rows = (rows + block_rows - 1) / block_rows, scale_cols = (cols + block_cols - 1) / block_cols;
     NUMA_MOE_CHECK(scales.shape(0) == scale_rows && scales.shape(1) == scale_cols, "scales: shape ",
                    shape_text(scales), ", expected (", scale_rows, ", ", scale_cols, ") for a ", rows, " x ", cols,
                    " matrix in blocks of ", block_rows, " x ", block_cols);
+    return Fp8Matrix{static_cast<const uint8_t*>(w.data()), rows, cols, static_cast<const float*>(scales.data())};
+}
+
+void py_dequantize_fp8_blocks(const py::object& w_obj, const py::object& scales_obj, int64_t block_rows,
+                              int64_t block_cols, const py::object& out_obj) {
+    py::array w = checked_layout(w_obj, "w", 2);
+    py::array scales = checked_array(scales_obj, "scales", Kind::f32, 2);
+    const Fp8Matrix in = checked_fp8(w, scales, block_rows, block_cols);
     NUMA_MOE_CHECK(py::isinstance<py::array>(out_obj), "out: expected a numpy array");
     const bool bf16 = py::reinterpret_borrow<py::array>(out_obj).itemsize() == 2;
-    py::array out = byte_rows(out_obj, "out", rows, cols, bf16 ? 2 : 4);
+    py::array out = byte_rows(out_obj, "out", in.rows, in.cols, bf16 ? 2 : 4);
     NUMA_MOE_CHECK(has_kind(out, bf16 ? Kind::bf16 : Kind::f32), "out: expected float32 or bfloat16 elements");
-    const auto* bytes = static_cast<const uint8_t*>(w.data());
-    const auto* s = static_cast<const float*>(scales.data());
     const int64_t out_ld = out.strides(0) / out.itemsize();
     NUMA_MOE_CHECK(out.strides(0) % out.itemsize() == 0, "out: rows must be whole elements apart");
     void* dst = out.mutable_data();
     NoGil released;
     if (bf16)
-        formats::dequantize_fp8_blocks_bf16(bytes, rows, cols, s, block_rows, block_cols, static_cast<uint16_t*>(dst),
-                                            out_ld);
+        formats::dequantize_fp8_blocks_bf16(in.bytes, in.rows, in.cols, in.scales, block_rows, block_cols,
+                                            static_cast<uint16_t*>(dst), out_ld);
     else
-        formats::dequantize_fp8_blocks(bytes, rows, cols, s, block_rows, block_cols, static_cast<float*>(dst), out_ld);
+        formats::dequantize_fp8_blocks(in.bytes, in.rows, in.cols, in.scales, block_rows, block_cols,
+                                       static_cast<float*>(dst), out_ld);
+}
+
+void py_requantize_fp8_blocks(const py::object& w_obj, const py::object& scales_obj, int64_t block_rows,
+                              int64_t block_cols, const std::string& format_name, int64_t group,
+                              const std::string& scale_dtype, const py::object& values_obj,
+                              const py::object& out_scales_obj) {
+    py::array w = checked_layout(w_obj, "w", 2);
+    py::array scales = checked_array(scales_obj, "scales", Kind::f32, 2);
+    const Fp8Matrix in = checked_fp8(w, scales, block_rows, block_cols);
+    const formats::GroupTarget to =
+        group_target(format_name, group, scale_dtype, values_obj, out_scales_obj, in.rows, in.cols);
+    NoGil released;
+    formats::requantize_fp8_blocks(in.bytes, in.rows, in.cols, in.scales, block_rows, block_cols, to);
 }
 
 }  // namespace
@@ -165,6 +212,17 @@ void register_formats(py::module_& m) {
           "and scales [rows, cols / group] (fp16 / bf16 bits or fp32), rows contiguous: "
           "numa_moe.quant.quantize's rule. ValueError naming the row and column of a NaN or infinite weight, or "
           "the group whose scale is beyond its dtype's range.");
+    m.def("requantize_ggml_k_blocks", &py_requantize_ggml_k_blocks, py::arg("type"), py::arg("raw"), py::arg("rows"),
+          py::arg("cols"), py::arg("format"), py::arg("group"), py::arg("scale_dtype"), py::arg("values"),
+          py::arg("scales"),
+          "dequantize_ggml_k_blocks then quantize_groups in one pass a row at a time (the same bytes, no float32 "
+          "copy of the matrix): Q2_K / Q3_K / Q4_K / Q5_K / Q6_K blocks into int8 / int4 values and scales as "
+          "quantize_groups writes them. ValueError as either raises.");
+    m.def("requantize_fp8_blocks", &py_requantize_fp8_blocks, py::arg("w"), py::arg("scales"), py::arg("block_rows"),
+          py::arg("block_cols"), py::arg("format"), py::arg("group"), py::arg("scale_dtype"), py::arg("values"),
+          py::arg("out_scales"),
+          "dequantize_fp8_blocks (float32) then quantize_groups in one pass a row at a time (the same bytes, no "
+          "float32 copy of the matrix) into int8 / int4 values and out_scales. ValueError as either raises.");
 }
 
 }  // namespace numa_moe::bindings

@@ -67,6 +67,17 @@ void dequantize_fp8_blocks(const uint8_t* w, int64_t rows, int64_t cols, const f
     for (int64_t r = 0; r < rows; ++r) dequantize_row(w, r, cols, scales, block_rows, block_cols, out + r * out_ld);
 }
 
+void requantize_fp8_blocks(const uint8_t* w, int64_t rows, int64_t cols, const float* scales, int64_t block_rows,
+                           int64_t block_cols, const GroupTarget& to) {
+    check_blocks(block_rows, block_cols);
+    check_group_target(cols, to);
+    std::vector<float> row(static_cast<size_t>(cols));
+    for (int64_t r = 0; r < rows; ++r) {
+        dequantize_row(w, r, cols, scales, block_rows, block_cols, row.data());
+        quantize_group_row(row.data(), r, cols, to);
+    }
+}
+
 void dequantize_fp8_blocks_bf16(const uint8_t* w, int64_t rows, int64_t cols, const float* scales,
                                 int64_t block_rows, int64_t block_cols, uint16_t* out, int64_t out_ld) {
     check_blocks(block_rows, block_cols);

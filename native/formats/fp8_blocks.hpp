@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "formats/group_quant.hpp"
+
 namespace numa_moe::formats {
 
 // out[r][c] = e4m3(w[r][c]) * scales[r / block_rows][c / block_cols], one fp32 product.
@@ -22,5 +24,11 @@ void dequantize_fp8_blocks(const uint8_t* w, int64_t rows, int64_t cols, const f
 // The same products rounded to bf16 (as .to(torch.bfloat16)).
 void dequantize_fp8_blocks_bf16(const uint8_t* w, int64_t rows, int64_t cols, const float* scales,
                                 int64_t block_rows, int64_t block_cols, uint16_t* out, int64_t out_ld);
+
+// The same products quantized into the target (group_quant.hpp) a row at a time through
+// one float32 row: the bytes of dequantize_fp8_blocks then quantize_groups, without a
+// float32 copy of the matrix. Throws as either does (outputs partly written).
+void requantize_fp8_blocks(const uint8_t* w, int64_t rows, int64_t cols, const float* scales, int64_t block_rows,
+                           int64_t block_cols, const GroupTarget& to);
 
 }  // namespace numa_moe::formats

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace numa_moe::formats {
 namespace {
@@ -249,24 +250,47 @@ int64_t ggml_k_block_bytes(GgmlKQuant type) {
     return 0;
 }
 
+void dequantize_ggml_k_row(GgmlKQuant type, const uint8_t* raw_row, int64_t row, int64_t cols, float* out) {
+    const int64_t block_bytes = ggml_k_block_bytes(type);
+    const uint8_t* in = raw_row;
+    for (int64_t b = 0; b < cols / kGgmlSuperBlock; ++b, in += block_bytes) {
+        float* o = out + b * kGgmlSuperBlock;
+        switch (type) {
+            case GgmlKQuant::q2_k: dequantize_q2_k(in, row, b, o); break;
+            case GgmlKQuant::q3_k: dequantize_q3_k(in, row, b, o); break;
+            case GgmlKQuant::q4_k: dequantize_q45_k(in, nullptr, in + 16, row, b, o); break;
+            case GgmlKQuant::q5_k: dequantize_q45_k(in, in + 16, in + 48, row, b, o); break;
+            case GgmlKQuant::q6_k: dequantize_q6_k(in, row, b, o); break;
+        }
+    }
+}
+
+namespace {
+
+void check_k_columns(int64_t cols) {
+    if (cols <= 0 || cols % kGgmlSuperBlock)
+        throw std::invalid_argument("cols=" + std::to_string(cols) + " is not a positive multiple of " +
+                                    std::to_string(kGgmlSuperBlock));
+}
+
+}  // namespace
+
 void dequantize_ggml_k_blocks(GgmlKQuant type, const uint8_t* raw, int64_t rows, int64_t cols, float* out,
                               int64_t out_ld) {
-    if (cols % kGgmlSuperBlock)
-        throw std::invalid_argument("cols=" + std::to_string(cols) + " is not a multiple of " +
-                                    std::to_string(kGgmlSuperBlock));
-    const int64_t blocks = cols / kGgmlSuperBlock, block_bytes = ggml_k_block_bytes(type);
+    check_k_columns(cols);
+    const int64_t row_bytes = cols / kGgmlSuperBlock * ggml_k_block_bytes(type);
+    for (int64_t r = 0; r < rows; ++r) dequantize_ggml_k_row(type, raw + r * row_bytes, r, cols, out + r * out_ld);
+}
+
+void requantize_ggml_k_blocks(GgmlKQuant type, const uint8_t* raw, int64_t rows, int64_t cols,
+                              const GroupTarget& to) {
+    check_k_columns(cols);
+    check_group_target(cols, to);
+    const int64_t row_bytes = cols / kGgmlSuperBlock * ggml_k_block_bytes(type);
+    std::vector<float> row(static_cast<size_t>(cols));
     for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t* in = raw + r * blocks * block_bytes;
-        for (int64_t b = 0; b < blocks; ++b, in += block_bytes) {
-            float* o = out + r * out_ld + b * kGgmlSuperBlock;
-            switch (type) {
-                case GgmlKQuant::q2_k: dequantize_q2_k(in, r, b, o); break;
-                case GgmlKQuant::q3_k: dequantize_q3_k(in, r, b, o); break;
-                case GgmlKQuant::q4_k: dequantize_q45_k(in, nullptr, in + 16, r, b, o); break;
-                case GgmlKQuant::q5_k: dequantize_q45_k(in, in + 16, in + 48, r, b, o); break;
-                case GgmlKQuant::q6_k: dequantize_q6_k(in, r, b, o); break;
-            }
-        }
+        dequantize_ggml_k_row(type, raw + r * row_bytes, r, cols, row.data());
+        quantize_group_row(row.data(), r, cols, to);
     }
 }
 

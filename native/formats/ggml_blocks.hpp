@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "formats/group_quant.hpp"
+
 namespace numa_moe::formats {
 
 enum class GgmlBlocks { q8_0, q4_0, iq4_nl, mxfp4, iq4_xs, q5_0 };
@@ -63,5 +65,16 @@ int64_t ggml_k_block_bytes(GgmlKQuant type);
 // naming the row and block of the first NaN or infinite d or dmin (out partly written).
 void dequantize_ggml_k_blocks(GgmlKQuant type, const uint8_t* raw, int64_t rows, int64_t cols, float* out,
                               int64_t out_ld);
+
+// One row of that: raw_row its cols / 256 blocks, `row` its index (for errors), out cols
+// floats. cols a multiple of 256, unchecked.
+void dequantize_ggml_k_row(GgmlKQuant type, const uint8_t* raw_row, int64_t row, int64_t cols, float* out);
+
+// raw dequantized as above and quantized into the target (group_quant.hpp) a row at a time
+// through one float32 row: the bytes of dequantize_ggml_k_blocks then quantize_groups,
+// without a float32 copy of the matrix (whose page faults cost more than both
+// conversions). Throws as either does (outputs partly written).
+void requantize_ggml_k_blocks(GgmlKQuant type, const uint8_t* raw, int64_t rows, int64_t cols,
+                              const GroupTarget& to);
 
 }  // namespace numa_moe::formats

@@ -103,33 +103,38 @@ inline void store_int4(__m128i words, uint8_t* out) {
 
 int64_t group_scale_bytes(GroupScales type) { return type == GroupScales::fp32 ? 4 : 2; }
 
-void quantize_groups(const float* w, int64_t w_ld, int64_t rows, int64_t cols, GroupInts ints, int64_t group,
-                     GroupScales scale_type, uint8_t* values, int64_t values_ld, uint8_t* scales,
-                     int64_t scales_ld) {
-    if (group <= 0 || group % 2 || cols % group)
-        throw std::invalid_argument("cols=" + std::to_string(cols) + " is not a multiple of the group " +
-                                    std::to_string(group));
-    const bool int4 = ints == GroupInts::int4;
+void check_group_target(int64_t cols, const GroupTarget& to) {
+    if (to.group <= 0 || to.group % 16 || cols <= 0 || cols % to.group)
+        throw std::invalid_argument("cols=" + std::to_string(cols) + " is not a positive multiple of the group " +
+                                    std::to_string(to.group) + " (a multiple of 16)");
+}
+
+void quantize_group_row(const float* x_row, int64_t row, int64_t cols, const GroupTarget& to) {
+    const bool int4 = to.ints == GroupInts::int4;
     const float q_max = int4 ? 7.0f : 127.0f, q_min = int4 ? -8.0f : -127.0f;
-    const int64_t scale_bytes = group_scale_bytes(scale_type);
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* row = w + r * w_ld;
-        for (int64_t g = 0; g < cols / group; ++g) {
-            const float* x = row + g * group;
-            const float amax = largest_magnitude(x, group);
-            if (!std::isfinite(amax))
-                for (int64_t c = 0; c < group; ++c)
-                    if (!std::isfinite(x[c])) refuse("the weight holds NaN or infinity", r, "column", g * group + c);
-            const float scale = store_scale(amax, q_max, scale_type, scales + r * scales_ld + g * scale_bytes, r, g);
-            if (int4)
-                for (int64_t c = 0; c < group; c += 8)
-                    store_int4(round_eight(x + c, scale, q_min, q_max), values + r * values_ld + (g * group + c) / 2);
-            else
-                for (int64_t c = 0; c < group; c += 16)
-                    _mm_storeu_si128(reinterpret_cast<__m128i*>(values + r * values_ld + g * group + c),
-                                     round_sixteen(x + c, scale, q_min, q_max));
-        }
+    const int64_t group = to.group, scale_bytes = group_scale_bytes(to.scale_type);
+    uint8_t* values = to.values + row * to.values_ld;
+    uint8_t* scales = to.scales + row * to.scales_ld;
+    for (int64_t g = 0; g < cols / group; ++g) {
+        const float* x = x_row + g * group;
+        const float amax = largest_magnitude(x, group);
+        if (!std::isfinite(amax))
+            for (int64_t c = 0; c < group; ++c)
+                if (!std::isfinite(x[c])) refuse("the weight holds NaN or infinity", row, "column", g * group + c);
+        const float scale = store_scale(amax, q_max, to.scale_type, scales + g * scale_bytes, row, g);
+        if (int4)
+            for (int64_t c = 0; c < group; c += 8)
+                store_int4(round_eight(x + c, scale, q_min, q_max), values + (g * group + c) / 2);
+        else
+            for (int64_t c = 0; c < group; c += 16)
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(values + g * group + c),
+                                 round_sixteen(x + c, scale, q_min, q_max));
     }
+}
+
+void quantize_groups(const float* w, int64_t w_ld, int64_t rows, int64_t cols, const GroupTarget& to) {
+    check_group_target(cols, to);
+    for (int64_t r = 0; r < rows; ++r) quantize_group_row(w + r * w_ld, r, cols, to);
 }
 
 }  // namespace numa_moe::formats

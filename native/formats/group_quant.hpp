@@ -18,13 +18,30 @@ namespace numa_moe::formats {
 enum class GroupInts { int8, int4 };
 enum class GroupScales { fp16, bf16, fp32 };
 
-// Throws std::invalid_argument naming the row and column of the first NaN or infinite
-// weight, or the row and group of a scale beyond its dtype's range (fp16 from 65520, a
-// largest magnitude from about 8.3e6 for int8); the outputs are then partly written.
-// cols must be a multiple of group.
-void quantize_groups(const float* w, int64_t w_ld, int64_t rows, int64_t cols, GroupInts ints, int64_t group,
-                     GroupScales scale_type, uint8_t* values, int64_t values_ld, uint8_t* scales,
-                     int64_t scales_ld);
+// Where converted rows go: values and scales as above, in groups of `group` columns.
+struct GroupTarget {
+    GroupInts ints;
+    int64_t group;
+    GroupScales scale_type;
+    uint8_t* values;
+    int64_t values_ld;
+    uint8_t* scales;
+    int64_t scales_ld;
+};
+
+// Throws std::invalid_argument unless cols is a positive multiple of the target's group
+// and the group a positive multiple of 16.
+void check_group_target(int64_t cols, const GroupTarget& to);
+
+// Row `row` of the target from x (cols floats); `row` also names it in errors. Throws
+// std::invalid_argument naming the row and column of the first NaN or infinite weight, or
+// the row and group of a scale beyond its dtype's range (fp16 from 65520, a largest
+// magnitude from about 8.3e6 for int8); the row is then partly written. The caller has
+// checked the target (check_group_target).
+void quantize_group_row(const float* x, int64_t row, int64_t cols, const GroupTarget& to);
+
+// Every row of w (rows floats w_ld apart) into the target, as quantize_group_row.
+void quantize_groups(const float* w, int64_t w_ld, int64_t rows, int64_t cols, const GroupTarget& to);
 
 int64_t group_scale_bytes(GroupScales type);
 

@@ -124,6 +124,11 @@ def convert_float(w: np.ndarray, values: np.ndarray, scales: np.ndarray | None,
         raise CheckpointError(f"{where}: {err}; cannot quantize it") from None
 
 
+# The formats the native group quantization writes (quantize_into; the K-quant and FP8
+# readers' one-pass requantization).
+NATIVE_GROUP_FORMATS = ("int8", "int4")
+
+
 def quantize_into(w, fmt: str, group: int, scale_dtype: str, values: np.ndarray, scales: np.ndarray) -> None:
     """``numa_moe.quant.quantize(w, fmt, group, scale_dtype)`` written into ``values`` and
     ``scales`` (an expert's rows of a stacked buffer: each row contiguous): int8 and int4
@@ -131,7 +136,7 @@ def quantize_into(w, fmt: str, group: int, scale_dtype: str, values: np.ndarray,
     tests/test_group_quant.py), the other formats through quant.quantize. A weight it
     refuses (NaN, infinity, a group whose scale is beyond its dtype) is a ValueError naming
     its row and column (or group)."""
-    if fmt in ("int8", "int4"):
+    if fmt in NATIVE_GROUP_FORMATS:
         q.check_arguments(weight_format=fmt, group=group, scale_dtype=scale_dtype)
         _native.quantize_groups(np.ascontiguousarray(w, dtype=np.float32), fmt, group, scale_dtype, values, scales)
         return

@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from numa_moe import _native
-from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe import quant as q
+from numa_moe.checkpoints.expert_import import NATIVE_GROUP_FORMATS, ExpertImport, LoadFormat, convert_float
 from numa_moe.checkpoints.safetensors import Checkpoint, ExpertLayer, ExpertMatrix, matrices_of, read_matrix_into
 from numa_moe.files import CheckpointError, short
 from numa_moe.formats import FP8_SCALE_CODES, NUMPY_DTYPES
@@ -141,6 +142,17 @@ class FP8Import(ExpertImport):
         if fmt.fmt == "bf16":  # the products rounded straight into the store's rows
             self._dequantize_into(matrix, fd, values)
             return
+        if fmt.fmt in NATIVE_GROUP_FORMATS:
+            # Dequantized and quantized a row at a time: the bytes of dequantize() then
+            # quantize_into, without a float32 copy of the matrix (tests/test_fp8_checkpoint.py).
+            w8, scale = self._read(matrix, fd)
+            try:
+                q.check_arguments(weight_format=fmt.fmt, group=fmt.group, scale_dtype=fmt.scale_dtype)
+                _native.requantize_fp8_blocks(w8, scale, *self.block, fmt.fmt, fmt.group, fmt.scale_dtype,
+                                              values, scales)
+            except ValueError as err:
+                raise CheckpointError(f"{_where(matrix)}: {err}") from None
+            return
         convert_float(self.dequantize(matrix, fd), values, scales, fmt, _where(matrix))
 
     def dequantize(self, matrix: ExpertMatrix, fd: int) -> np.ndarray:
@@ -148,10 +160,8 @@ class FP8Import(ExpertImport):
         self._dequantize_into(matrix, fd, out)
         return out
 
-    def _dequantize_into(self, matrix: ExpertMatrix, fd: int, out: np.ndarray) -> None:
-        """The matrix times its block scales into ``out`` (float32, or bf16 rounded to
-        nearest even) in one native pass (``_native.dequantize_fp8_blocks``: torch's
-        ``w.to(float32) * scale`` bit for bit, tests/test_fp8_checkpoint.py)."""
+    def _read(self, matrix: ExpertMatrix, fd: int) -> tuple[np.ndarray, np.ndarray]:
+        """The matrix's e4m3 bytes and its fp32 block scales, which must be finite."""
         s = matrix.scales
         w8 = np.empty((matrix.rows, matrix.cols), dtype=np.uint8)
         read_matrix_into(matrix, w8, fd)
@@ -163,6 +173,13 @@ class FP8Import(ExpertImport):
             raise CheckpointError(f"{s.tensor.path}: tensor {short(s.tensor.name)}: a NaN or "
                                   f"infinite block scale for layer {matrix.layer} expert "
                                   f"{matrix.expert} {matrix.kind} (block row {r}, column {c})")
+        return w8, scale
+
+    def _dequantize_into(self, matrix: ExpertMatrix, fd: int, out: np.ndarray) -> None:
+        """The matrix times its block scales into ``out`` (float32, or bf16 rounded to
+        nearest even) in one native pass (``_native.dequantize_fp8_blocks``: torch's
+        ``w.to(float32) * scale`` bit for bit, tests/test_fp8_checkpoint.py)."""
+        w8, scale = self._read(matrix, fd)
         try:
             _native.dequantize_fp8_blocks(w8, scale, *self.block, out)
         except ValueError as err:

@@ -57,7 +57,7 @@ import numpy as np
 from numa_moe import _native
 from numa_moe import quant as q
 from numa_moe.activation import GPT_OSS, Activation
-from numa_moe.checkpoints.expert_import import ExpertImport, LoadFormat, convert_float
+from numa_moe.checkpoints.expert_import import NATIVE_GROUP_FORMATS, ExpertImport, LoadFormat, convert_float
 from numa_moe.checkpoints.safetensors import (Checkpoint, ExpertLayer, ExpertMatrix, ModelDims, TensorInfo,
                                               read_float_rows, read_matrix_into)
 from numa_moe.files import CheckpointError, OpenFiles, open_checkpoint_file, short
@@ -677,6 +677,16 @@ class GGUFImport(ExpertImport):
             # numa_moe.quant give the same bytes before that rule (tests/test_ggml_blocks.py).
             try:
                 _native.convert_ggml_blocks(t, _raw(matrix, fd), matrix.rows, matrix.cols, values, scales)
+            except ValueError as err:
+                raise CheckpointError(f"{_where(matrix)}: {err}") from None
+            return
+        if t in K_QUANTS and fmt.fmt in NATIVE_GROUP_FORMATS:
+            # Dequantized and quantized a row at a time: the bytes of dequantize() then
+            # quantize_into, without a float32 copy of the matrix (tests/test_ggml_blocks.py).
+            try:
+                q.check_arguments(weight_format=fmt.fmt, group=fmt.group, scale_dtype=fmt.scale_dtype)
+                _native.requantize_ggml_k_blocks(t, _raw(matrix, fd), matrix.rows, matrix.cols, fmt.fmt,
+                                                 fmt.group, fmt.scale_dtype, values, scales)
             except ValueError as err:
                 raise CheckpointError(f"{_where(matrix)}: {err}") from None
             return
