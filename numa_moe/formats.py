@@ -30,6 +30,8 @@ __all__ = [
     "FIXED_GROUPS",
     "FIXED_SCALE_DTYPES",
     "ZERO_SCALE_FORMATS",
+    "MINIMUM_FORMATS",
+    "scale_columns",
     "WeightFormat",
     "WEIGHT_FORMATS",
     "weight_format",
@@ -76,8 +78,8 @@ FP8_SCALE_CODES = ("F32", "BF16", "F16")
 # safetensors dtype of their values (the 4-bit ones two per byte), the group sizes and the
 # dtypes of the group scales (name -> safetensors code, name -> numpy dtype; "e8m0" is the
 # MX power-of-two scale).
-QUANT_FORMATS = ("int8", "int4", "mxfp4", "iq4nl")
-QUANT_DTYPES = {"int8": "I8", "int4": "U8", "mxfp4": "U8", "iq4nl": "U8"}
+QUANT_FORMATS = ("int8", "int4", "mxfp4", "iq4nl", "int4-affine")
+QUANT_DTYPES = {"int8": "I8", "int4": "U8", "mxfp4": "U8", "iq4nl": "U8", "int4-affine": "U8"}
 GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 128
 SCALE_DTYPE_CODES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "e8m0": "F8_E8M0"}
@@ -86,11 +88,22 @@ SCALE_DTYPES = {name: NUMPY_DTYPES[code] for name, code in SCALE_DTYPE_CODES.ite
 # whose scale dtype it fixes too: format -> scale dtype. Every other format takes any
 # group of GROUPS, and any scale dtype not fixed by another (numa_moe.quant.check_arguments
 # holds the rule).
-FIXED_GROUPS = {"mxfp4": 32, "iq4nl": 32}
+FIXED_GROUPS = {"mxfp4": 32, "iq4nl": 32, "int4-affine": 32}
 FIXED_SCALE_DTYPES = {"mxfp4": "e8m0"}
 # Formats whose scales may be 0: iq4nl's codebook has no zero, so a block of zeros (ggml
-# writes d = 0 for one) is a zero scale. Every other format's scales are never 0.
-ZERO_SCALE_FORMATS = ("iq4nl",)
+# writes d = 0 for one) is a zero scale, and int4-affine's group of equal weights has
+# scale 0. Every other format's scales are never 0.
+ZERO_SCALE_FORMATS = ("iq4nl", "int4-affine")
+# Formats with a minimum per group besides its scale (int4-affine: unsigned codes q in
+# [0, 15], w = s * q + m, llama.cpp's Q4_1 and Q4_K). Their scales tensor holds each row's
+# cols / group scales, then its cols / group minimums (scale_columns).
+MINIMUM_FORMATS = ("int4-affine",)
+
+
+def scale_columns(fmt: str, cols: int, group: int) -> int:
+    """Columns of the scales tensor of a ``cols``-column matrix of the quantized format
+    ``fmt``: one scale per group, and for MINIMUM_FORMATS one minimum per group after them."""
+    return cols // group * (2 if fmt in MINIMUM_FORMATS else 1)
 
 
 def positive_int(value, name: str) -> int:
@@ -139,6 +152,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "int4": WeightFormat("int4", 4),
     "mxfp4": WeightFormat("mxfp4", 4),
     "iq4nl": WeightFormat("iq4nl", 4),
+    "int4-affine": WeightFormat("int4-affine", 4),
     "e8m0": WeightFormat("e8m0", 8),
 }
 

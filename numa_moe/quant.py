@@ -9,9 +9,13 @@ Microscaling format) packs its 4-bit e2m1 codes the same way, ``q`` being the e2
 ``E2M1[code]`` (0, +-0.5, ..., +-6), with the group fixed at 32 and power-of-two e8m0
 scales. IQ4_NL ("iq4nl", llama.cpp's non-uniform 4-bit format) packs its codes the same
 way too, ``q`` being ``IQ4_NL_VALUES[code]`` (-127 .. 113, no zero), group fixed at 32,
-float scales that may be 0 (a block of zeros). Weights stay row-major ``[rows, cols]``
+float scales that may be 0 (a block of zeros). INT4-AFFINE ("int4-affine", llama.cpp's
+Q4_1 and Q4_K) packs unsigned codes ``q`` in [0, 15] the same way and adds a minimum per
+group: ``W[r, k] ~= s[r, k // g] * q[r, k] + m[r, k // g]``, group fixed at 32, float
+scales (0 for a group of equal weights) and minimums. Weights stay row-major ``[rows, cols]``
 like the BF16 ones (``[rows, cols / 2]`` bytes for the 4-bit formats); scales are their
-own row-major tensor ``[rows, cols / g]`` in fp16, bf16 or fp32 (e8m0 for MXFP4).
+own row-major tensor ``[rows, cols / g]`` in fp16, bf16 or fp32 (e8m0 for MXFP4;
+``[rows, 2 cols / g]`` for INT4-AFFINE: each row's scales, then its minimums).
 llama.cpp's Q8_0, Q4_0, MXFP4, IQ4_NL and IQ4_XS blocks and gpt-oss's ``*_blocks`` /
 ``*_scales`` convert into this layout without loss (``from_q8_0``, ``from_q4_0``,
 ``from_gguf_mxfp4``, ``from_iq4_nl``, ``from_iq4_xs``, ``from_mxfp4_blocks``).
@@ -26,8 +30,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from numa_moe.formats import (DEFAULT_GROUP, FIXED_GROUPS, FIXED_SCALE_DTYPES, GROUPS, QUANT_FORMATS, SCALE_DTYPES,
-                              ZERO_SCALE_FORMATS, nibble_packed)
+from numa_moe.formats import (DEFAULT_GROUP, FIXED_GROUPS, FIXED_SCALE_DTYPES, GROUPS, MINIMUM_FORMATS, QUANT_FORMATS,
+                              SCALE_DTYPES, ZERO_SCALE_FORMATS, nibble_packed)
 
 __all__ = ["QuantizedMatrix", "check_arguments", "groups_for", "scale_dtypes_for", "zero_scales_allowed", "scale_layout", "quantize", "dequantize", "values",
            "pack_int4", "unpack_int4", "error_bound", "from_q8_0", "from_q4_0", "from_gguf_mxfp4",
@@ -36,8 +40,8 @@ __all__ = ["QuantizedMatrix", "check_arguments", "groups_for", "scale_dtypes_for
 # The largest q quantize() produces (and the smallest): symmetric, so INT4 leaves -8
 # unused (Q4_0 import may still bring it); MXFP4's is e2m1's largest value; IQ4_NL's
 # codebook ends.
-Q_MAX = {"int8": 127, "int4": 7, "mxfp4": 6, "iq4nl": 113}
-Q_MIN = {"int8": -127, "int4": -8, "mxfp4": -6, "iq4nl": -127}
+Q_MAX = {"int8": 127, "int4": 7, "mxfp4": 6, "iq4nl": 113, "int4-affine": 15}
+Q_MIN = {"int8": -127, "int4": -8, "mxfp4": -6, "iq4nl": -127, "int4-affine": 0}
 GGML_BLOCK = 32  # weights per Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 block
 MX_BLOCK = FIXED_GROUPS["mxfp4"]  # weights per MXFP4 scale (the OCP MX block)
 # OCP e2m1: code -> value (bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa)
@@ -60,8 +64,9 @@ _E8M0_NAN = 0xFF
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A ``rows x cols`` weight in the contract's layout: ``q`` int8 ``[rows, cols]``
-    (INT8) or uint8 ``[rows, cols / 2]`` (INT4, MXFP4 and IQ4_NL, packed), ``scales``
-    ``[rows, cols / group]`` (e8m0 for MXFP4)."""
+    (INT8) or uint8 ``[rows, cols / 2]`` (INT4, MXFP4, IQ4_NL and INT4-AFFINE, packed),
+    ``scales`` ``[rows, cols / group]`` (e8m0 for MXFP4; INT4-AFFINE ``[rows, 2 cols /
+    group]``, the scales then the minimums: ``group_scales`` and ``minimums``)."""
 
     fmt: str
     group: int
@@ -75,8 +80,20 @@ class QuantizedMatrix:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads: weights and scales."""
+        """Bytes a kernel reads: weights and scales (and minimums)."""
         return self.q.nbytes + self.scales.nbytes
+
+    @property
+    def group_scales(self) -> np.ndarray:
+        """``[rows, cols / group]``: the scales alone (without INT4-AFFINE's minimums)."""
+        return self.scales[:, :self.shape[1] // self.group]
+
+    @property
+    def minimums(self) -> np.ndarray | None:
+        """``[rows, cols / group]``: INT4-AFFINE's minimums; None for the other formats."""
+        if self.fmt not in MINIMUM_FORMATS:
+            return None
+        return self.scales[:, self.shape[1] // self.group:]
 
 
 _UNCHECKED = object()
@@ -188,6 +205,11 @@ def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | 
     becomes the nearest e2m1 value of w / scale, ties to even, saturating at +-6 (so
     magnitudes in (6, 8) x scale clip to 6, as the spec has it).
 
+    int4-affine: each group's minimum is its smallest weight and its scale its range over
+    15, both rounded to ``scale_dtype``; q is the nearest integer of (w - minimum) / scale,
+    clipped to [0, 15] (0 where the scale is 0: a group of equal weights); a scale or
+    minimum that rounds to infinity is refused.
+
     iq4nl: ggml's rule without its search over nearby scales: each block's scale is its
     largest-magnitude weight over -127 (so that weight takes the codebook's -127 end),
     rounded to ``scale_dtype``, and every element the nearest codebook value of w / scale
@@ -209,6 +231,8 @@ def quantize(w, fmt: str = "int8", group: int | None = None, scale_dtype: str | 
         return _quantize_mxfp4(blocks, amax)
     if fmt == "iq4nl":
         return _quantize_iq4nl(blocks, scale_dtype)
+    if fmt == "int4-affine":
+        return _quantize_affine(blocks, scale_dtype)
     with np.errstate(over="ignore"):  # refused just below
         scales = (amax / Q_MAX[fmt]).astype(SCALE_DTYPES[scale_dtype])
     beyond = np.isinf(scales.astype(np.float32))
@@ -257,6 +281,27 @@ def _quantize_iq4nl(blocks: np.ndarray, scale_dtype: str) -> QuantizedMatrix:
     return QuantizedMatrix("iq4nl", group, (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales)
 
 
+def _quantize_affine(blocks: np.ndarray, scale_dtype: str) -> QuantizedMatrix:
+    rows, n_blocks, group = blocks.shape
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)
+    dtype = SCALE_DTYPES[scale_dtype]
+    with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+        minimums = lo.astype(dtype)
+        scales = ((hi - lo) / np.float32(Q_MAX["int4-affine"])).astype(dtype)
+    for name, values_, wanted in (("scale", scales, (hi - lo) / Q_MAX["int4-affine"]), ("minimum", minimums, lo)):
+        beyond = ~np.isfinite(values_.astype(np.float32))
+        if beyond.any():
+            r, g = (int(i[0]) for i in np.nonzero(beyond))
+            raise ValueError(f"the group's {name} {float(wanted[r, g]):g} is beyond its dtype's range "
+                             f"(row {r}, group {g})")
+    m32, s32 = minimums.astype(np.float32)[:, :, None], scales.astype(np.float32)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(s32 != 0, (blocks - m32) / s32, 0)
+    q = np.clip(np.rint(ratio), 0, Q_MAX["int4-affine"]).astype(np.uint8).reshape(rows, n_blocks * group)
+    return QuantizedMatrix("int4-affine", group, (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8),
+                           np.concatenate([scales, minimums], axis=1))
+
+
 def _unpack_codes(packed: np.ndarray) -> np.ndarray:
     """uint8 ``[rows, cols / 2]`` -> the 4-bit codes uint8 ``[rows, cols]``."""
     packed = np.asarray(packed, dtype=np.uint8)
@@ -269,8 +314,11 @@ def _unpack_codes(packed: np.ndarray) -> np.ndarray:
 def values(qm: QuantizedMatrix) -> np.ndarray:
     """The elements the scales multiply, ``[rows, cols]``: the int8 q values for int8 and
     int4 (unpacked); for mxfp4 the e2m1 values ``E2M1[code]`` as float32 (0, +-0.5, ...,
-    +-6, exact); for iq4nl the int8 codebook values ``IQ4_NL_VALUES[code]``. dequantize() is
-    values * scale for every format."""
+    +-6, exact); for iq4nl the int8 codebook values ``IQ4_NL_VALUES[code]``; for
+    int4-affine the unsigned codes. dequantize() is values * scale (+ minimum) for every
+    format."""
+    if qm.fmt == "int4-affine":
+        return _unpack_codes(qm.q)
     if qm.fmt == "mxfp4":
         return E2M1[_unpack_codes(qm.q)]
     if qm.fmt == "iq4nl":
@@ -279,23 +327,32 @@ def values(qm: QuantizedMatrix) -> np.ndarray:
 
 
 def dequantize(qm: QuantizedMatrix) -> np.ndarray:
-    """float32 ``[rows, cols]``: s[r, k // g] * q[r, k], each product in fp32 (exact for
-    mxfp4 while the product is in fp32's range)."""
+    """float32 ``[rows, cols]``: s[r, k // g] * q[r, k] (+ m[r, k // g] for int4-affine),
+    each product and sum in fp32 (exact for mxfp4 while the product is in fp32's range;
+    for llama.cpp's Q4_1 / Q4_K blocks the gguf package's values bit for bit)."""
     q = values(qm).astype(np.float32)
     rows, cols = q.shape
-    s32 = qm.scales.astype(np.float32)
-    return (q.reshape(rows, cols // qm.group, qm.group) * s32[:, :, None]).reshape(rows, cols)
+    s32 = qm.group_scales.astype(np.float32)
+    w = q.reshape(rows, cols // qm.group, qm.group) * s32[:, :, None]
+    if qm.minimums is not None:
+        w = w + qm.minimums.astype(np.float32)[:, :, None]
+    return w.reshape(rows, cols)
 
 
 def error_bound(w, qm: QuantizedMatrix) -> np.ndarray:
     """Per-element bound on |w - dequantize(qm)| for quantize()'s output: half a step of
     the grid at w's magnitude (int8 / int4: half a scale; mxfp4: half the e2m1 spacing,
-    0.25, 0.5 or 1 scale; iq4nl: half its codebook's widest gap, 12 scales), plus what
-    clipping loses beyond Q_MAX scales (iq4nl: beyond its codebook's ends)."""
+    0.25, 0.5 or 1 scale; iq4nl: half its codebook's widest gap, 12 scales; int4-affine:
+    half a scale), plus what clipping loses beyond Q_MAX scales (iq4nl: beyond its
+    codebook's ends; int4-affine: outside [m, m + 15 s])."""
     w32 = np.asarray(w).astype(np.float32)
     rows, cols = w32.shape
-    s32 = qm.scales.astype(np.float32)[:, :, None]
+    s32 = qm.group_scales.astype(np.float32)[:, :, None]
     magnitude = np.abs(w32.reshape(rows, cols // qm.group, qm.group))
+    if qm.minimums is not None:  # int4-affine: half a scale, plus what falls outside [m, m + 15 s]
+        above = w32.reshape(magnitude.shape) - qm.minimums.astype(np.float32)[:, :, None]
+        clipped = np.maximum(-above, 0) + np.maximum(above - Q_MAX[qm.fmt] * s32, 0)
+        return (s32 / 2 + clipped).reshape(rows, cols)
     if qm.fmt == "iq4nl":
         s32 = np.abs(s32)
         ratio = w32.reshape(magnitude.shape) * np.sign(qm.scales.astype(np.float32))[:, :, None]

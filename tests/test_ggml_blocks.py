@@ -99,8 +99,9 @@ def test_bad_arguments_are_refused(rng):
     raw = random_blocks(rng, "Q4_0", rows, cols)
     values, scales = buffers("Q4_0", rows, cols)
     convert = _native.convert_ggml_blocks
-    with pytest.raises(ValueError, match="ggml type 'Q4_K' is not one of Q8_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS, Q5_0"):
-        convert("Q4_K", raw, rows, cols, values, scales)
+    with pytest.raises(ValueError, match="ggml type 'Q5_K' is not one of Q8_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS, Q5_0, Q4_1, "
+                                         "Q4_K"):
+        convert("Q5_K", raw, rows, cols, values, scales)
     with pytest.raises(ValueError, match="cols a positive multiple of 32"):
         convert("Q4_0", raw, rows, 48, values, scales)
     with pytest.raises(ValueError, match="Q4_0: 72 bytes for a 2 x 96 matrix, expected 108"):
@@ -241,3 +242,42 @@ def test_k_quant_requantization_bad_arguments_are_refused(rng):
         requantize("Q4_K", raw, rows, cols, "int4", 32, "fp16", values, scales)  # int8-sized rows for int4
     with pytest.raises(ValueError, match="scales"):
         requantize("Q4_K", raw, rows, cols, "int8", 64, "fp16", values, scales)  # group 32's scale columns
+
+
+@pytest.mark.parametrize("qtype, scale_dtype", [("Q4_1", np.float16), ("Q4_K", np.float32)])
+@pytest.mark.parametrize("rows, cols", [(1, 256), (5, 768), (3, 2048)])
+def test_q4_1_and_q4_k_convert_to_int4_affine_with_the_package_values(rng, qtype, scale_dtype, rows, cols):
+    """The codes re-paired and the scales and minimums laid out for int4-affine (Q4_1: d and
+    m as they are; Q4_K: d * sc and -(dmin * m) in fp32): dequantized, the gguf package's
+    values bit for bit, signed zeros too."""
+    if qtype == "Q4_1":
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        w[0, :32] = 0.5  # a block of equal weights: d = 0
+        raw = gguf.quants.quantize(w, T.Q4_1).reshape(-1)
+    else:
+        raw = random_k_blocks(rng, qtype, rows, cols)
+    values = np.full((rows, cols // 2), 0x5A, np.uint8)
+    scales = np.full((rows, 2 * cols // 32), np.nan, scale_dtype)
+    _native.convert_ggml_blocks(qtype, raw, rows, cols, values, scales)
+    got = q.dequantize(q.QuantizedMatrix("int4-affine", 32, values, scales))
+    want = np.asarray(gguf.quants.dequantize(raw, T[qtype]), dtype=np.float32).reshape(rows, cols)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype, at, what", [("Q4_1", 0, "block scale"), ("Q4_1", 2, "block minimum"),
+                                             ("Q4_K", 0, "d"), ("Q4_K", 2, "dmin")])
+def test_a_q4_1_or_q4_k_nan_scale_or_minimum_is_named(rng, qtype, at, what):
+    rows, cols = 3, 512
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[T[qtype]]
+    if qtype == "Q4_1":
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), T.Q4_1).reshape(-1)
+    else:
+        raw = random_k_blocks(rng, qtype, rows, cols)
+    block = cols // block_weights + 1  # row 1, block 1
+    raw[block * block_bytes + at:block * block_bytes + at + 2] = (0x01, 0x7C)  # a NaN
+    values = np.empty((rows, cols // 2), np.uint8)
+    scales = np.empty((rows, 2 * cols // 32), np.float16 if qtype == "Q4_1" else np.float32)
+    with pytest.raises(ValueError, match=rf"a NaN or infinite {what} \(row 1, block 1\)"):
+        _native.convert_ggml_blocks(qtype, raw, rows, cols, values, scales)
+    with pytest.raises(ValueError, match=r"scales: shape"):
+        _native.convert_ggml_blocks(qtype, raw, rows, cols, values, scales[:, :cols // 32].copy())

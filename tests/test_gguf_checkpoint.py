@@ -1,7 +1,8 @@
 """GGUF checkpoints: tiny MoE files written by the ``gguf`` package's own writer, loaded
 into an ExpertStore and compared with the package's own dequantization (bit for bit for
-Q8_0, Q4_0, MXFP4 and Q5_0 (as int8) and the float types, equal values for IQ4_NL and
-IQ4_XS (as iq4nl); within numa_moe.quant.error_bound for requantized K-quants),
+Q8_0, Q4_0, MXFP4, Q5_0 (as int8), Q4_1 and Q4_K (as int4-affine) and the float types,
+equal values for IQ4_NL and IQ4_XS (as iq4nl); within numa_moe.quant.error_bound for
+requantized K-quants),
 a MoELayer step against a float64 reference of the dequantized experts, the
 commands, and malformed files (one-line errors)."""
 
@@ -125,7 +126,7 @@ def uniform(qtype):
 
 @pytest.mark.parametrize("qtype, loaded", [
     (T.Q8_0, ("int8", 32, "fp16")), (T.Q4_0, ("int4", 32, "fp16")), (T.MXFP4, ("mxfp4", 32, "e8m0")),
-    (T.Q5_0, ("int8", 32, "fp16")),
+    (T.Q5_0, ("int8", 32, "fp16")), (T.Q4_1, ("int4-affine", 32, "fp16")), (T.Q4_K, ("int4-affine", 32, "fp32")),
     (T.BF16, ("bf16", None, None)), (T.F16, ("fp16", None, None)), (T.F32, ("fp32", None, None))],
     ids=lambda v: getattr(v, "name", None))
 def test_lossless_types_load_bit_for_bit(tmp_path, rng, qtype, loaded):
@@ -133,7 +134,8 @@ def test_lossless_types_load_bit_for_bit(tmp_path, rng, qtype, loaded):
     store = ExpertStore.load(path, progress=False)
     assert (store.weight_format, store.group, store.scale_dtype) == loaded
     assert store.checkpoint.importer.exact(store.checkpoint.importer.default())
-    if store.quantized:  # the contract's scales are never 0, also for all-zero blocks
+    if store.quantized and not q.zero_scales_allowed(store.weight_format):
+        # the contract's scales are never 0, also for all-zero blocks
         assert all(np.all(store.scales(layer, k).astype(np.float32) != 0) for layer in (0, 1) for k in KINDS)
     reference = package_dequantized(path)
     for layer in (0, 1):
@@ -274,8 +276,8 @@ def test_dims_from_metadata_and_what_is_reported_apart(tmp_path, rng):
 
 
 @pytest.mark.parametrize("types", [uniform(T.Q8_0), uniform(T.MXFP4), uniform(T.IQ4_NL), uniform(T.IQ4_XS),
-                                   {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
-                         ids=["Q8_0", "MXFP4", "IQ4_NL", "IQ4_XS", "Q4_K_M"])
+                                   uniform(T.Q4_1), uniform(T.Q4_K), {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q6_K}],
+                         ids=["Q8_0", "MXFP4", "IQ4_NL", "IQ4_XS", "Q4_1", "Q4_K", "Q4_K_M"])
 def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     from numa_moe.layer.moe_layer import MoELayer
     from numa_moe.placement.topology import Topology
@@ -293,7 +295,8 @@ def test_moe_layer_step_on_imported_experts(tmp_path, rng, types):
     expected = moe_reference(x, ids, weights, gates, ups, downs)
     # int8 activations (blocks of 32) on top of the int8 weights; requantized K-quants add
     # their own error (< 1% relative, test above)
-    assert rel_error(y, expected) < (0.02 if types["gate"] in (T.Q8_0, T.MXFP4, T.IQ4_NL, T.IQ4_XS) else 0.03)
+    exact = all(t in (T.Q8_0, T.MXFP4, T.IQ4_NL, T.IQ4_XS, T.Q4_1, T.Q4_K) for t in types.values())
+    assert rel_error(y, expected) < (0.02 if exact else 0.03)
 
 
 def test_gpt_oss_gguf_experts_take_their_biases_and_clamped_swiglu(tmp_path, rng):

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numa_moe import quant
+from numa_moe.formats import scale_columns
 
 
 @settings(max_examples=60, deadline=None)
@@ -22,10 +23,11 @@ def test_round_trip_is_within_the_bound(fmt, data, rows, groups, seed, log_scale
     w = (rng.standard_normal((rows, groups * group)) * 10.0 ** log_scale).astype(np.float32)
     w[0, :group] = 0  # an all-zero group
     qm = quant.quantize(w, fmt, group, scale_dtype)
-    assert qm.shape == w.shape and qm.scales.shape == (rows, groups)
-    scales = qm.scales.astype(np.float32)
-    assert np.all(np.isfinite(scales))
-    if quant.zero_scales_allowed(fmt):  # iq4nl: the sign of the block's extreme, 0 for a block of zeros
+    assert qm.shape == w.shape and qm.scales.shape == (rows, scale_columns(fmt, groups * group, group))
+    assert np.all(np.isfinite(qm.scales.astype(np.float32)))  # int4-affine: its minimums too
+    scales = qm.group_scales.astype(np.float32)
+    if quant.zero_scales_allowed(fmt):  # iq4nl: the sign of the block's extreme, 0 for a block of zeros;
+        # int4-affine: 0 for a group of equal weights
         assert np.array_equal(scales == 0, np.all(w.reshape(rows, groups, group) == 0, axis=2))
     else:
         assert np.all(scales > 0)

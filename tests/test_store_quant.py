@@ -12,7 +12,7 @@ import safetensors
 from numa_moe.placement import memory
 from numa_moe import quant as q
 from numa_moe.files import CheckpointError
-from numa_moe.formats import KINDS
+from numa_moe.formats import KINDS, scale_columns
 from numa_moe.apps.placement_report import (inspect_checkpoint, placement_report, quant_node_summary,
                                        remote_scale_bytes)
 from numa_moe.checkpoints.quantize import quantize_checkpoint
@@ -52,13 +52,13 @@ def _check_store(store, reference, fmt, group, scale_dtype):
             values, scales = store.weights(layer, kind), store.scales(layer, kind)
             assert values.dtype == (np.int8 if fmt == "int8" else np.uint8)
             assert values.shape == (rows, cols if fmt == "int8" else cols // 2)
-            assert scales.dtype == SCALE_NP[scale_dtype] and scales.shape == (rows, cols // group)
+            scale_cols = scale_columns(fmt, cols, group)  # int4-affine: the minimums too
+            assert scales.dtype == SCALE_NP[scale_dtype] and scales.shape == (rows, scale_cols)
             assert not np.shares_memory(values, scales)
             table, scale_table = store.table(layer, kind), store.scale_table(layer, kind)
             # tables count weights (int4: elements, not bytes) and partition their buffer
             assert (table.rows, table.cols, table.fmt) == (rows, cols, fmt)
-            assert (scale_table.rows, scale_table.cols, scale_table.fmt) == (rows, cols // group,
-                                                                             scale_dtype)
+            assert (scale_table.rows, scale_table.cols, scale_table.fmt) == (rows, scale_cols, scale_dtype)
             table.check()
             scale_table.check()
             assert sum(table.bytes_per_node().values()) == values.nbytes
@@ -85,7 +85,8 @@ def _check_store(store, reference, fmt, group, scale_dtype):
 
 
 @pytest.mark.parametrize("fmt,group,scale_dtype", [("int8", 128, "fp16"), ("int4", 32, "bf16"),
-                                                    ("int4", 64, "fp32"), ("mxfp4", 32, "e8m0")])
+                                                    ("int4", 64, "fp32"), ("mxfp4", 32, "e8m0"),
+                                                    ("int4-affine", 32, "fp16")])
 def test_float_checkpoint_quantized_while_loading(checkpoint_dir, fmt, group, scale_dtype):
     store = ExpertStore.load(checkpoint_dir, progress=False, weight_format=fmt, group=group,
                              scale_dtype=scale_dtype, threads=3)  # each expert matrix quantized on its own
@@ -94,7 +95,7 @@ def test_float_checkpoint_quantized_while_loading(checkpoint_dir, fmt, group, sc
 
 
 @pytest.mark.parametrize("fmt,group,scale_dtype", [("int8", 64, "fp32"), ("int4", 128, "fp16"),
-                                                    ("mxfp4", 32, "e8m0")])
+                                                    ("mxfp4", 32, "e8m0"), ("int4-affine", 32, "bf16")])
 def test_quantized_checkpoint_loads_as_it_is(checkpoint_dir, tmp_path, fmt, group, scale_dtype):
     quantize_checkpoint(checkpoint_dir, tmp_path / "q", fmt, group, scale_dtype, progress=False)
     store = ExpertStore.load(tmp_path / "q", progress=False, threads=3)

@@ -40,10 +40,10 @@ def _int_list(text: str) -> list[int]:
               show_default=True, help="Expert weight format: int8 / int4 run quantized experts (docs/quantization.md; "
                                       "the bytes read count the scales) against PyTorch's own low-bit kernels "
                                       "(aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu); mxfp4 (e8m0 "
-                                      "scales per 32) and iq4nl (fp16 per 32) without torch, which has no CPU "
-                                      "kernel for their codebooks.")
+                                      "scales per 32), iq4nl and int4-affine (fp16 per 32) without torch, which "
+                                      "has no CPU kernel for them.")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="Columns per scale of int8 / int4 (mxfp4, iq4nl: always 32).")
+              help="Columns per scale of int8 / int4 (mxfp4, iq4nl, int4-affine: always 32).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Also write the results as JSON to this file.")
 def kernels_command(shapes, m_values, repeats, min_seconds, threads, isa, no_torch, page, weight_format, group,

@@ -27,12 +27,13 @@ from numa_moe_cli.options import WEIGHT_FORMAT_CHOICES, check_output, isa_option
                    "matmul) before every call, against back-to-back calls; then the HF-patched Qwen3-MoE block "
                    "and the fixed cost of a tiny layer and expert_ffn call (token counts default to 1, 4, 16).")
 @click.option("--format", "weight_formats", type=click.Choice(WEIGHT_FORMAT_CHOICES), multiple=True,
-              help="Expert weight formats to run (repeatable): int8 / int4 / mxfp4 / iq4nl quantize the random experts "
-                   "once (fp16 scales; mxfp4 e8m0 per 32, iq4nl per 32; docs/quantization.md) and add their 1-node step, bytes read and "
+              help="Expert weight formats to run (repeatable): int8 / int4 / mxfp4 / iq4nl / int4-affine quantize the random "
+                   "experts once (fp16 scales; mxfp4 e8m0 per 32, iq4nl and int4-affine per 32; docs/quantization.md) "
+                   "and add their 1-node step, bytes read and "
                    "ratio to the "
                    "bf16 step to each case. bf16 always runs, as the baseline (and the torch loop is bf16 only).")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="columns per scale of the int8 / int4 experts (mxfp4, iq4nl: always 32)")
+              help="columns per scale of the int8 / int4 experts (mxfp4, iq4nl, int4-affine: always 32)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows as JSON to this file.")
 def layer_command(models, tokens, repeats, virtual_nodes, isa, app, weight_formats, group, json_path):

@@ -71,7 +71,7 @@ def _open(path: str, pattern: str | None, kinds: str | None):
               help="Routed experts in bf16, or quantized as by `numa-moe quantize` [default: bf16; "
                    "gpt-oss: mxfp4, the released layout; bf16 is transformers' layout].")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
-              help="Scale group size (quantized formats) [default: 128; mxfp4, iq4nl: 32].")
+              help="Scale group size (quantized formats) [default: 128; mxfp4, iq4nl, int4-affine: 32].")
 @click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
               help="Element type of the group scales (quantized formats) [default: fp16; mxfp4: e8m0].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -110,7 +110,7 @@ def make_checkpoint_command(like, layers, experts, seed, fused, shared, shard_mb
                    "quantized, else bf16].")
 @click.option("--group", type=click.IntRange(min=1), default=None,
               help="Scale group size (elements along k) for the quantized formats [default: the "
-                   "checkpoint's when quantized, else 128; mxfp4, iq4nl: 32].")
+                   "checkpoint's when quantized, else 128; mxfp4, iq4nl, int4-affine: 32].")
 @click.option("--scale-dtype", "--scale-format", "scale_dtype",
               type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
               help="Element format of the group scales (quantized formats only) [default: the "
@@ -274,7 +274,7 @@ def inspect_command(checkpoint, tensor, all_tensors, nodes, touch, plot, as_json
               help="Weight format of the quantized routed experts.")
 @click.option("--group", type=click.Choice(["32", "64", "128"]), default=None,
               help="Scale group size (weights along a row sharing one scale) [default: 128; "
-                   "mxfp4, iq4nl: 32, their only group].")
+                   "mxfp4, iq4nl, int4-affine: 32, their only group].")
 @click.option("--scale-dtype", type=click.Choice(["fp16", "bf16", "fp32", "e8m0"]), default=None,
               help="Element type of the group scales [default: fp16; mxfp4: e8m0, its only "
                    "scale type].")

@@ -24,8 +24,9 @@ from numa_moe_cli.options import (WEIGHT_FORMAT_CHOICES, check_apart, check_outp
 @page_option()
 @click.option("--seed", default=0, show_default=True, type=int, help="seed of the inputs and the random routing")
 @click.option("--format", "weight_formats", type=click.Choice(WEIGHT_FORMAT_CHOICES), multiple=True,
-              help="Expert weight format: int8 / int4 / mxfp4 / iq4nl quantize a BF16 checkpoint while "
-                   "loading (group 128, fp16 scales; mxfp4: group 32, e8m0 scales; iq4nl: group 32; docs/quantization.md); GGUF and FP8 experts are converted to "
+              help="Expert weight format: int8 / int4 / mxfp4 / iq4nl / int4-affine quantize a BF16 checkpoint "
+                   "while loading (group 128, fp16 scales; mxfp4: group 32, e8m0 scales; iq4nl, int4-affine: group "
+                   "32; docs/quantization.md); GGUF and FP8 experts are converted to "
                    "it (group 32; docs/checkpoints.md). Default: the checkpoint's own. Given "
                    "more than once, the job runs once per format and ends with their steps side by side.")
 @click.option("--like", default=None, metavar="MODEL",

@@ -110,9 +110,9 @@ def table(rows, cols, dtype, group, scale_dtype, n_nodes, page, phase, offset_by
                                            offset_bytes=offset_bytes)
         scales = None
         if group is not None:
-            scale_shape(rows, cols, group)
+            scale_shape(rows, cols, group, dtype)
             scales = scales_table(rows, cols, group, scale_dtype, page_bytes, n_nodes,
-                                  phase=scale_phase)
+                                  phase=scale_phase, fmt=dtype)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 

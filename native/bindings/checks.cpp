@@ -305,10 +305,13 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
     arg.cols = values.shape(1) * per_byte;
     arg.weights.data = values.data();
     arg.weights.ld = row_bytes * per_byte;
-    NUMA_MOE_CHECK(scales.shape(0) == arg.rows && scales.shape(1) >= 1 && arg.cols % scales.shape(1) == 0, scales_name,
-                   ": shape ", shape_text(scales), " does not give a group for a ", arg.rows, " x ", arg.cols,
-                   " matrix ([rows, cols / group])");
-    arg.weights.group = arg.cols / scales.shape(1);
+    const int64_t per_group = kernels::scale_values_per_group(arg.format);
+    NUMA_MOE_CHECK(scales.shape(0) == arg.rows && scales.shape(1) >= per_group && scales.shape(1) % per_group == 0 &&
+                       arg.cols % (scales.shape(1) / per_group) == 0,
+                   scales_name, ": shape ", shape_text(scales), " does not give a group for a ", arg.rows, " x ",
+                   arg.cols, " matrix ", per_group == 1 ? "([rows, cols / group])" : "([rows, 2 cols / group]: the "
+                   "scales, then the minimums)");
+    arg.weights.group = arg.cols / (scales.shape(1) / per_group);
     NUMA_MOE_CHECK(kernels::has_group(arg.format, arg.weights.group), scales_name, ": group ", arg.weights.group,
                    " (cols / scale columns) is not one of ", group_choices(arg.format));
     arg.weights.scales = scales.data();
@@ -318,7 +321,9 @@ WeightArg weight_operand(const py::array& values, const py::object& scales_obj, 
         const py::object value = scales.attr("reshape")(-1).attr("__getitem__")(bad).attr("item")();
         const bool zero = value.cast<double>() == 0.0;
         fail(scales_name, ": entry ", bad, " is ", zero ? "zero" : "not finite",
-             kernels::takes_zero_scales(arg.format) ? " (scales must be finite)" : " (scales must be finite and non-zero)");
+             kernels::has_minimums(arg.format)       ? " (scales and minimums must be finite)"
+             : kernels::takes_zero_scales(arg.format) ? " (scales must be finite)"
+                                                      : " (scales must be finite and non-zero)");
     }
     return arg;
 }

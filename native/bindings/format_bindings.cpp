@@ -25,7 +25,9 @@ GgmlBlocks ggml_blocks_named(const std::string& name) {
     if (name == "MXFP4") return GgmlBlocks::mxfp4;
     if (name == "IQ4_XS") return GgmlBlocks::iq4_xs;
     if (name == "Q5_0") return GgmlBlocks::q5_0;
-    NUMA_MOE_CHECK(false, "ggml type '", name, "' is not one of Q8_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS, Q5_0");
+    if (name == "Q4_1") return GgmlBlocks::q4_1;
+    if (name == "Q4_K") return GgmlBlocks::q4_k;
+    NUMA_MOE_CHECK(false, "ggml type '", name, "' is not one of Q8_0, Q4_0, IQ4_NL, MXFP4, IQ4_XS, Q5_0, Q4_1, Q4_K");
     return GgmlBlocks::q8_0;
 }
 
@@ -50,7 +52,8 @@ void py_convert_ggml_blocks(const std::string& type_name, const py::object& raw_
                                        formats::ggml_block_bytes(type));
     const bool bytes_a_weight = type == GgmlBlocks::q8_0 || type == GgmlBlocks::q5_0;
     py::array values = byte_rows(values_obj, "values", rows, bytes_a_weight ? cols : cols / 2, 1);
-    py::array scales = byte_rows(scales_obj, "scales", rows, cols / 32, formats::ggml_scale_bytes(type));
+    const int64_t scale_cols = cols / 32 * (formats::ggml_has_minimums(type) ? 2 : 1);
+    py::array scales = byte_rows(scales_obj, "scales", rows, scale_cols, formats::ggml_scale_bytes(type));
     auto* v = static_cast<uint8_t*>(values.mutable_data());
     auto* s = static_cast<uint8_t*>(scales.mutable_data());
     const int64_t values_ld = values.strides(0), scales_ld = scales.strides(0);
@@ -189,12 +192,12 @@ void py_requantize_fp8_blocks(const py::object& w_obj, const py::object& scales_
 void register_formats(py::module_& m) {
     m.def("convert_ggml_blocks", &py_convert_ggml_blocks, py::arg("type"), py::arg("raw"), py::arg("rows"),
           py::arg("cols"), py::arg("values"), py::arg("scales"),
-          "A rows x cols matrix of llama.cpp Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 / IQ4_XS blocks (raw: its "
-          "bytes) into the store's layout: values int8 [rows, cols] (Q8_0, Q5_0) or two codes a byte [rows, "
-          "cols / 2], scales fp16 (MXFP4: e8m0; IQ4_XS: fp32) [rows, cols / 32]; rows contiguous. Without "
-          "loss; a zero fp16 scale of Q8_0 / Q5_0 / Q4_0 "
-          "becomes zeros under +-1. ValueError naming the row and block of a NaN or infinite scale, an e8m0 "
-          "0xFF or a Q8_0 q = -128.");
+          "A rows x cols matrix of llama.cpp Q8_0 / Q5_0 / Q4_0 / IQ4_NL / MXFP4 / IQ4_XS / Q4_1 / Q4_K blocks "
+          "(raw: its bytes) into the store's layout: values int8 [rows, cols] (Q8_0, Q5_0) or two codes a byte "
+          "[rows, cols / 2], scales fp16 (MXFP4: e8m0; IQ4_XS: fp32) [rows, cols / 32] (Q4_1 fp16, Q4_K fp32: "
+          "[rows, 2 cols / 32], the scales then the minimums); rows contiguous. Without loss; a zero fp16 scale "
+          "of Q8_0 / Q5_0 / Q4_0 becomes zeros under +-1. ValueError naming the row and block of a NaN or "
+          "infinite scale (or minimum), an e8m0 0xFF or a Q8_0 q = -128.");
     m.def("dequantize_ggml_k_blocks", &py_dequantize_ggml_k_blocks, py::arg("type"), py::arg("raw"), py::arg("rows"),
           py::arg("cols"), py::arg("out"),
           "A rows x cols matrix of llama.cpp Q2_K / Q3_K / Q4_K / Q5_K / Q6_K blocks (raw: its bytes) as float32 "

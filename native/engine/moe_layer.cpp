@@ -23,7 +23,7 @@ void check_shape(const MatrixPart& m, int64_t rows, int64_t cols, const std::str
                    cols, "]");
     NUMA_MOE_CHECK(m.weights.data && m.weights.ld >= m.cols, what, ": null weights or row stride below the row length");
     NUMA_MOE_CHECK(m.format == kernels::Format::bf16 || (m.weights.scales && kernels::has_group(m.format, m.weights.group)),
-                   what, ": ", kernels::format_name(m.format), " weights need scales and a group of 32, 64 or 128 columns (mxfp4, iq4nl: 32)");
+                   what, ": ", kernels::format_name(m.format), " weights need scales and a group of 32, 64 or 128 columns (mxfp4, iq4nl, int4-affine: 32)");
 }
 
 }  // namespace

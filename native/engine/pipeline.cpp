@@ -69,9 +69,11 @@ int64_t weight_bytes(const MatrixPart& part, int64_t elements) {
         case kernels::Format::int8:
         case kernels::Format::int4:
         case kernels::Format::mxfp4:
-        case kernels::Format::iq4nl: {
+        case kernels::Format::iq4nl:
+        case kernels::Format::int4_affine: {
             const int64_t values = part.format == kernels::Format::int8 ? elements : elements / 2;
             return values + elements / std::max<int64_t>(part.weights.group, 1) *
+                                kernels::scale_values_per_group(part.format) *
                                 kernels::scale_dtype_bytes(part.weights.scale_dtype);
         }
     }

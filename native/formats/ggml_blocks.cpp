@@ -69,9 +69,50 @@ void store_fp16(uint8_t* p, uint16_t v) {
     p[1] = static_cast<uint8_t>(v >> 8);
 }
 
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and minima of the 8 sub-blocks: bytes 0-3 hold
+// sub-blocks 0-3's scales (low 6 bits) and the top bits of 4-7's, bytes 4-7 the same for
+// the minima, bytes 8-11 the low 4 bits of 4-7's scale (low nibble) and minimum (high).
+void scales_and_minima(const uint8_t* p, int sc[8], int m[8]) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = p[j] & 63;
+        m[j] = p[4 + j] & 63;
+        sc[4 + j] = (p[8 + j] & 0x0f) | ((p[j] >> 2) & 0x30);
+        m[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
+    }
+}
+
+// A K-quant super-scale (d or dmin), checked.
+float checked_super_scale(const uint8_t* p, int64_t row, int64_t block, const char* name) {
+    const uint16_t bits = fp16_at(p);
+    if ((bits & kFp16ExponentMask) == kFp16ExponentMask) refuse(row, block, std::string("a NaN or infinite ") + name);
+    return fp16_to_float(bits);
+}
+
+// One Q4_K super-block (row, block b: for errors) into its 128 code bytes and its 8
+// sub-blocks' fp32 scales d * sc and minimums -(dmin * m) at scales / minimums + 4 * (8 b + j):
+// w = (d sc) q - (dmin m), the gguf package's expression, since x + -y is x - y.
+void convert_q4_k_block(const uint8_t* in, int64_t row, int64_t b, uint8_t* codes, uint8_t* scales,
+                        uint8_t* minimums) {
+    const float d = checked_super_scale(in, row, b, "d"), dmin = checked_super_scale(in + 2, row, b, "dmin");
+    int sc[8], m[8];
+    scales_and_minima(in + 4, sc, m);
+    const uint8_t* q = in + 16;
+    for (int j = 0; j < 8; ++j) {
+        const float scale = d * static_cast<float>(sc[j]), minimum = -(dmin * static_cast<float>(m[j]));
+        std::memcpy(scales + 4 * (8 * b + j), &scale, sizeof(scale));
+        std::memcpy(minimums + 4 * (8 * b + j), &minimum, sizeof(minimum));
+        const uint8_t* bytes = q + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < 16; ++i)
+            codes[16 * j + i] = static_cast<uint8_t>((bytes[2 * i] >> shift & 0x0f) | (bytes[2 * i + 1] >> shift & 0x0f) << 4);
+    }
+}
+
 }  // namespace
 
-int64_t ggml_block_weights(GgmlBlocks type) { return type == GgmlBlocks::iq4_xs ? 8 * kBlock : kBlock; }
+int64_t ggml_block_weights(GgmlBlocks type) {
+    return type == GgmlBlocks::iq4_xs || type == GgmlBlocks::q4_k ? kGgmlSuperBlock : kBlock;
+}
 
 int64_t ggml_block_bytes(GgmlBlocks type) {
     switch (type) {
@@ -81,12 +122,14 @@ int64_t ggml_block_bytes(GgmlBlocks type) {
         case GgmlBlocks::mxfp4: return 1 + kBlock / 2;
         case GgmlBlocks::q5_0: return 2 + 4 + kBlock / 2;
         case GgmlBlocks::iq4_xs: return 2 + 2 + 4 + 8 * kBlock / 2;
+        case GgmlBlocks::q4_1: return 2 + 2 + kBlock / 2;
+        case GgmlBlocks::q4_k: return 2 + 2 + 12 + kGgmlSuperBlock / 2;
     }
     return 0;
 }
 
 int64_t ggml_scale_bytes(GgmlBlocks type) {
-    return type == GgmlBlocks::mxfp4 ? 1 : type == GgmlBlocks::iq4_xs ? 4 : 2;
+    return type == GgmlBlocks::mxfp4 ? 1 : type == GgmlBlocks::iq4_xs || type == GgmlBlocks::q4_k ? 4 : 2;
 }
 
 void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int64_t cols, uint8_t* values,
@@ -96,10 +139,13 @@ void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int6
         throw std::invalid_argument("cols=" + std::to_string(cols) + " is not a multiple of " +
                                     std::to_string(block_weights));
     const int64_t blocks = cols / block_weights;
+    // Types with minimums: a row's minimums follow its cols / 32 scales.
+    const int64_t minimums_at = cols / kBlock * ggml_scale_bytes(type);
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* in = raw + r * blocks * block_bytes;
         uint8_t* v = values + r * values_ld;
         uint8_t* s = scales + r * scales_ld;
+        uint8_t* mins = s + minimums_at;
         for (int64_t b = 0; b < blocks; ++b, in += block_bytes) {
             bool zero = false;
             switch (type) {
@@ -151,31 +197,20 @@ void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int6
                     }
                     break;
                 }
+                case GgmlBlocks::q4_1:
+                    store_fp16(s + 2 * b, checked_scale(fp16_at(in), true, r, b, &zero));
+                    if ((fp16_at(in + 2) & kFp16ExponentMask) == kFp16ExponentMask)
+                        refuse(r, b, "a NaN or infinite block minimum");
+                    store_fp16(mins + 2 * b, fp16_at(in + 2));
+                    pair_nibbles(in + 4, v + b * kBlock / 2, 0x00);
+                    break;
+                case GgmlBlocks::q4_k: convert_q4_k_block(in, r, b, v + b * kGgmlSuperBlock / 2, s, mins); break;
             }
         }
     }
 }
 
 namespace {
-
-// A K-quant super-scale (d or dmin), checked.
-float checked_super_scale(const uint8_t* p, int64_t row, int64_t block, const char* name) {
-    const uint16_t bits = fp16_at(p);
-    if ((bits & kFp16ExponentMask) == kFp16ExponentMask) refuse(row, block, std::string("a NaN or infinite ") + name);
-    return fp16_to_float(bits);
-}
-
-// Q4_K / Q5_K's 12 bytes of 6-bit scales and minima of the 8 sub-blocks: bytes 0-3 hold
-// sub-blocks 0-3's scales (low 6 bits) and the top bits of 4-7's, bytes 4-7 the same for
-// the minima, bytes 8-11 the low 4 bits of 4-7's scale (low nibble) and minimum (high).
-void scales_and_minima(const uint8_t* p, int sc[8], int m[8]) {
-    for (int j = 0; j < 4; ++j) {
-        sc[j] = p[j] & 63;
-        m[j] = p[4 + j] & 63;
-        sc[4 + j] = (p[8 + j] & 0x0f) | ((p[j] >> 2) & 0x30);
-        m[4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30);
-    }
-}
 
 // Q4_K and Q5_K (fifth = the 32 bytes of fifth bits, or null): sub-block j's weights
 // are the low (j even) or high nibbles of bytes 32 (j / 2) ..+ 32, the fifth bit bit j of

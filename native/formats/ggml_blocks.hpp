@@ -11,10 +11,17 @@
 //           IQ4_XS, per 256 weights: fp16 d, a uint16 of the 8 sub-blocks' high scale bits
 //           (2 each), 4 bytes of their low ones (4 each, sub-block 2i in byte i's low
 //           nibble), 8 x 16 IQ4_NL code bytes; sub-block i has the scale d * (ls_i - 32).
+//           Q4_1: fp16 d, fp16 m, 16 code bytes in Q4_0's order (w = d q + m).
+//           Q4_K, per 256 weights (the K-quant layout below): sub-block j of 32 has the
+//           scale d * sc_j and the minimum -(dmin * m_j), both exact in fp32 (11 x 6
+//           significant bits); its weight i is nibble j % 2 of code byte 32 (j / 2) + i.
 //   values  Q8_0 and Q5_0 int8 [rows, cols]; the others two codes a byte [rows, cols / 2], column 2i
-//           in byte i's low nibble (Q4_0 as two's complement int4); rows values_ld bytes apart
+//           in byte i's low nibble (Q4_0 as two's complement int4, Q4_1 / Q4_K unsigned);
+//           rows values_ld bytes apart
 //   scales  [rows, cols / 32]: fp16 bits (MXFP4: e8m0 bytes; IQ4_XS: fp32 d * (ls - 32),
-//           exact: 11 x 6 significant bits); rows scales_ld bytes apart
+//           exact: 11 x 6 significant bits); Q4_1 (fp16) and Q4_K (fp32) [rows, 2 cols /
+//           32], each row's scales, then its minimums (int4_affine); rows scales_ld bytes
+//           apart
 #pragma once
 
 #include <cstdint>
@@ -23,21 +30,25 @@
 
 namespace numa_moe::formats {
 
-enum class GgmlBlocks { q8_0, q4_0, iq4_nl, mxfp4, iq4_xs, q5_0 };
+enum class GgmlBlocks { q8_0, q4_0, iq4_nl, mxfp4, iq4_xs, q5_0, q4_1, q4_k };
 
-// Weights of one block (32; IQ4_XS 256), and its bytes.
+// Whether a type's scales come with minimums (Q4_1, Q4_K: the scales tensor is twice as wide).
+constexpr bool ggml_has_minimums(GgmlBlocks type) { return type == GgmlBlocks::q4_1 || type == GgmlBlocks::q4_k; }
+
+// Weights of one block (32; IQ4_XS and Q4_K 256), and its bytes.
 int64_t ggml_block_weights(GgmlBlocks type);
 int64_t ggml_block_bytes(GgmlBlocks type);
 
-// Bytes of one converted scale (fp16 2, e8m0 1, IQ4_XS's fp32 4).
+// Bytes of one converted scale or minimum (fp16 2, e8m0 1, IQ4_XS's and Q4_K's fp32 4).
 int64_t ggml_scale_bytes(GgmlBlocks type);
 
 // raw -> values and scales. A block whose fp16 scale is +-0 holds zeros: Q8_0, Q5_0 and Q4_0,
 // whose formats refuse zero scales, store it as zeros under the scale +-1 (the same
-// weights); IQ4_NL and IQ4_XS keep zero scales (their codebook has no zero). Throws
-// std::invalid_argument naming the row and block of the first NaN or infinite fp16 scale,
-// e8m0 scale 0xFF (NaN) or Q8_0 q = -128 (outside the symmetric int8 the kernels take);
-// the outputs are then partly written. cols must be a multiple of the block.
+// weights); IQ4_NL, IQ4_XS, Q4_1 and Q4_K keep zero scales (a codebook without zero; a
+// block of equal weights). Throws std::invalid_argument naming the row and block of the
+// first NaN or infinite fp16 scale (Q4_1 / Q4_K: d, m, dmin), e8m0 scale 0xFF (NaN) or
+// Q8_0 q = -128 (outside the symmetric int8 the kernels take); the outputs are then partly
+// written. cols must be a multiple of the block.
 void convert_ggml_blocks(GgmlBlocks type, const uint8_t* raw, int64_t rows, int64_t cols, uint8_t* values,
                          int64_t values_ld, uint8_t* scales, int64_t scales_ld);
 

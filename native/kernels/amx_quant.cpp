@@ -29,7 +29,8 @@
 //               c counts columns in the int4 order (groups of 128: each group's even
 //               columns, then its odd ones; else per K-column chunk). The values and scales are
 //               quantize_block's (avx512_common.hpp), i.e. ref_quant.cpp's token rule, in
-//               another order. A tile is K / 4 quad rows x min(tokens, 16) tokens, stride
+//               another order; formats with minimums then fp32 group sums
+//               X[t * (k / G) + b] (group_minimums.hpp). A tile is K / 4 quad rows x min(tokens, 16) tokens, stride
 //               4m bytes
 //   C  int32 dots of one group (G / K tdpbssd), stored to a scratch tile; the fp32 sums
 //               live in accumulators and are added to out[r * ldo + t] once per segment
@@ -54,6 +55,7 @@
 #include "common/cpu_features.hpp"
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/group_minimums.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
 #include "kernels/nibble_codes.hpp"
@@ -114,13 +116,19 @@ TokenLayout quads_layout(int64_t) { return TokenLayout{4, 1}; }
 
 size_t values_bytes(int64_t m, int64_t k) { return (static_cast<size_t>(m * k) + 63) / 64 * 64; }
 
-template <int64_t G>
+template <Format F, int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
-    return values_bytes(m, k) + static_cast<size_t>(m * (k / G)) * sizeof(float);
+    const size_t per_block = has_minimums(F) ? 2 : 1;  // the scale, and the group sum
+    return values_bytes(m, k) + per_block * static_cast<size_t>(m * (k / G)) * sizeof(float);
 }
 
 float* token_scales(const void* packed, int64_t m, int64_t k) {
     return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) + values_bytes(m, k));
+}
+
+template <int64_t G>
+float* token_group_sums(const void* packed, int64_t m, int64_t k) {
+    return token_scales(packed, m, k) + m * (k / G);
 }
 
 // Groups of 128 columns split into their even and odd columns (the low and high nibbles
@@ -172,10 +180,16 @@ class QuadWriter {
     static constexpr int64_t kTransposeFromTokens = 4;
 
 public:
-    QuadWriter(int8_t* values, float* scales, int64_t m) : values_(values), scales_(scales), m_(m) {}
+    QuadWriter(void* packed, int64_t m, int64_t k)
+        : values_(static_cast<int8_t*>(packed)),
+          scales_(token_scales(packed, m, k)),
+          sums_(has_minimums(F) ? token_group_sums<G>(packed, m, k) : nullptr),
+          m_(m),
+          k_(k) {}
 
     void operator()(int64_t t, int64_t b, const int8_t* q, float scale) {
         scales_[b * m_ + t] = scale;
+        if constexpr (has_minimums(F)) sums_[t * (k_ / G) + b] = token_group_sum<G>(q, scale);
         const int64_t t0 = t / 16 * 16, nt = m_ - t0 < 16 ? m_ - t0 : 16;
         const bool transposed = m_ >= kTransposeFromTokens;
         // The group in the kernel's column order: collected for the block, or (int4) reordered
@@ -223,13 +237,14 @@ private:
 
     int8_t* values_;
     float* scales_;
-    int64_t m_;
+    float* sums_;  // formats with minimums: X[t * (k / G) + b] (group_minimums.hpp)
+    int64_t m_, k_;
     alignas(64) int8_t block_[16][G];
 };
 
 template <Format F, int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    QuadWriter<F, G> put(static_cast<int8_t*>(packed), token_scales(packed, m, k), m);
+    QuadWriter<F, G> put(packed, m, k);
     quantize_tokens_avx512<G>(x, ldx, token_index, m, k, put);
 }
 
@@ -237,7 +252,7 @@ template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, const ExpertEpilogue& epilogue,
                    void* packed) {
-    QuadWriter<F, G> put(static_cast<int8_t*>(packed), token_scales(packed, m, i_total), m);
+    QuadWriter<F, G> put(packed, m, i_total);
     quantize_silu_mul_avx512<G>(gate_parts, up_parts, n_parts, ld, i_begin, i_end, m, epilogue, put);
 }
 
@@ -773,6 +788,9 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             }
         }
     });
+    if constexpr (has_minimums(F))
+        add_group_minimums(w, segments, n_segments, row_begin, row_end, token_group_sums<G>(packed, m, k), m, k, out,
+                           ldo);
 }
 
 }  // namespace
@@ -790,7 +808,7 @@ const KernelOps& table() {
     constexpr Isa isa = Isa::amx;
     constexpr const char* name = "amx";
 #endif
-    static const KernelOps ops{isa, name, F, G, quads_layout, packed_bytes<G>, gather<F, G>, matmul_segments<F, G>,
+    static const KernelOps ops{isa, name, F, G, quads_layout, packed_bytes<F, G>, gather<F, G>, matmul_segments<F, G>,
                                silu_mul_pack<F, G>, combine_down_avx512, store_down_avx512};
     return ops;
 }

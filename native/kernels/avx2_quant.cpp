@@ -20,6 +20,8 @@
 //            nibble formats (and int8 with AVX-VNNI; not iq4nl without it) then int32
 //                    offset[b * m4 + t] = bias * sum of token t's values in block b (m4 =
 //                    m rounded up to 4, padding 0): the bias correction below
+//            formats with minimums then fp32 group sums X[t * (k / G) + b]
+//                    (group_minimums.hpp)
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
 // The result is the reference's bit for bit: per group an exact int32 dot product,
@@ -71,6 +73,7 @@
 
 #include "common/util.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/group_minimums.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
 #include "kernels/line_prefetcher.hpp"
@@ -128,7 +131,8 @@ template <Format F, int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
     const size_t scales = static_cast<size_t>(m * (k / G)) * sizeof(float);
     const size_t offsets = kHasOffsets<F> ? static_cast<size_t>(offsets_stride(m) * (k / G)) * sizeof(int32_t) : 0;
-    return value_bytes(m, k) + scales + offsets;
+    const size_t sums = has_minimums(F) ? static_cast<size_t>(m * (k / G)) * sizeof(float) : 0;
+    return value_bytes(m, k) + scales + offsets + sums;
 }
 
 // Nibble-format token values: where the 16 even and the 16 odd columns of the 32 from column c
@@ -150,11 +154,15 @@ struct TokenOperand {
         : values(static_cast<int8_t*>(const_cast<void*>(packed))),
           scales(reinterpret_cast<float*>(values + value_bytes(m_, k_))),
           offsets(kHasOffsets<F> ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
+          sums(!has_minimums(F) ? nullptr
+               : kHasOffsets<F>     ? reinterpret_cast<float*>(offsets + offsets_stride(m_) * (k_ / G))
+                                    : scales + m_ * (k_ / G)),
           m(m_), k(k_) {}
 
     // Token t's block b: G values in column order and their scale.
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
         scales[t * (k / G) + b] = scale;
+        if constexpr (has_minimums(F)) sums[t * (k / G) + b] = token_group_sum<G>(q, scale);
         if constexpr (F == Format::int8) {
             std::memcpy(values + t * k + b * G, q, G);
         } else {
@@ -194,6 +202,7 @@ struct TokenOperand {
     int8_t* values;
     float* scales;
     int32_t* offsets;
+    float* sums;  // formats with minimums: X[t * (k / G) + b] (group_minimums.hpp)
     int64_t m, k;
 };
 
@@ -665,6 +674,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             }
         }
     });
+    if constexpr (has_minimums(F))
+        add_group_minimums(w, segments, n_segments, row_begin, row_end, operand.sums, m, k, out, ldo);
 }
 
 template <Format F, int64_t G>

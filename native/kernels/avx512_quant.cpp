@@ -29,6 +29,8 @@
 //                           tokens hold 128 (x = 0). Then fp32
 //                           scale[(j * (k / G) + b) * 16 + l] (0 for absent tokens).
 //                           Values are padded to 64 bytes before the scales.
+//            formats with minimums, every layout: then fp32 group sums
+//                           X[t * (k / G) + b] (group_minimums.hpp)
 //   partials out[r * ldo + t] fp32, accumulated (+=)
 //
 // The result is the reference's bit for bit: per group an exact int32 dot product,
@@ -74,6 +76,7 @@
 
 #include "kernels/avx512_common.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/group_minimums.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/isa_tables.hpp"
 #include "kernels/nibble_codes.hpp"
@@ -127,11 +130,24 @@ size_t value_bytes(int64_t m, int64_t k) {
     return (static_cast<size_t>(n) + 63) / 64 * 64;
 }
 
+// Bytes of the values, scales and row-lane starts; formats with minimums then hold their
+// group sums.
 template <Format F, int64_t G>
-size_t packed_bytes(int64_t m, int64_t k) {
+size_t sums_offset(int64_t m, int64_t k) {
     const int64_t scales = uses_lanes<F>(m) ? lane_groups(m) * (k / G) * 16 : m * (k / G);
     const int64_t starts = uses_row_lanes<F, G>(m) ? m * (k / G) : 0;
     return value_bytes<F>(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
+}
+
+template <Format F, int64_t G>
+size_t packed_bytes(int64_t m, int64_t k) {
+    const size_t sums = has_minimums(F) ? static_cast<size_t>(m * (k / G)) * sizeof(float) : 0;
+    return sums_offset<F, G>(m, k) + sums;
+}
+
+template <Format F, int64_t G>
+float* group_sums(const void* packed, int64_t m, int64_t k) {
+    return reinterpret_cast<float*>(static_cast<uint8_t*>(const_cast<void*>(packed)) + sums_offset<F, G>(m, k));
 }
 
 // The few-token kernels of the nibble formats take the even and the odd columns of a
@@ -171,9 +187,11 @@ struct TokenWriter {
         : values(static_cast<uint8_t*>(packed)),
           scales(reinterpret_cast<float*>(values + value_bytes<F>(m_, k_))),
           starts(uses_row_lanes<F, G>(m_) ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
+          sums(has_minimums(F) ? group_sums<F, G>(packed, m_, k_) : nullptr),
           m(m_), k(k_), lanes(uses_lanes<F>(m_)), row_lanes(uses_row_lanes<F, G>(m_)) {}
 
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
+        if constexpr (has_minimums(F)) sums[t * (k / G) + b] = token_group_sum<G>(q, scale);
         if (row_lanes) {
             put_interleaved(t, b, q);
             int32_t sum = 0;
@@ -241,6 +259,7 @@ struct TokenWriter {
     uint8_t* values;
     float* scales;
     int32_t* starts;
+    float* sums;  // formats with minimums: X[t * (k / G) + b] (group_minimums.hpp)
     int64_t m, k;
     bool lanes, row_lanes;
 };
@@ -1071,6 +1090,8 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             }
         }
     });
+    if constexpr (has_minimums(F))
+        add_group_minimums(w, segments, n_segments, row_begin, row_end, group_sums<F, G>(packed, m, k), m, k, out, ldo);
 }
 
 template <Format F, int64_t G>

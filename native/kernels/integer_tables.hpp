@@ -34,6 +34,10 @@ const KernelOps* integer_table(Format format, int64_t group, Make make) {
         case Format::iq4nl:
             return group == 32 ? &make(std::integral_constant<Format, Format::iq4nl>{}, std::integral_constant<int64_t, 32>{})
                                : nullptr;
+        case Format::int4_affine:
+            return group == 32 ? &make(std::integral_constant<Format, Format::int4_affine>{},
+                                       std::integral_constant<int64_t, 32>{})
+                               : nullptr;
         default: return nullptr;
     }
 }

@@ -35,28 +35,44 @@ enum class Isa : int { ref = 0, avx2 = 1, avx512 = 2, amx_model = 3, amx = 4, av
 constexpr Isa kAllIsas[] = {Isa::ref,    Isa::avx2_emulated, Isa::avx2, Isa::avx512_emulated,
                             Isa::avx512, Isa::amx_model,     Isa::amx};
 
-// Weight formats (docs/quantization.md): bf16, or group-wise int8 / int4 / mxfp4 / iq4nl
-// with a scale per row and group of columns. int4, mxfp4 and iq4nl are the nibble formats:
-// two 4-bit codes per byte, each code an integer of the format's codebook
-// (nibble_codes.hpp). mxfp4 is OCP MXFP4 (e2m1 codes, an e8m0 scale per 32 columns) and
-// only exists with group 32 and e8m0 scales, which no other format takes; iq4nl is
-// llama.cpp's IQ4_NL codebook (its block of 32 columns, float scales).
-enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, mxfp4 = 3, iq4nl = 4 };
+// Weight formats (docs/quantization.md): bf16, or group-wise int8 / int4 / mxfp4 / iq4nl /
+// int4_affine with a scale per row and group of columns. int4, mxfp4, iq4nl and
+// int4_affine are the nibble formats: two 4-bit codes per byte, each code an integer of the
+// format's codebook (nibble_codes.hpp). mxfp4 is OCP MXFP4 (e2m1 codes, an e8m0 scale per
+// 32 columns) and only exists with group 32 and e8m0 scales, which no other format takes;
+// iq4nl is llama.cpp's IQ4_NL codebook (its block of 32 columns, float scales);
+// int4_affine is llama.cpp's Q4_1 / Q4_K: unsigned codes q in [0, 15] and, besides each
+// group's scale s, its minimum m: w = s * q + m (group 32, float scales and minimums).
+enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, mxfp4 = 3, iq4nl = 4, int4_affine = 5 };
 enum class ScaleDtype : int { fp32 = 0, fp16 = 1, bf16 = 2, e8m0 = 3 };
 
-constexpr Format kAllFormats[] = {Format::bf16, Format::int8, Format::int4, Format::mxfp4, Format::iq4nl};
+constexpr Format kAllFormats[] = {Format::bf16,  Format::int8,  Format::int4,
+                                  Format::mxfp4, Format::iq4nl, Format::int4_affine};
 
 constexpr bool is_nibble_format(Format format) {
-    return format == Format::int4 || format == Format::mxfp4 || format == Format::iq4nl;
+    return format == Format::int4 || format == Format::mxfp4 || format == Format::iq4nl ||
+           format == Format::int4_affine;
 }
 
 // The nibble formats whose codes are looked up in a codebook (int4's are two's complement).
-constexpr bool is_codebook_format(Format format) { return format == Format::mxfp4 || format == Format::iq4nl; }
+constexpr bool is_codebook_format(Format format) {
+    return format == Format::mxfp4 || format == Format::iq4nl || format == Format::int4_affine;
+}
+
+// The formats with a minimum per group besides its scale (w = s * q + m). A row's scales
+// are then followed by its minimums: row r's k / group scales, then its k / group
+// minimums, at scales[r * scales_ld + k / group + c / group] (same dtype).
+constexpr bool has_minimums(Format format) { return format == Format::int4_affine; }
+
+// Float values per row and group in the scales array: the scale, and the minimum where the
+// format has one.
+constexpr int64_t scale_values_per_group(Format format) { return has_minimums(format) ? 2 : 1; }
 
 // Whether a format's scales may be 0: iq4nl's codebook has no zero, so a block of zeros is
-// a zero scale (ggml writes d = 0 for one); every other format has a zero code and its
-// scales are never 0. The kernels take any finite scale; the bindings hold the rule.
-constexpr bool takes_zero_scales(Format format) { return format == Format::iq4nl; }
+// a zero scale (ggml writes d = 0 for one), and int4_affine's block of equal weights has
+// scale 0 (its minimums may be 0 too); every other format has a zero code and its scales
+// are never 0. The kernels take any finite scale; the bindings hold the rule.
+constexpr bool takes_zero_scales(Format format) { return format == Format::iq4nl || format == Format::int4_affine; }
 
 constexpr int64_t scale_dtype_bytes(ScaleDtype dtype) {
     return dtype == ScaleDtype::fp32 ? 4 : dtype == ScaleDtype::e8m0 ? 1 : 2;
@@ -181,8 +197,10 @@ struct KernelOps {
     // row_begin <= r < row_end, for each token t < m:
     //     out[r * ldo + t] += sum_{c in [s.k0, s.k1)} w[r][c] * tokens[t][c]
     // (integer formats: the int32 dot product of each group, times the weight and token
-    // scales, summed in fp32 in increasing column order from 0, then added to out). Threads that own disjoint [row_begin, row_end)
-    // ranges may run concurrently on the same out buffer.
+    // scales, summed in fp32 in increasing column order from 0, then added to out; formats
+    // with minimums then add each segment's minimum terms, group_minimums.hpp). Threads
+    // that own disjoint [row_begin, row_end) ranges may run concurrently on the same out
+    // buffer.
     void (*matmul_segments)(const Weights& w, const Segment* segments, int64_t n_segments,
                             int64_t row_begin, int64_t row_end, const void* packed, int64_t m,
                             int64_t k, float* out, int64_t ldo);

@@ -44,6 +44,7 @@ const char* format_name(Format format) {
         case Format::int4: return "int4";
         case Format::mxfp4: return "mxfp4";
         case Format::iq4nl: return "iq4nl";
+        case Format::int4_affine: return "int4-affine";
     }
     return "unknown";
 }

@@ -8,6 +8,8 @@
 //          scale * code is the OCP element 2^(e - 127) * e2m1 exactly.
 //   iq4nl  llama.cpp's IQ4_NL codebook (ggml's kvalues_iq4nl), non-uniform int8 values
 //          in [-127, 113]; the scales are the format's float scales as they are.
+//   int4_affine  unsigned: code q is q in [0, 15] (its group's minimum adds the rest, w =
+//          s * q + m; group_minimums.hpp). Already unsigned: bias 0.
 //
 // The SIMD kernels feed the codes to u8 x s8 instructions (vpmaddubsw, vpdpbusd) as the
 // unsigned operand code_value + kBias, and take the bias back with each token's
@@ -47,6 +49,12 @@ struct NibbleCodes<Format::iq4nl> {
     alignas(16) static constexpr int8_t kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                        1,    13,   25,  38,  53,  69,  89,  113};
     static constexpr int8_t kBias = 127;
+};
+
+template <>
+struct NibbleCodes<Format::int4_affine> {
+    alignas(16) static constexpr int8_t kValues[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    static constexpr int8_t kBias = 0;
 };
 
 // The codes' unsigned operand value + kBias, as a 16-byte lookup table (vpshufb).

@@ -8,8 +8,10 @@
 //            (nibble_codes.hpp); scales s[r * scales_ld + c / group] (mxfp4: e8m0)
 //   tokens   per token t and block b of G columns (G = the weights' group), symmetric
 //            int8: q[t * k + c] (m * k bytes, padded to 64), then fp32
-//            scale[t * (k / G) + b] with x ~= scale * q; k is a multiple of G
-//   partials out[r * ldo + t] fp32: sum over groups of int32 dot * (s_w * s_x), in fp32
+//            scale[t * (k / G) + b] with x ~= scale * q; k is a multiple of G; formats with
+//            minimums then the group sums X[t * (k / G) + b] (group_minimums.hpp)
+//   partials out[r * ldo + t] fp32: sum over groups of int32 dot * (s_w * s_x), in fp32;
+//            formats with minimums then add their minimum terms (group_minimums.hpp)
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -17,6 +19,7 @@
 
 #include "common/fp16.hpp"
 #include "kernels/bf16.hpp"
+#include "kernels/group_minimums.hpp"
 #include "kernels/integer_tables.hpp"
 #include "kernels/kernel_api.hpp"
 #include "kernels/nibble_codes.hpp"
@@ -45,16 +48,21 @@ int32_t weight_value(const Weights& w, int64_t r, int64_t c) {
     }
 }
 
-template <int64_t G>
+size_t value_bytes(int64_t m, int64_t k) { return (static_cast<size_t>(m * k) + 63) / 64 * 64; }
+
+template <Format F, int64_t G>
 size_t packed_bytes(int64_t m, int64_t k) {
-    const size_t values = (static_cast<size_t>(m * k) + 63) / 64 * 64;
-    return values + static_cast<size_t>(m * (k / G)) * sizeof(float);
+    const size_t per_block = has_minimums(F) ? 2 : 1;  // the scale, and the group sum
+    return value_bytes(m, k) + per_block * static_cast<size_t>(m * (k / G)) * sizeof(float);
 }
 
 int8_t* token_values(void* packed) { return static_cast<int8_t*>(packed); }
 float* token_scales(const void* packed, int64_t m, int64_t k) {
-    return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) +
-                                    (static_cast<size_t>(m * k) + 63) / 64 * 64);
+    return reinterpret_cast<float*>(const_cast<uint8_t*>(static_cast<const uint8_t*>(packed)) + value_bytes(m, k));
+}
+template <int64_t G>
+float* token_group_sums(const void* packed, int64_t m, int64_t k) {
+    return token_scales(packed, m, k) + m * (k / G);
 }
 
 // One block of G values -> symmetric int8 with scale amax / 127 (0 for a zero block). A
@@ -75,16 +83,24 @@ void quantize_block(const float* v, int8_t* q, float* scale) {
         q[j] = s > 0.0f ? static_cast<int8_t>(std::clamp(std::nearbyint(v[j] / s), -127.0f, 127.0f)) : 0;
 }
 
-template <int64_t G>
+// Token t's block b: its values quantized from v (G floats), its scale, and for formats
+// with minimums its group sum.
+template <Format F, int64_t G>
+void put_block(const float* v, int64_t t, int64_t b, int64_t m, int64_t k, void* packed) {
+    int8_t* q = token_values(packed) + t * k + b * G;
+    float* scale = token_scales(packed, m, k) + t * (k / G) + b;
+    quantize_block<G>(v, q, scale);
+    if constexpr (has_minimums(F)) token_group_sums<G>(packed, m, k)[t * (k / G) + b] = token_group_sum<G>(q, *scale);
+}
+
+template <Format F, int64_t G>
 void gather(const bf16* x, int64_t ldx, const int64_t* token_index, int64_t m, int64_t k, void* packed) {
-    int8_t* q = token_values(packed);
-    float* scales = token_scales(packed, m, k);
     float block[G];
     for (int64_t t = 0; t < m; ++t) {
         const bf16* row = x + token_index[t] * ldx;
         for (int64_t b = 0; b < k / G; ++b) {
             for (int64_t j = 0; j < G; ++j) block[j] = bf16_to_float(row[b * G + j]);
-            quantize_block<G>(block, q + t * k + b * G, scales + t * (k / G) + b);
+            put_block<F, G>(block, t, b, m, k, packed);
         }
     }
 }
@@ -110,27 +126,30 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             }
         }
     }
+    if constexpr (has_minimums(F))
+        add_group_minimums(w, segments, n_segments, row_begin, row_end, token_group_sums<G>(packed, m, k), m, k, out,
+                           ldo);
 }
 
-template <int64_t G>
+template <Format F, int64_t G>
 void silu_mul_pack(const float* const* gate_parts, const float* const* up_parts, int n_parts, int64_t ld,
                    int64_t i_begin, int64_t i_end, int64_t m, int64_t i_total, const ExpertEpilogue& epilogue,
                    void* packed) {
-    int8_t* q = token_values(packed);
-    float* scales = token_scales(packed, m, i_total);
     float block[G];
     for (int64_t t = 0; t < m; ++t) {
         for (int64_t b0 = i_begin; b0 < i_end; b0 += G) {
             silu_mul_rows(gate_parts, up_parts, n_parts, ld, b0, G, t, epilogue, block);
-            quantize_block<G>(block, q + t * i_total + b0, scales + t * (i_total / G) + b0 / G);
+            put_block<F, G>(block, t, b0 / G, m, i_total, packed);
         }
     }
 }
 
 template <Format F, int64_t G>
 const KernelOps& table() {
-    static const KernelOps ops{Isa::ref, "ref", F, G, plain_layout, packed_bytes<G>, gather<G>, matmul_segments<F, G>,
-                               silu_mul_pack<G>, ref_ops().combine_down, ref_ops().store_down};
+    static const KernelOps ops{Isa::ref,        "ref",          F,
+                               G,               plain_layout,   packed_bytes<F, G>,
+                               gather<F, G>,    matmul_segments<F, G>, silu_mul_pack<F, G>,
+                               ref_ops().combine_down, ref_ops().store_down};
     return ops;
 }
 

@@ -38,7 +38,7 @@ from numa_moe.checkpoints.dispatch import open_checkpoint
 from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import Checkpoint, TensorInfo
 from numa_moe.files import open_checkpoint_file
-from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS, nibble_packed, weight_format
+from numa_moe.formats import DTYPE_BYTES, FLOAT_FORMATS, KINDS, MINIMUM_FORMATS, nibble_packed, scale_columns, weight_format
 from numa_moe.placement.segments import SegmentTable, smallest_period
 
 __all__ = [
@@ -330,10 +330,11 @@ def analyse_map(name: str, rows: int, cols: int, fmt: str, page_nodes: np.ndarra
 
 
 def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
-                      scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Byte ranges ``[starts, ends)`` (within the scale matrix ``[rows, cols / group]``)
-    of the scales ``node``'s segments of ``weight_table`` need: for a segment's row r and
-    columns [k0, k1), scale columns [k0 // group, ceil(k1 / group)) of row r. A scale
+                      scale_dtype: str, fmt: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``[starts, ends)`` (within the scale matrix ``scale_shape(rows, cols,
+    group, fmt)``) of the scales ``node``'s segments of ``weight_table`` need: for a
+    segment's row r and columns [k0, k1), scale columns [k0 // group, ceil(k1 / group)) of
+    row r (and for a format with minimums the same columns of its minimums). A scale
     needed by two segments of the node in one row is counted once."""
     seg = weight_table.node_array(node)
     if len(seg) == 0:
@@ -342,13 +343,17 @@ def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
     if weight_table.cols % group:
         raise ValueError(f"group {group} does not divide the table's {weight_table.cols} columns")
     element = weight_format(scale_dtype).bits_per_element // 8
-    row_bytes = weight_table.cols // group * element
+    groups = weight_table.cols // group
+    row_bytes = scale_columns(fmt, weight_table.cols, group) * element
     nrows = seg[:, 2]
     which = np.repeat(np.arange(len(seg)), nrows)
     step = np.arange(int(nrows.sum()), dtype=np.int64) - np.repeat(np.cumsum(nrows) - nrows, nrows)
     row = seg[which, 0] + step * seg[which, 1]
     starts = row * row_bytes + seg[which, 3] // group * element
     ends = row * row_bytes + -(-seg[which, 4] // group) * element
+    if fmt in MINIMUM_FORMATS:  # the minimums of the same groups, after the row's scales
+        starts = np.concatenate([starts, starts + groups * element])
+        ends = np.concatenate([ends, ends + groups * element])
     order = np.argsort(starts, kind="stable")
     starts, ends = starts[order], ends[order]
     # the node's ranges do not nest, so only a neighbour can share a scale
@@ -358,19 +363,20 @@ def scale_byte_ranges(weight_table: SegmentTable, node: int, group: int,
 
 
 def remote_scale_bytes(weight_table: SegmentTable, group: int, scale_dtype: str,
-                       scale_page_nodes: np.ndarray, page_bytes: int, offset_bytes: int = 0
-                       ) -> dict[int, tuple[int, int]]:
+                       scale_page_nodes: np.ndarray, page_bytes: int, offset_bytes: int = 0,
+                       fmt: str | None = None) -> dict[int, tuple[int, int]]:
     """Per node of ``weight_table``: (scale bytes its segments need that lie on present
     pages of another node, scale bytes needed on present pages), given the page map of
     the scale buffer (``scale_page_nodes``, ``-errno`` for pages not present)."""
     out = {}
     for node in weight_table.nodes:
-        starts, ends = scale_byte_ranges(weight_table, node, group, scale_dtype)
+        starts, ends = scale_byte_ranges(weight_table, node, group, scale_dtype, fmt)
         out[node] = remote_bytes(starts, ends, node, scale_page_nodes, page_bytes, offset_bytes)
     return out
 
 
-def quant_node_summary(pairs, group: int, scale_dtype: str, nodes) -> dict[int, dict[str, int]]:
+def quant_node_summary(pairs, group: int, scale_dtype: str, nodes,
+                       fmt: str | None = None) -> dict[int, dict[str, int]]:
     """Per node totals over ``pairs`` of (weight table from its map, weight page map,
     scale table from its map, scale page map), each map a ``(page_nodes, page_bytes,
     offset_bytes)`` triple: weight and scale bytes on the node, the remote weight bytes
@@ -390,7 +396,7 @@ def quant_node_summary(pairs, group: int, scale_dtype: str, nodes) -> dict[int, 
             starts, ends = table_byte_ranges(weight_table, node)
             out[node]["remote_weight_bytes"] += remote_bytes(starts, ends, node, *weight_map)[0]
         for node, (remote, needed) in remote_scale_bytes(weight_table, group, scale_dtype,
-                                                         *scale_map).items():
+                                                         *scale_map, fmt=fmt).items():
             out[node]["remote_scale_bytes"] += remote
             out[node]["scale_bytes_needed"] += needed
     return {n: out[n] for n in sorted(out)}
@@ -504,7 +510,7 @@ def _quant_per_node(quant, scale_of: dict[str, str], maps: dict[str, tuple],
     pairs = [(*maps[w], *maps[sc]) for w, sc in scale_of.items() if w in maps and sc in maps]
     if not pairs:
         return None, None
-    return (quant_node_summary(pairs, quant.group, quant.scale_dtype, workers),
+    return (quant_node_summary(pairs, quant.group, quant.scale_dtype, workers, quant.fmt),
             f"{quant.describe()}: per-node weight/scale bytes and remote reads below "
             f"({len(pairs)} weight tensor(s) with their scales)")
 
@@ -646,7 +652,8 @@ def placement_report(store, keep_pages: bool = True) -> PlacementReport:
     notes = [f"{len(store.mismatches)} buffer(s) differed from the theoretical interleave at load"]
     per_node = None
     if quantized:
-        per_node = quant_node_summary(pairs, store.group, store.scale_dtype, store.nodes)
+        per_node = quant_node_summary(pairs, store.group, store.scale_dtype, store.nodes,
+                                      store.weight_format)
     return PlacementReport(repr(store), tuple(store.nodes), results, notes, per_node)
 
 

@@ -212,7 +212,7 @@ class RunReport:
 # The check of step 1 against the float32 loop on the same (dequantized) weights: bf16
 # kernels round their activations to bf16, integer kernels quantize them per group of columns
 # to int8 (docs/quantization.md), which costs about 1% more.
-TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2, "mxfp4": 3e-2, "iq4nl": 3e-2}
+TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2, "mxfp4": 3e-2, "iq4nl": 3e-2, "int4-affine": 3e-2}
 
 
 def run_job(checkpoint=None, *, tokens: int = 1, steps: int = 10, nodes=None, virtual_nodes: int | None = None,

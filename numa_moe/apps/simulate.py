@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from numa_moe.files import CheckpointError, open_checkpoint_file, read_json_file
-from numa_moe.formats import weight_format
+from numa_moe.formats import scale_columns, weight_format
 from numa_moe.placement.pages import page_name
 from numa_moe.placement.segments import SegmentTable
 
@@ -57,11 +57,11 @@ MACHINES_DIR = Path(__file__).parent / "machines"
 # wrong path (a log, a checkpoint) costs to read.
 MACHINE_FILE_LIMIT = 1 << 20
 FORMATS = ("bf16", "int8", "int4")
-# formats a workload may take: mxfp4 and iq4nl run in the integer kernels at the int4 peak
-# (their codebooks' values are multiplied as integers, docs/kernels.md); group 32, mxfp4
-# with e8m0 scales
-WORKLOAD_FORMATS = (*FORMATS, "mxfp4", "iq4nl")
-_PEAK_OF = {"mxfp4": "int4", "iq4nl": "int4"}
+# formats a workload may take: mxfp4, iq4nl and int4-affine run in the integer kernels at
+# the int4 peak (their codebooks' values are multiplied as integers, docs/kernels.md);
+# group 32, mxfp4 with e8m0 scales
+WORKLOAD_FORMATS = (*FORMATS, "mxfp4", "iq4nl", "int4-affine")
+_PEAK_OF = {"mxfp4": "int4", "iq4nl": "int4", "int4-affine": "int4"}
 
 POLICIES = ("a", "b", "c", "d", "e")
 POLICY_NAMES = {
@@ -241,8 +241,8 @@ class Workload:
         total = 3 * self.hidden * self.intermediate * bits // 8
         if self.fmt != "bf16":
             sbits = weight_format(self.scale_dtype).bits_per_element
-            total += (2 * self.intermediate * (self.hidden // self.group)
-                      + self.hidden * (self.intermediate // self.group)) * sbits // 8
+            total += (2 * self.intermediate * scale_columns(self.fmt, self.hidden, self.group)
+                      + self.hidden * scale_columns(self.fmt, self.intermediate, self.group)) * sbits // 8
         return total
 
 

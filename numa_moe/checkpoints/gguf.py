@@ -18,11 +18,15 @@ Conversion into the store's layout (``GGUFImport``, one expert matrix at a time)
   ``from_iq4_nl``; the block scales land in their own row-major tensor);
 * IQ4_XS -> iq4nl, group 32, fp32 scales d * (ls - 32) (exact in fp32), at 1.18x the
   file's bytes (its two-level scales flattened, ``from_iq4_xs``), and Q5_0 -> int8, group
-  32, fp16 scales, at 1.5x (``from_q5_0``): no loss, their defaults. These exact loads run
-  natively, one pass from the file's bytes into the store's buffers
-  (``_native.convert_ggml_blocks``: the same bytes as the numpy readers named here);
+  32, fp16 scales, at 1.5x (``from_q5_0``): no loss, their defaults;
+* Q4_1 -> int4-affine, group 32, fp16 scales and minimums, at the file's own bytes, and
+  Q4_K -> int4-affine, group 32, fp32 scales d * sc and minimums -(dmin * m) (exact in
+  fp32), at 1.33x (its two-level scales flattened): no loss, their defaults. These exact
+  loads run natively, one pass from the file's bytes into the store's buffers
+  (``_native.convert_ggml_blocks``: the same bytes as the numpy readers named here; Q4_1
+  and Q4_K the gguf package's values, tests/test_ggml_blocks.py);
 * BF16, F16, F32: copied as they are;
-* every other type the ``gguf`` package dequantizes (K-quants, Q4_1, Q5_1, NVFP4, ...):
+* every other type the ``gguf`` package dequantizes (the other K-quants, Q5_1, NVFP4, ...):
   dequantized by it and requantized to the int8/int4 format asked for (or rounded to
   bf16), as are the types above when another format is asked for. Types it cannot
   dequantize are refused when the file is opened.
@@ -76,14 +80,15 @@ _DENSE = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down)\.weight")
 
 # ggml float types -> the store's float format of the same bits
 GGML_FLOATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-# ggml types that convert without loss: -> the contract's format (group 32) and the
-# function that re-arranges their blocks
+# ggml types that convert without loss: -> the contract's format (group 32)
 EXACT = {"Q8_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
             "Q4_0": LoadFormat("int4", q.GGML_BLOCK, "fp16"),
             "MXFP4": LoadFormat("mxfp4", q.MX_BLOCK, "e8m0"),
             "IQ4_NL": LoadFormat("iq4nl", q.GGML_BLOCK, "fp16"),
             "IQ4_XS": LoadFormat("iq4nl", q.GGML_BLOCK, "fp32"),
-            "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16")}
+            "Q5_0": LoadFormat("int8", q.GGML_BLOCK, "fp16"),
+            "Q4_1": LoadFormat("int4-affine", q.GGML_BLOCK, "fp16"),
+            "Q4_K": LoadFormat("int4-affine", q.GGML_BLOCK, "fp32")}
 # llama.cpp's K-quants: dequantized natively (the other requantized types by the gguf package)
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # bits per weight at or below which requantized experts default to int4 (Q4_K is 4.5)

@@ -33,7 +33,7 @@ from numa_moe.checkpoints.naming import NamingPattern
 from numa_moe.checkpoints.safetensors import (QUANT_METADATA, Checkpoint, ExpertMatrix, TensorInfo, overlapping_source, read_matrix_into, read_safetensors_header, scale_tensor_name)
 from numa_moe.checkpoints.writer import TensorPlan, building_directory, check_replaceable, write_safetensors
 from numa_moe.files import CheckpointError, OpenFiles, byte_progress, open_checkpoint_file
-from numa_moe.formats import FLOAT_FORMATS, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPES, nibble_packed
+from numa_moe.formats import FLOAT_FORMATS, GROUPS, NUMPY_DTYPES, QUANT_DTYPES, SCALE_DTYPES, nibble_packed, scale_columns
 
 __all__ = ["QuantizeResult", "quantize_checkpoint", "quantize_expert", "FLOAT_DTYPES"]
 
@@ -65,7 +65,7 @@ def quantize_expert(matrix: ExpertMatrix, fd: int, fmt: str, group: int, scale_d
     if values is None or scales is None:
         value_cols = matrix.cols // 2 if nibble_packed(fmt) else matrix.cols
         values = np.empty((matrix.rows, value_cols), dtype=NUMPY_DTYPES[QUANT_DTYPES[fmt]])
-        scales = np.empty((matrix.rows, matrix.cols // group), dtype=SCALE_DTYPES[scale_dtype])
+        scales = np.empty((matrix.rows, scale_columns(fmt, matrix.cols, group)), dtype=SCALE_DTYPES[scale_dtype])
     try:
         quantize_into(src, fmt, group, scale_dtype, values, scales)
     except ValueError as err:
@@ -186,7 +186,7 @@ def _shard_plans(path: Path, infos: list[TensorInfo], ck: Checkpoint,
                 raise CheckpointError(f"{path}: tensor {scale_name!r} already exists; "
                                       "it would collide with the scales of "
                                       f"{info.name!r}")
-            scale_plan = TensorPlan(scale_name, (*info.shape[:-1], cols // group),
+            scale_plan = TensorPlan(scale_name, (*info.shape[:-1], scale_columns(fmt, cols, group)),
                                     SCALE_DTYPES[scale_dtype], 1)
             plans += [plan, scale_plan]
             sources[plan.name] = ("values", info)

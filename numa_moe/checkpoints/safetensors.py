@@ -37,7 +37,7 @@ import numpy as np
 from numa_moe.checkpoints.naming import BUILTIN_PATTERNS, PATTERN_HELP, ROUTER_RE, SHARED_RE, NamingPattern
 from numa_moe.files import CheckpointError, OpenFiles, open_checkpoint_file, parse_json, read_json_file, short
 from numa_moe.formats import (DTYPE_BYTES, FLOAT_FORMATS, GROUPS, KINDS, NUMPY_DTYPES, QUANT_DTYPES,
-                              SCALE_DTYPE_CODES, nibble_packed)
+                              SCALE_DTYPE_CODES, nibble_packed, scale_columns)
 from numa_moe.quant import check_arguments, zero_scales_allowed
 
 __all__ = [
@@ -530,7 +530,7 @@ class Checkpoint:
         if scale is None:
             raise CheckpointError(f"{where}: missing scales: no tensor {short(name)} in the "
                                   "checkpoint (a quantized expert weight needs its group scales)")
-        shape = (*info.shape[:-1], cols // quant.group)
+        shape = (*info.shape[:-1], scale_columns(quant.fmt, cols, quant.group))
         if scale.shape != shape:
             raise CheckpointError(f"{scale.path}: tensor {short(name)} has shape "
                                   f"{list(scale.shape)}, expected {list(shape)} (the scales of "
@@ -904,9 +904,10 @@ def read_float_rows(info: TensorInfo, files: OpenFiles) -> np.ndarray:
 
 def read_scales_into(matrix: ExpertMatrix, out: np.ndarray, fd: int | None = None) -> None:
     """Copy the group scales of a quantized expert matrix into ``out`` ([rows, cols /
-    group], C-contiguous, the scale dtype) and check them: a NaN, infinite or (but for
-    iq4nl, quant.zero_scales_allowed) zero scale is a CheckpointError naming the tensor
-    and the first bad element."""
+    group], C-contiguous, the scale dtype; int4-affine [rows, 2 cols / group], its
+    minimums after the scales) and check them: a NaN, infinite or (but for iq4nl and
+    int4-affine, quant.zero_scales_allowed) zero scale is a CheckpointError naming the
+    tensor and the first bad element (a column past cols / group is a minimum)."""
     scales = matrix.scales
     if scales is None:
         raise ValueError(f"{matrix.tensor.name!r} is not a quantized expert matrix (no scales)")

@@ -42,7 +42,7 @@ from numa_moe import _native, quant
 from numa_moe.activation import activation_named
 from numa_moe.arrays import BF16, as_float_vector, as_index_array, bf16_bits, check_cpu_tensors, is_torch
 from numa_moe.checkpoints.expert_import import quantize_into
-from numa_moe.formats import KINDS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
+from numa_moe.formats import KINDS, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed, scale_columns
 from numa_moe.layer import kernels, registry
 from numa_moe.layer.kernels import weight_operand
 from numa_moe.layer.pools import default_topology, topology_node_cpus, worker_pool
@@ -252,7 +252,7 @@ class MoELayer:
 
         def stacked(rows, cols):
             values = memory.interleaved_empty((E, rows, cols // per_byte), value_dtype, nodes=alloc_nodes, page=page)
-            scales = memory.interleaved_empty((E, rows, cols // group), SCALE_DTYPES[scale_dtype],
+            scales = memory.interleaved_empty((E, rows, scale_columns(fmt, cols, group)), SCALE_DTYPES[scale_dtype],
                                               nodes=alloc_nodes, page=page)
             return values, scales
 

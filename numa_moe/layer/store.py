@@ -139,7 +139,7 @@ def layer_tables(dims: ModelDims, nodes: Sequence[int] | int, page: str | int = 
                                       default_scale_dtype="fp32", any_group=True)
         for kind in KINDS:
             rows, cols = buffer_shape(dims, kind)
-            s_rows, s_cols = scale_shape(rows, cols, g)
+            s_rows, s_cols = scale_shape(rows, cols, g, fmt_name)
             tables[f"{kind}_scales"] = SegmentTable.theoretical(s_rows, s_cols, scale_dtype,
                                                                 page_bytes, nodes, phase=phase)
     return tables
@@ -442,7 +442,7 @@ class _LayerLoader:
                                                nodes=self.nodes, page=self.page)
         scales = None
         if self.group is not None:
-            scales = self.memory.interleaved_empty(scale_shape(rows, cols, self.group),
+            scales = self.memory.interleaved_empty(scale_shape(rows, cols, self.group, self.fmt),
                                                    SCALE_DTYPES[self.scale_dtype],
                                                    nodes=self.nodes, page=self.page)
         return buffer, scales

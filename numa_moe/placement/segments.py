@@ -41,7 +41,7 @@ import numpy as np
 
 from numa_moe import _native
 from numa_moe.files import read_json_file
-from numa_moe.formats import SCALE_DTYPES, WeightFormat, positive_int, weight_format
+from numa_moe.formats import SCALE_DTYPES, WeightFormat, positive_int, scale_columns, weight_format
 
 __all__ = [
     "SCHEMA",
@@ -161,14 +161,15 @@ def period_rows(row_bytes: int, page_bytes: int, n_nodes: int) -> int:
     return cycle // math.gcd(row_bytes, cycle)
 
 
-def scale_shape(rows: int, cols: int, group: int) -> tuple[int, int]:
-    """Shape ``(rows, cols / group)`` of the group-scale tensor of a ``rows x cols`` weight."""
+def scale_shape(rows: int, cols: int, group: int, fmt: str | None = None) -> tuple[int, int]:
+    """Shape ``(rows, cols / group)`` of the group-scale tensor of a ``rows x cols`` weight
+    (``(rows, 2 cols / group)`` for a format with minimums, ``formats.scale_columns``)."""
     rows = positive_int(rows, "rows")
     cols = positive_int(cols, "cols")
     group = positive_int(group, "group")
     if cols % group:
         raise ValueError(f"cols={cols} is not a multiple of the scale group size {group}")
-    return rows, cols // group
+    return rows, scale_columns(fmt, cols, group)
 
 
 # --------------------------------------------------------------------------- segments
@@ -739,15 +740,16 @@ class SegmentTable:
 
 def scales_table(rows: int, cols: int, group: int, scale_dtype: str | WeightFormat,
                  page_bytes: int, nodes: Sequence[int] | int, phase: int = 0,
-                 offset_bytes: int = 0) -> SegmentTable:
-    """Theoretical table of the group-scale tensor (``rows x cols/group`` of ``scale_dtype``)
-    of a ``rows x cols`` weight. The scales are a separate buffer: ``phase`` and
-    ``offset_bytes`` are those of the scale buffer, not of the weight. For a measured scale
-    buffer use ``SegmentTable.from_page_map(*scale_shape(rows, cols, group), scale_dtype, ...)``.
+                 offset_bytes: int = 0, fmt: str | None = None) -> SegmentTable:
+    """Theoretical table of the group-scale tensor (``scale_shape(rows, cols, group, fmt)``
+    of ``scale_dtype``) of a ``rows x cols`` weight of format ``fmt``. The scales are a
+    separate buffer: ``phase`` and ``offset_bytes`` are those of the scale buffer, not of
+    the weight. For a measured scale buffer use
+    ``SegmentTable.from_page_map(*scale_shape(rows, cols, group, fmt), scale_dtype, ...)``.
     """
     fmt = weight_format(scale_dtype)
     if fmt.name not in SCALE_DTYPES:
         raise ValueError(f"scale dtype {fmt.name!r} is not one of {', '.join(SCALE_DTYPES)}")
-    scale_rows, scale_cols = scale_shape(rows, cols, group)
+    scale_rows, scale_cols = scale_shape(rows, cols, group, fmt)
     return SegmentTable.theoretical(scale_rows, scale_cols, fmt, page_bytes, nodes,
                                     phase=phase, offset_bytes=offset_bytes)

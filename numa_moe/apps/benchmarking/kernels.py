@@ -38,7 +38,7 @@ from numa_moe.apps.benchmarking.yardsticks import (
     l3_bytes,
     ratio_cell,
 )
-from numa_moe.formats import FIXED_GROUPS, FIXED_SCALE_DTYPES, QUANT_FORMATS, SCALE_DTYPES
+from numa_moe.formats import FIXED_GROUPS, FIXED_SCALE_DTYPES, QUANT_FORMATS, SCALE_DTYPES, scale_columns
 from numa_moe.layer import kernels
 from numa_moe.placement import memory
 from numa_moe.placement.pages import page_name
@@ -178,7 +178,8 @@ def expert_bytes_read(hidden: int, inter: int, weight_format: str = "bf16", grou
         return 2 * elements
     per_weight = 1 if weight_format == "int8" else 0.5
     group, scale_dtype = format_scales(weight_format, group)
-    return int(elements * per_weight) + elements // group * SCALE_DTYPES[scale_dtype].itemsize
+    return int(elements * per_weight) + elements // group * scale_columns(weight_format, group, group) * \
+        SCALE_DTYPES[scale_dtype].itemsize
 
 
 def expert_copies(rng: np.random.Generator, hidden: int, inter: int, copies: int, page: str,
