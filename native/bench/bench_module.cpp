@@ -157,7 +157,8 @@ double py_bench_stream_read(const py::list& buffers, int threads, int repeats) {
 }
 
 // The experts of a benchmark, checked once: (w_gate, w_up, w_down) bf16 tuples, or
-// (w_gate, w_up, w_down, gate_scales, up_scales, down_scales) of int8 / int4 / mxfp4 weights.
+// (w_gate, w_up, w_down, gate_scales, up_scales, down_scales) of integer weights of `format`
+// ("": the one the dtypes tell).
 struct BenchCalls {
     kernels::Format format = kernels::Format::bf16;
     int64_t group = kernels::kDefaultGroup;  // integer formats
@@ -168,7 +169,7 @@ struct BenchCalls {
 };
 
 BenchCalls bench_calls(const py::array& x, const py::array& token_index, const py::list& experts, int threads,
-                       bool out_bf16) {
+                       bool out_bf16, const std::string& format) {
     NUMA_MOE_CHECK(!experts.empty(), "experts: empty");
     BenchCalls result;
     for (size_t e = 0; e < experts.size(); ++e) {
@@ -180,9 +181,10 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
         const auto scales = [&](size_t i) { return arrays.size() == 6 ? py::object(arrays[3 + i]) : py::object(py::none()); };
         engine::ExpertFfnArgs args;
         try {
-            args = bindings::expert_ffn_args(x, token_index, bindings::weight_operand(arrays[0], scales(0), "w_gate"),
-                                             bindings::weight_operand(arrays[1], scales(1), "w_up"),
-                                             bindings::weight_operand(arrays[2], scales(2), "w_down"), threads);
+            args = bindings::expert_ffn_args(x, token_index,
+                                             bindings::weight_operand(arrays[0], scales(0), "w_gate", format),
+                                             bindings::weight_operand(arrays[1], scales(1), "w_up", format),
+                                             bindings::weight_operand(arrays[2], scales(2), "w_down", format), threads);
         } catch (const std::invalid_argument& error) {
             fail("experts[", e, "]: shapes do not match x [T, H] and each other (", error.what(), ")");
         }
@@ -203,8 +205,9 @@ BenchCalls bench_calls(const py::array& x, const py::array& token_index, const p
 }
 
 std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array& x, const py::array& token_index,
-                                        const py::list& experts, int threads, int repeats, bool out_bf16) {
-    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
+                                        const py::list& experts, int threads, int repeats, bool out_bf16,
+                                        const std::string& format) {
+    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16, format);
     const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format, bench.group);
     std::vector<double> seconds;
     Poll poll;
@@ -227,8 +230,8 @@ std::vector<double> py_bench_expert_ffn(const std::string& isa, const py::array&
 // the same pool: the same dispatch and barrier cost as the kernel).
 std::pair<std::vector<double>, std::vector<double>> py_bench_expert_ffn_vs_read(
     const std::string& isa, const py::array& x, const py::array& token_index, const py::list& experts, int threads,
-    int repeats, bool out_bf16) {
-    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16);
+    int repeats, bool out_bf16, const std::string& format) {
+    BenchCalls bench = bench_calls(x, token_index, experts, threads, out_bf16, format);
     const kernels::KernelOps& ops = bindings::ops_for(isa, bench.format, bench.group);
     std::vector<double> ours, read;
     Poll poll;
@@ -293,12 +296,15 @@ PYBIND11_MODULE(_native_bench, m) {
     m.def("bench_stream_read", &py_bench_stream_read, py::arg("buffers"), py::arg("threads"), py::arg("repeats"),
           "Seconds to stream-read `repeats` buffers (rotating) with `threads` threads.");
     m.def("bench_expert_ffn", &py_bench_expert_ffn, py::arg("isa"), py::arg("x"), py::arg("token_index"),
-          py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true,
-          "Seconds of each of `repeats` expert_ffn calls rotating over `experts`.");
+          py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true, py::arg("format") = "",
+          "Seconds of each of `repeats` expert_ffn calls rotating over `experts` (format: the weights' format, "
+          "default the one their dtypes tell; iq4nl and int4-affine must be named).");
     m.def("bench_expert_ffn_vs_read", &py_bench_expert_ffn_vs_read, py::arg("isa"), py::arg("x"),
           py::arg("token_index"), py::arg("experts"), py::arg("threads"), py::arg("repeats"), py::arg("out_bf16") = true,
+          py::arg("format") = "",
           "(kernel seconds, read seconds) per repetition; repetition r runs expert_ffn on expert 2r and "
-          "stream-reads expert 2r+1 (rotating), interleaved so both see the same machine state.");
+          "stream-reads expert 2r+1 (rotating), interleaved so both see the same machine state (format: as "
+          "bench_expert_ffn's).");
     m.def("peak_flops", &py_peak_flops, py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1,
           py::arg("format") = "bf16",
           "Register-only peak loop of the ISA and weight format (avx2: vfmadd231ps / vpmaddubsw, avx512: vdpbf16ps / "

@@ -20,6 +20,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "common/fp16.hpp"
 #include "common/isa_namespace.hpp"
 #include "common/segment.hpp"
@@ -41,9 +45,21 @@ inline void row_minimums(const Weights& w, int64_t groups, int64_t r, int64_t g0
     const int64_t first = r * w.scales_ld + groups + g0;
     switch (w.scale_dtype) {
         case ScaleDtype::fp32: std::copy_n(static_cast<const float*>(w.scales) + first, n, out); return;
-        case ScaleDtype::fp16:
-            for (int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(static_cast<const uint16_t*>(w.scales)[first + i]);
+        case ScaleDtype::fp16: {
+            const uint16_t* bits = static_cast<const uint16_t*>(w.scales) + first;
+            int64_t i = 0;
+            // vcvtph2ps is exact, as fp16_to_float is: the same floats, 16 or 8 at a time where
+            // the translation unit's ISA has it.
+#if defined(__AVX512F__)
+            for (; i + 16 <= n; i += 16)
+                _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i))));
+#elif defined(__F16C__)
+            for (; i + 8 <= n; i += 8)
+                _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))));
+#endif
+            for (; i < n; ++i) out[i] = fp16_to_float(bits[i]);
             return;
+        }
         case ScaleDtype::bf16:
             for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(static_cast<const uint16_t*>(w.scales)[first + i]);
             return;
@@ -51,20 +67,37 @@ inline void row_minimums(const Weights& w, int64_t groups, int64_t r, int64_t g0
     }
 }
 
+// Requests (into all cache levels) the lines of row r's minimums of groups [g0, g1): the
+// matmul before this pass read the rows' scales but not their minimums, and a row's
+// minimums then arrive one latency at a time.
+inline void prefetch_minimums(const Weights& w, int64_t groups, int64_t r, int64_t g0, int64_t g1) {
+    const int64_t bytes = scale_dtype_bytes(w.scale_dtype);
+    const char* first = static_cast<const char*>(w.scales) + (r * w.scales_ld + groups + g0) * bytes;
+    const char* last = first + (g1 - g0) * bytes;
+    for (const char* p = first; p < last; p += 64) __builtin_prefetch(p, 0, 3);
+    __builtin_prefetch(last - 1, 0, 3);
+}
+
 inline void add_group_minimums(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
                                int64_t row_end, const float* sums, int64_t m, int64_t k, float* out, int64_t ldo) {
     constexpr int kLanes = 8;
     constexpr int64_t kChunkGroups = 64;  // minimums converted at a time (a multiple of kLanes)
     constexpr int64_t kTokenBlock = 64;   // tokens whose running sums are kept at a time
+    constexpr int64_t kAheadRows = 4;     // rows whose minimums are requested ahead
     const int64_t groups = k / w.group;
     alignas(64) float minimums[kChunkGroups];
     alignas(64) float lanes[kTokenBlock][kLanes];
     for (int64_t s = 0; s < n_segments; ++s) {
         const Segment& seg = segments[s];
         const int64_t g0 = seg.k0 / w.group, g1 = seg.k1 / w.group;
+        if (g1 <= g0) continue;
         for (int64_t j = 0; j < seg.nrows; ++j) {
             const int64_t r = seg.row0 + j * seg.row_stride;
             if (r < row_begin || r >= row_end) continue;
+            for (int64_t a = j == 0 ? 0 : kAheadRows; a <= kAheadRows; ++a) {  // the first row: its first rows too
+                const int64_t ahead = r + a * seg.row_stride;
+                if (j + a < seg.nrows && ahead < row_end) prefetch_minimums(w, groups, ahead, g0, g1);
+            }
             for (int64_t t0 = 0; t0 < m; t0 += kTokenBlock) {
                 const int64_t nt = std::min(kTokenBlock, m - t0);
                 for (int64_t t = 0; t < nt; ++t) std::fill_n(lanes[t], kLanes, 0.0f);

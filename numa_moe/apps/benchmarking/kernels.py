@@ -418,10 +418,10 @@ def _run_shape(name, result: Result, m_values, rng, with_torch, min_seconds, pro
         x = random_bf16_bits(rng, (m, hidden))
         index = np.arange(m, dtype=np.int64)
         isa = isa_of(m)
-        warm_ours, warm_read = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, copies)
+        warm_ours, warm_read = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, copies, fmt)
         reps = repetitions(result.repeats, copies, statistics.median(warm_ours) + statistics.median(warm_read),
                            min_seconds)
-        ours, read_s = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, reps)
+        ours, read_s = native_loops.expert_ffn_vs_read(isa, x, index, experts, threads, reps, fmt)
         torch_s = None
         if with_torch:
             import torch

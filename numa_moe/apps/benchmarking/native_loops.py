@@ -33,10 +33,11 @@ def stream_read(buffers, threads: int) -> int:
     return _bench.stream_read(list(buffers), threads)
 
 
-def expert_ffn_vs_read(isa: str, x, token_index, experts, threads: int, repeats: int):
+def expert_ffn_vs_read(isa: str, x, token_index, experts, threads: int, repeats: int,
+                       weight_format: str = "bf16"):
     """(kernel seconds, read seconds) per repetition: repetition r runs expert_ffn on
-    expert copy 2r, then stream-reads copy 2r+1 on the same pool."""
-    return _bench.bench_expert_ffn_vs_read(isa, x, token_index, experts, threads, repeats)
+    expert copy 2r (of ``weight_format``), then stream-reads copy 2r+1 on the same pool."""
+    return _bench.bench_expert_ffn_vs_read(isa, x, token_index, experts, threads, repeats, format=weight_format)
 
 
 def affinity_cpu_count() -> int:
