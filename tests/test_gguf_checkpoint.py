@@ -420,6 +420,28 @@ def test_tables_and_inspect_show_mxfp4_experts_as_loaded_exactly(tmp_path, rng):
     assert result.exit_code == 1 and "weight_format 'mxfp4' takes group 32 only" in result.output
 
 
+@pytest.mark.parametrize("qtype, scale_dtype, block_bytes", [(T.Q4_1, "fp16", 20), (T.Q4_K, "fp32", 24)],
+                         ids=["Q4_1", "Q4_K"])
+def test_tables_and_inspect_show_q4_1_and_q4_k_experts_as_loaded_exactly(tmp_path, rng, qtype, scale_dtype,
+                                                                          block_bytes):
+    path = write_gguf(tmp_path / "q.gguf", rng, uniform(qtype), layers=(0,))
+    out = tmp_path / "t.json"
+    result = _cli(["tables", path, "--nodes", 2, "--quiet", "-o", out])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert (doc["format"], doc["group"], doc["scale_format"]) == ("int4-affine", 32, scale_dtype)
+    down_scales = doc["layers"]["0"]["down_scales"]
+    assert (down_scales["rows"], down_scales["cols"]) == (E * H, 2 * I // 32)  # the scales, then the minimums
+    result = _cli(["inspect", path, "--nodes", 2, "--json"])
+    assert result.exit_code == 0, result.output
+    conversion = json.loads(result.output)["conversion"]
+    assert conversion["conversion"] == f"GGUF {qtype.name} -> int4-affine, group 32, {scale_dtype} scales (exact)"
+    assert conversion["exact"] and all(e["max_abs"] == 0 for e in conversion["errors"])
+    # per 32 weights 16 bytes of codes and a scale and a minimum: Q4_1's own 20, Q4_K's 24 against its 18
+    assert conversion["loaded_bytes"] == 3 * E * I * H // 32 * block_bytes
+    assert conversion["file_bytes"] == 3 * E * I * H // 32 * (20 if qtype == T.Q4_1 else 18)
+
+
 def test_run_takes_a_gguf_file(tmp_path, rng):
     path = write_gguf(tmp_path / "m.gguf", rng, {"gate": T.Q4_0, "up": T.Q4_0, "down": T.Q4_0}, layers=(0,))
     out = tmp_path / "report.json"

@@ -18,7 +18,7 @@ import numpy as np
 
 from numa_moe import _native, formats, quant as q
 from numa_moe.files import CheckpointError, OpenFiles
-from numa_moe.formats import FLOAT_NUMPY, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed
+from numa_moe.formats import FLOAT_NUMPY, NUMPY_DTYPES, QUANT_DTYPES, QUANT_FORMATS, SCALE_DTYPES, nibble_packed, scale_columns
 
 __all__ = ["ExpertImport", "LoadFormat", "ConversionError", "measure_conversion",
            "check_group_divides"]
@@ -183,7 +183,8 @@ def measure_conversion(checkpoint, fmt: LoadFormat, matrices) -> list[Conversion
             values = np.empty((m.rows, value_cols), dtype=value_dtype)
             scales = None
             if fmt.group is not None:
-                scales = np.empty((m.rows, m.cols // fmt.group), dtype=SCALE_DTYPES[fmt.scale_dtype])
+                scales = np.empty((m.rows, scale_columns(fmt.fmt, m.cols, fmt.group)),
+                                  dtype=SCALE_DTYPES[fmt.scale_dtype])
             importer.read_into(m, fd, values, scales, fmt)
             reference = importer.dequantize(m, fd).astype(np.float64)
             loaded = _loaded_values(values, scales, fmt).astype(np.float64)
