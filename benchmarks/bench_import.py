@@ -157,7 +157,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     cases = [("Q8_0", dict.fromkeys(KINDS, "Q8_0"), None), ("Q4_0", dict.fromkeys(KINDS, "Q4_0"), None),
              ("MXFP4", dict.fromkeys(KINDS, "MXFP4"), None), ("IQ4_NL", dict.fromkeys(KINDS, "IQ4_NL"), None),
-             ("IQ4_XS", dict.fromkeys(KINDS, "IQ4_XS"), None), ("BF16", dict.fromkeys(KINDS, "BF16"), None),
+             ("IQ4_XS", dict.fromkeys(KINDS, "IQ4_XS"), None), ("Q4_1", dict.fromkeys(KINDS, "Q4_1"), None),
+             ("Q4_K", dict.fromkeys(KINDS, "Q4_K"), None), ("BF16", dict.fromkeys(KINDS, "BF16"), None),
              ("Q4_K_M", {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, None),
              ("Q4_K_M", {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, "int4")]
     with tempfile.TemporaryDirectory() as tmp:
