@@ -67,9 +67,9 @@ def test_matmul_segments_on_odd_segments_and_token_counts(rng, isa, scale_dtype)
 @pytest.mark.parametrize("m", [1, 3, 4, 16, 40, 130])
 def test_the_largest_codes_and_tokens_and_many_groups(rng, isa, m):
     """Codes 0 and 15 against tokens that quantize to +-127 (the largest u8 x s8 pairs and
-    group sums), over more groups than one run of the minimum terms converts at a time
-    (64) and more tokens than one block of their running sums (64)."""
-    rows, cols = 24, 70 * GROUP
+    group sums), over more groups than the minimum terms convert at a time (256), with
+    rows that the minimum terms' sets of four do not divide."""
+    rows, cols = 23, 261 * GROUP
     codes = np.where(rng.random((rows, cols)) < 0.5, 0, 15).astype(np.uint8)
     qm = random_affine(rng, rows, cols, "fp32", magnitude=1.0, codes=codes)
     x = np.where(rng.random((m, cols)) < 0.5, -1.0, 1.0).astype(BF16)

@@ -786,11 +786,10 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     run_block<F, G>(blk, w, seg.k0, seg.k1, q, xs, m, stream_weights, requests, scratch);
                 }
             }
+            if constexpr (has_minimums(F))
+                add_block_minimums(w, seg, j, j + rows, stride, token_group_sums<G>(packed, m, k), m, k, out, ldo);
         }
     });
-    if constexpr (has_minimums(F))
-        add_group_minimums(w, segments, n_segments, row_begin, row_end, token_group_sums<G>(packed, m, k), m, k, out,
-                           ldo);
 }
 
 }  // namespace

@@ -649,8 +649,9 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockRows) {
+            const int64_t j1 = j0 + kBlockRows < j_hi ? j0 + kBlockRows : j_hi;
             Rows rows;
-            for (int64_t j = j0; j < j_hi && rows.n < kBlockRows; ++j) {
+            for (int64_t j = j0; j < j1; ++j) {
                 const int64_t r = seg.row0 + j * stride;
                 rows.w[rows.n] = data + r * row_bytes;
                 rows.scales[rows.n] = static_cast<const uint8_t*>(w.scales) + r * w.scales_ld * scale_bytes;
@@ -672,10 +673,9 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                 }
                 t0 += nt;
             }
+            if constexpr (has_minimums(F)) add_block_minimums(w, seg, j0, j1, stride, operand.sums, m, k, out, ldo);
         }
     });
-    if constexpr (has_minimums(F))
-        add_group_minimums(w, segments, n_segments, row_begin, row_end, operand.sums, m, k, out, ldo);
 }
 
 template <Format F, int64_t G>

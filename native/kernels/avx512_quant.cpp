@@ -1068,7 +1068,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                      : uses_row_lanes<F, G>(m) ? kRowLaneRows
                                             : rows_for_tokens(static_cast<int>(m));
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
-                                                                      int64_t) {
+                                                                      int64_t stride) {
         for (int64_t j0 = j_lo; j0 < j_hi; j0 += rows) {
             const int64_t j1 = j0 + rows < j_hi ? j0 + rows : j_hi;
             if (uses_lanes<F>(m)) {
@@ -1088,10 +1088,10 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                         break;
                 }
             }
+            if constexpr (has_minimums(F))
+                add_block_minimums(w, seg, j0, j1, stride, group_sums<F, G>(packed, m, k), m, k, out, ldo);
         }
     });
-    if constexpr (has_minimums(F))
-        add_group_minimums(w, segments, n_segments, row_begin, row_end, group_sums<F, G>(packed, m, k), m, k, out, ldo);
 }
 
 template <Format F, int64_t G>

@@ -3,12 +3,16 @@
 // bits everywhere. For token t with quantized values x_q and scale s_x per group,
 //     sum_c w[r][c] x[t][c] = sum_g s_g s_x dot(q, x_q)  +  sum_g m_g X[t][g]
 // with X[t][g] = s_x[t][g] * sum_{c in g} x_q[t][c], the token's group sum, taken once when
-// its operand is written (token_group_sum). The matmul kernels add the scale terms as for
-// every integer format, then add_group_minimums adds, per segment, row and token,
+// its operand is written (token_group_sum). Each ISA's matmul adds a row block's scale terms
+// of one segment as for every integer format, then add_block_minimums adds, per row of the
+// block and token,
 //     out[r * ldo + t] += ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 // where a_j sums m[r][g] * X[t][g] over the segment's groups g0 + j, g0 + j + 8, ... in
-// ascending order: eight independent chains of additions, which the compiler keeps in one
-// vector, instead of one chain as long as the row's groups.
+// ascending order: eight independent chains of additions, one vector (MinimumLanes),
+// instead of one chain as long as the row's groups. So out sees, per row and segment, the
+// scale terms and then the minimum terms, in every ISA. Per row block, because a row's
+// minimums follow the scales the block has just read in the same scale row: a pass over
+// all rows after the matmul would fetch them from memory a second time.
 //
 // Operand layouts:
 //   minimums  row r's at scales[r * scales_ld + k / G + g] (after its k / G scales), fp32,
@@ -19,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -67,56 +72,52 @@ inline void row_minimums(const Weights& w, int64_t groups, int64_t r, int64_t g0
     }
 }
 
-// Requests (into all cache levels) the lines of row r's minimums of groups [g0, g1): the
-// matmul before this pass read the rows' scales but not their minimums, and a row's
-// minimums then arrive one latency at a time.
-inline void prefetch_minimums(const Weights& w, int64_t groups, int64_t r, int64_t g0, int64_t g1) {
-    const int64_t bytes = scale_dtype_bytes(w.scale_dtype);
-    const char* first = static_cast<const char*>(w.scales) + (r * w.scales_ld + groups + g0) * bytes;
-    const char* last = first + (g1 - g0) * bytes;
-    for (const char* p = first; p < last; p += 64) __builtin_prefetch(p, 0, 3);
-    __builtin_prefetch(last - 1, 0, 3);
-}
+// Eight fp32 lanes: GCC's vector extension, one register on AVX2 / AVX-512, two on the
+// baseline, the same bits either way (elementwise mul and add, never fused: every
+// translation unit that includes this compiles with -ffp-contract=off or without FMA).
+typedef float MinimumLanes __attribute__((vector_size(32)));
 
-inline void add_group_minimums(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
-                               int64_t row_end, const float* sums, int64_t m, int64_t k, float* out, int64_t ldo) {
-    constexpr int kLanes = 8;
-    constexpr int64_t kChunkGroups = 64;  // minimums converted at a time (a multiple of kLanes)
-    constexpr int64_t kTokenBlock = 64;   // tokens whose running sums are kept at a time
-    constexpr int64_t kAheadRows = 4;     // rows whose minimums are requested ahead
-    const int64_t groups = k / w.group;
-    alignas(64) float minimums[kChunkGroups];
-    alignas(64) float lanes[kTokenBlock][kLanes];
-    for (int64_t s = 0; s < n_segments; ++s) {
-        const Segment& seg = segments[s];
-        const int64_t g0 = seg.k0 / w.group, g1 = seg.k1 / w.group;
-        if (g1 <= g0) continue;
-        for (int64_t j = 0; j < seg.nrows; ++j) {
-            const int64_t r = seg.row0 + j * seg.row_stride;
-            if (r < row_begin || r >= row_end) continue;
-            for (int64_t a = j == 0 ? 0 : kAheadRows; a <= kAheadRows; ++a) {  // the first row: its first rows too
-                const int64_t ahead = r + a * seg.row_stride;
-                if (j + a < seg.nrows && ahead < row_end) prefetch_minimums(w, groups, ahead, g0, g1);
-            }
-            for (int64_t t0 = 0; t0 < m; t0 += kTokenBlock) {
-                const int64_t nt = std::min(kTokenBlock, m - t0);
-                for (int64_t t = 0; t < nt; ++t) std::fill_n(lanes[t], kLanes, 0.0f);
-                for (int64_t c0 = g0; c0 < g1; c0 += kChunkGroups) {
-                    const int64_t n = std::min(kChunkGroups, g1 - c0);
-                    row_minimums(w, groups, r, c0, n, minimums);
-                    for (int64_t t = 0; t < nt; ++t) {
-                        const float* x = sums + (t0 + t) * groups + c0;
-                        float* a = lanes[t];
-                        int64_t i = 0;
-                        for (; i + kLanes <= n; i += kLanes)
-                            for (int l = 0; l < kLanes; ++l) a[l] += minimums[i + l] * x[i + l];
-                        for (int l = 0; i + l < n; ++l) a[l] += minimums[i + l] * x[i + l];
+// The minimum terms of the segment's rows j0 .. j1 - 1 (row r = seg.row0 + j * stride) over
+// its groups, for tokens [0, m): called by every ISA right after the block's scale terms.
+// Four rows at a time, so that four chains of additions interleave (one row's eight lanes
+// are one chain of vector additions: its latency, not the loads, bounded a row alone).
+inline void add_block_minimums(const Weights& w, const Segment& seg, int64_t j0, int64_t j1, int64_t stride,
+                               const float* sums, int64_t m, int64_t k, float* out, int64_t ldo) {
+    constexpr int kLanes = 8, kRows = 4;
+    // Minimums converted at a time (a multiple of kLanes): a row of k = 8192 at groups of 32
+    // in one chunk, converted once for all tokens.
+    constexpr int64_t kChunkGroups = 256;
+    const int64_t groups = k / w.group, g0 = seg.k0 / w.group, g1 = seg.k1 / w.group;
+    if (g1 <= g0 || m <= 0) return;
+    alignas(64) float minimums[kRows][kChunkGroups];
+    for (int64_t ja = j0; ja < j1; ja += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, j1 - ja));
+        for (int i = rows; i < kRows; ++i) std::fill_n(minimums[i], kChunkGroups, 0.0f);  // a short last set
+        for (int64_t t = 0; t < m; ++t) {
+            const float* x_row = sums + t * groups;
+            MinimumLanes a[kRows] = {};
+            for (int64_t c0 = g0; c0 < g1; c0 += kChunkGroups) {
+                const int64_t n = std::min(kChunkGroups, g1 - c0);
+                if (t == 0 || g1 - g0 > kChunkGroups)
+                    for (int i = 0; i < rows; ++i)
+                        row_minimums(w, groups, seg.row0 + (ja + i) * stride, c0, n, minimums[i]);
+                const float* x = x_row + c0;
+                int64_t s = 0;
+                for (; s + kLanes <= n; s += kLanes) {
+                    MinimumLanes xv, mv;
+                    std::memcpy(&xv, x + s, sizeof(xv));
+                    for (int i = 0; i < kRows; ++i) {
+                        std::memcpy(&mv, minimums[i] + s, sizeof(mv));
+                        a[i] += mv * xv;
                     }
                 }
-                for (int64_t t = 0; t < nt; ++t) {
-                    const float* a = lanes[t];
-                    out[r * ldo + t0 + t] += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-                }
+                for (int i = 0; i < kRows; ++i)
+                    for (int l = 0; s + l < n; ++l) a[i][l] += minimums[i][s + l] * x[s + l];
+            }
+            for (int i = 0; i < rows; ++i) {
+                const MinimumLanes& v = a[i];
+                out[(seg.row0 + (ja + i) * stride) * ldo + t] +=
+                    ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
             }
         }
     }

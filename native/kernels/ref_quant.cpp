@@ -10,8 +10,9 @@
 //            int8: q[t * k + c] (m * k bytes, padded to 64), then fp32
 //            scale[t * (k / G) + b] with x ~= scale * q; k is a multiple of G; formats with
 //            minimums then the group sums X[t * (k / G) + b] (group_minimums.hpp)
-//   partials out[r * ldo + t] fp32: sum over groups of int32 dot * (s_w * s_x), in fp32;
-//            formats with minimums then add their minimum terms (group_minimums.hpp)
+//   partials out[r * ldo + t] fp32: per segment, the sum over its groups of int32 dot *
+//            (s_w * s_x), in fp32; formats with minimums then the segment's minimum terms
+//            (group_minimums.hpp)
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -124,11 +125,10 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                 }
                 out[r * ldo + t] += sum;
             }
+            if constexpr (has_minimums(F))
+                add_block_minimums(w, seg, j, j + 1, seg.row_stride, token_group_sums<G>(packed, m, k), m, k, out, ldo);
         }
     }
-    if constexpr (has_minimums(F))
-        add_group_minimums(w, segments, n_segments, row_begin, row_end, token_group_sums<G>(packed, m, k), m, k, out,
-                           ldo);
 }
 
 template <Format F, int64_t G>
