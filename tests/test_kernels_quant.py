@@ -496,6 +496,32 @@ def test_integer_weights_get_clear_errors(rng):
             _native.matmul_segments(isa, qm.q, seg, x, out, scales=qm.scales)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4-affine"])
+@pytest.mark.parametrize("scale_dtype", ["fp32", "fp16", "bf16"])
+def test_the_first_bad_scale_is_named_wherever_it_is(rng, fmt, scale_dtype):
+    """Every scale is checked on each call, then the first bad one named by its flat entry:
+    one at a random entry, at the last one (past the scan's vector steps) and the first of
+    two, for each float scale dtype; zero is bad where the format has no minimums."""
+    rows, cols = 40, 37 * 32
+    qm = quant.quantize(rng.standard_normal((rows, cols)).astype(np.float32), fmt, 32, scale_dtype)
+    x = rng.standard_normal((1, cols)).astype(BF16).view(np.uint16)
+    out = np.zeros((rows, 1), np.float32)
+    seg = np.array([[0, 1, rows, 0, cols]], np.int64)
+    call = lambda s: _native.matmul_segments("ref", qm.q, seg, x, out, scales=s, format=fmt)  # noqa: E731
+    size = qm.scales.size
+    bad_values = [np.nan, np.inf, -np.inf] + ([0.0] if fmt == "int8" else [])
+    for entries in ([int(rng.integers(size))], [size - 1], sorted(rng.choice(size, 2, replace=False).tolist())):
+        scales = qm.scales.copy()
+        for entry in entries:
+            scales.reshape(-1)[entry] = bad_values[int(rng.integers(len(bad_values)))]
+        with pytest.raises(ValueError, match=f"weight_scales: entry {entries[0]} is "):
+            call(scales)
+    if fmt != "int8":  # a zero scale or minimum is valid there
+        scales = qm.scales.copy()
+        scales.reshape(-1)[rng.choice(size, 5, replace=False)] = 0
+        call(scales)
+
+
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n_nodes", [1, 2])
