@@ -15,8 +15,9 @@
 //   earlier commit REV: git show REV:native/kernels/avx512_quant.cpp > /tmp/prev.cpp, then
 //   -DKERNEL='"/tmp/prev.cpp"'; run the two alternately, several times (the machines are
 //   shared).
-//   /tmp/quant_loop int8|int4[/G] ROWS K M[,M...] [CALLS [CHUNK_ROWS]]   (group G 32, 64 or
-//       128, default 128; fp16 scales;
+//   /tmp/quant_loop FORMAT[/G] ROWS K M[,M...] [CALLS [CHUNK_ROWS]]   (an integer format:
+//       int8, int4, mxfp4, iq4nl, int4-affine; group G 32, 64 or 128, default 128, the
+//       formats that fix theirs 32; fp16 scales, mxfp4's e8m0;
 //       e.g. int8 256 2048 4,8: 512 KB of weights, in L2; CALLS per M, 2000). CHUNK_ROWS > 0
 //       runs the rows as ranges of that many, the even ranges first, then the odd ones: the
 //       short row ranges of a layer's threads, whose neighbours are read at another time.
@@ -53,13 +54,19 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 int main(int argc, char** argv) {
     const std::string spec = argc >= 2 ? argv[1] : "";
     const std::string format_name = spec.substr(0, spec.find('/'));
-    const int64_t group = spec.find('/') == std::string::npos ? 128 : std::atoll(spec.c_str() + spec.find('/') + 1);
-    if ((argc < 5 || argc > 7) || (format_name != "int8" && format_name != "int4") ||
-        (group != 32 && group != 64 && group != 128)) {
-        std::fprintf(stderr, "usage: %s int8|int4[/32|/64|/128] ROWS K M[,M...] [CALLS [CHUNK_ROWS]]\n", argv[0]);
+    Format format = Format::bf16;
+    const bool known = parse_format(format_name.c_str(), &format) && format != Format::bf16;
+    const bool fixed_group = is_codebook_format(format);  // mxfp4, iq4nl, int4-affine: blocks of 32
+    const int64_t group = spec.find('/') != std::string::npos ? std::atoll(spec.c_str() + spec.find('/') + 1)
+                          : fixed_group                       ? 32
+                                                              : 128;
+    if ((argc < 5 || argc > 7) || !known || (group != 32 && group != 64 && group != 128) || (fixed_group && group != 32)) {
+        std::fprintf(stderr,
+                     "usage: %s FORMAT[/32|/64|/128] ROWS K M[,M...] [CALLS [CHUNK_ROWS]]\n"
+                     "  FORMAT: int8, int4 (groups 32, 64, 128), mxfp4, iq4nl, int4-affine (32)\n",
+                     argv[0]);
         return 2;
     }
-    const Format format = format_name == "int8" ? Format::int8 : Format::int4;
     const int64_t rows = std::atoll(argv[2]), k = std::atoll(argv[3]);
     const int calls = argc >= 6 ? std::atoi(argv[5]) : 2000;
     const int64_t chunk_rows = argc == 7 ? std::atoll(argv[6]) : 0;
@@ -74,22 +81,32 @@ int main(int argc, char** argv) {
         return 2;
     }
     const KernelOps& ops = *table;
-    const int64_t row_bytes = format == Format::int8 ? k : k / 2, n_scales = rows * (k / group);
+    const int64_t row_bytes = format == Format::int8 ? k : k / 2;
+    const int64_t scales_ld = scale_values_per_group(format) * (k / group), n_scales = rows * scales_ld;
+    const ScaleDtype scale_dtype = format == Format::mxfp4 ? ScaleDtype::e8m0 : ScaleDtype::fp16;
+    const int64_t scale_bytes = scale_dtype_bytes(scale_dtype);
     std::mt19937 gen(1);
     auto* data = static_cast<uint8_t*>(std::aligned_alloc(64, (rows * row_bytes + 63) / 64 * 64));
-    auto* scales = static_cast<uint16_t*>(std::aligned_alloc(64, (n_scales * 2 + 63) / 64 * 64));
+    auto* scales = static_cast<uint8_t*>(std::aligned_alloc(64, (n_scales * scale_bytes + 63) / 64 * 64));
     for (int64_t i = 0; i < rows * row_bytes; i += 4) {  // one draw per 4 bytes: GB of weights fill in seconds
         const uint32_t r = gen();
         std::memcpy(data + i, &r, std::min<int64_t>(4, rows * row_bytes - i));
     }
-    for (int64_t i = 0; i < n_scales; ++i) scales[i] = static_cast<uint16_t>(0x2000 + gen() % 256);  // fp16 ~0.01
+    for (int64_t i = 0; i < n_scales; ++i) {
+        if (scale_dtype == ScaleDtype::e8m0) {
+            scales[i] = static_cast<uint8_t>(118 + gen() % 8);  // 2^-9 .. 2^-2
+        } else {
+            const auto fp16 = static_cast<uint16_t>(0x2000 + gen() % 256);  // ~0.01
+            std::memcpy(scales + 2 * i, &fp16, 2);
+        }
+    }
     Weights w;
     w.data = data;
     w.ld = k;
     w.scales = scales;
-    w.scales_ld = k / group;
+    w.scales_ld = scales_ld;
     w.group = group;
-    w.scale_dtype = ScaleDtype::fp16;
+    w.scale_dtype = scale_dtype;
     const Segment segment{0, 1, rows, 0, k};
     const std::string list = argv[4];
     for (size_t at = 0; at < list.size();) {
@@ -121,7 +138,7 @@ int main(int argc, char** argv) {
         }
         std::sort(matmul.begin(), matmul.end());
         std::sort(gather.begin(), gather.end());
-        const double bytes = static_cast<double>(rows * row_bytes + n_scales * 2);
+        const double bytes = static_cast<double>(rows * row_bytes + n_scales * scale_bytes);
         std::printf("%s rows=%ld k=%ld m=%ld: matmul best %.1f us median %.1f us (%.1f GB/s at best), gather best %.1f us\n",
                     argv[1], static_cast<long>(rows), static_cast<long>(k), static_cast<long>(m), matmul[0] * 1e6,
                     matmul[matmul.size() / 2] * 1e6, bytes / matmul[0] / 1e9, gather[0] * 1e6);
