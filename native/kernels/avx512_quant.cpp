@@ -13,10 +13,10 @@
 //            bf16; mxfp4 e8m0) s[r * scales_ld + c / G]
 //   tokens   the same int8 values and fp32 scales as ref_quant.cpp (per token and block of
 //            G columns), laid out by token count:
-//            plain (m < 5; at G = 32 m < 4)  q[t * k + c] (the nibble formats: each 128-column
+//            plain (m < 5)  q[t * k + c] (the nibble formats: each 128-column
 //                           block's even columns, then its odd ones; the last block k % 128
 //                           columns if short), then scale[t * (k / G) + b]
-//            interleaved (5 (G = 32: 4) <= m <= 12; int4 to 16) the m tokens' values of each
+//            interleaved (5 <= m <= 12; int4 to 16) the m tokens' values of each
 //                           weight dword side by side: int8 q[(c / 4) * 4m + 4t + c % 4];
 //                           int4 per 8 columns (a packed weight dword) each token's 4
 //                           even ones, then its 4 odd ones:
@@ -39,7 +39,7 @@
 // change a rounding).
 //
 // vpdpbusd wants one unsigned operand.
-// 1 to 4 tokens, at G = 32 1 to 3 (pairs, plain operand): the weights are made unsigned by an offset, one
+// 1 to 4 tokens (pairs, plain operand): the weights are made unsigned by an offset, one
 // xor per weight vector shared by all tokens: int8 u = w + 128 (w ^ 0x80), int4 u = q + 8
 // (nibble ^ 8; mxfp4 u = value + 12, iq4nl value + 127, a lookup per nibble vector); dot(u, x) = dot(w, x) + bias * sum(x), and the bias term of each token
 // (vpdpbusd with a constant, shared by all rows) is the accumulator's start value,
@@ -50,7 +50,7 @@
 // scale-and-add runs on 16 pairs at once, except at one token, where a block is 8 rows
 // (8 pairs): 16 row streams read from memory more slowly than 8 (docs/kernels.md).
 // Each weight vector loaded serves T tokens.
-// 5 (G = 32: 4) to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
+// 5 to 12 tokens, int4 to 16 (row lanes): the same unsigned weights, 16 rows a block,
 // each 64 bytes of the 16 rows transposed in registers so that lane r holds row r: every
 // weight dword then meets each token's 4 bytes broadcast from memory (the interleaved
 // operand; for int8 the same quads as the AMX B operand), and a group's totals come out
@@ -96,14 +96,13 @@ constexpr int64_t kChunkGroups = 16;   // groups whose scale products one tile h
 constexpr int64_t kStepColumns = 64;   // columns of one plain step (a vector of int8 weights)
 
 // From 5 tokens the row lanes beat the pairs (a transpose per 16 x 64 weight bytes,
-// amortised over the tokens, against a reduction tree per group and 16 pairs), from 4 at
-// G = 32, where the pairs need a tree per 32 columns (docs/kernels.md), and the
+// amortised over the tokens, against a reduction tree per group and 16 pairs; at 4 tokens
+// and G = 32 the row lanes win from L2 but the pairs from memory, docs/kernels.md), and the
 // token lanes, whose 16 lanes are partly padding, up to 12 tokens (one pass: 12
 // accumulators and 16 weight vectors fill the registers); int4 up to 16 as well, in two
 // passes over the same rows, since its token lanes first unpack every row block to bytes.
 // docs/kernels.md.
-template <int64_t G>
-constexpr int64_t kRowLaneMinTokens = G == 32 ? 4 : 5;
+constexpr int64_t kRowLaneMinTokens = 5;
 constexpr int kRowLaneMaxPass = 12;  // tokens of one row-lane pass
 template <Format F>
 constexpr int64_t kLaneMinTokens = F == Format::int8 ? kRowLaneMaxPass + 1 : 17;  // int4: two passes to 16
@@ -120,7 +119,7 @@ constexpr bool uses_lanes(int64_t m) {
 }
 template <Format F, int64_t G>
 constexpr bool uses_row_lanes(int64_t m) {
-    return m >= kRowLaneMinTokens<G> && m < kLaneMinTokens<F>;
+    return m >= kRowLaneMinTokens && m < kLaneMinTokens<F>;
 }
 inline int64_t lane_groups(int64_t m) { return (m + kLaneTokens - 1) / kLaneTokens; }
 
@@ -482,11 +481,17 @@ inline void reduce_quarters(const __m512i v[kPairs], __m512i quarter[4]) {
 // The pair vectors of `steps` 64-column steps (the last one 32 columns when !full) from
 // column c: v[p] = sum over the steps of vpdpbusd(u_row, x_token), started from the bias
 // correction of the same token columns.
+// The pair vectors stay in registers only while every index into v is a constant; GCC 12
+// left some of these short loops rolled (here the token loop, whose load is a branch; in
+// pair_dots_split the codebook formats' row loop) and kept v in memory, a load and a store
+// around each vpdpbusd: hence the unroll pragmas (int8 at groups of 32 and 3-4 tokens 1.6x
+// faster, the codebook formats at 2 tokens 1.2x, from L2).
 template <Format F, int R, int T, int S>
 inline void pair_dots(const RowBlock<R>& b, const int8_t* xq, int64_t k, int64_t c, bool full, __m512i v[kPairs],
                       LinePrefetcher& pf) {
     const __m512i bias = _mm512_set1_epi8(kBias<F>);
     __m512i x[T][S];
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
         __m512i correction = _mm512_setzero_si512();
         for (int s = 0; s < S; ++s) {
@@ -525,6 +530,7 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     const auto load = [mask](const void* p) { return kWhole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(mask, p); };
     const SplitAt at(k, c);
     __m512i even[T], odd[T];
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
         even[t] = load(xq + t * k + at.even);
         odd[t] = load(xq + t * k + at.even + at.half_block);
@@ -536,6 +542,7 @@ inline void pair_dots_split(const RowBlock<R>& b, const int8_t* xq, int64_t k, i
     }
     for (int p = R * T; p < kPairs; ++p) v[p] = _mm512_setzero_si512();
     const int64_t offset = c / 2;
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
         pf.next();
         const __m512i packed = load(b.w[r] + offset);
@@ -822,7 +829,7 @@ void lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t j_h
 }
 
 // ---------------------------------------------------------------------------------------
-// 5 (G = 32: 4) to 12 tokens, int4 to 16: row lanes.
+// 5 to 12 tokens, int4 to 16: row lanes.
 
 // acc += vpdpbusd(u, the 4 token bytes at x broadcast to every lane), the broadcast taken
 // by the instruction's memory operand (no shuffle); "+v" as in dpbusd.
@@ -1054,7 +1061,7 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
 // Segments.
 
 // Blocks of rows of each segment, in row order, each over all the tokens (its weights
-// read once): 1-4 tokens (G = 32: 1-3) the pairs (rows_for_tokens(m) rows), then to 12 the row lanes (16
+// read once): 1-4 tokens the pairs (rows_for_tokens(m) rows), then to 12 the row lanes (16
 // rows; int4 to 16), then the lanes (lane_rows(m) rows over every lane group).
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin, int64_t row_end,
@@ -1083,9 +1090,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     case 1: pair_row_block<F, G, 1>(w, seg, j0, j1, q, xs, k, out, ldo); break;
                     case 2: pair_row_block<F, G, 2>(w, seg, j0, j1, q, xs, k, out, ldo); break;
                     case 3: pair_row_block<F, G, 3>(w, seg, j0, j1, q, xs, k, out, ldo); break;
-                    default:
-                        if constexpr (!uses_row_lanes<F, G>(4)) pair_row_block<F, G, 4>(w, seg, j0, j1, q, xs, k, out, ldo);
-                        break;
+                    default: pair_row_block<F, G, 4>(w, seg, j0, j1, q, xs, k, out, ldo); break;
                 }
             }
             if constexpr (has_minimums(F))
