@@ -355,7 +355,7 @@ def test_amx_is_the_default_for_integer_formats_where_it_runs_and_the_model_neve
 LAYER_ISAS = [None] + [isa for isa in kernels.tested_isas("int8") if isa == "amx" or isa in kernels.EMULATED_ISAS]
 # The per-expert rule's integer defaults (docs/kernels.md): AMX-INT8 from these token
 # counts, per format and group.
-AMX_MIN_TOKENS = {("int8", 32): 4, ("int8", 64): 5, ("int8", 128): 5,
+AMX_MIN_TOKENS = {("int8", 32): 5, ("int8", 64): 5, ("int8", 128): 5,
                   ("int4", 32): 14, ("int4", 64): 7, ("int4", 128): 5,
                   ("mxfp4", 32): 14, ("iq4nl", 32): 14}
 

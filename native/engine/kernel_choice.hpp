@@ -23,7 +23,6 @@ const kernels::KernelOps* kernels_for_tokens(int64_t m, kernels::Format format, 
 // small. Both give the same bits (docs/kernels.md, "The per-expert rule").
 constexpr int64_t kAmxMinTokensBf16 = 1;
 constexpr int64_t kAmxMinTokensInt8 = 5;
-constexpr int64_t kAmxMinTokensInt8Group32 = 4;
 constexpr int64_t kAmxMinTokensNibble = 5;
 constexpr int64_t kAmxMinTokensNibbleGroup64 = 7;
 constexpr int64_t kAmxMinTokensNibbleGroup32 = 14;
@@ -31,7 +30,7 @@ constexpr int64_t kAmxMinTokensNibbleGroup32 = 14;
 inline int64_t default_amx_min_tokens(kernels::Format format, int64_t group = 0) {
     if (format == kernels::Format::bf16) return kAmxMinTokensBf16;
     if (group == 0) group = kernels::default_group(format);
-    if (format == kernels::Format::int8) return group == 32 ? kAmxMinTokensInt8Group32 : kAmxMinTokensInt8;
+    if (format == kernels::Format::int8) return kAmxMinTokensInt8;
     return group == 32 ? kAmxMinTokensNibbleGroup32 : group == 64 ? kAmxMinTokensNibbleGroup64 : kAmxMinTokensNibble;
 }
 
