@@ -117,7 +117,7 @@ template <Format F>
 constexpr bool uses_lanes(int64_t m) {
     return m >= kLaneMinTokens<F>;
 }
-template <Format F, int64_t G>
+template <Format F>
 constexpr bool uses_row_lanes(int64_t m) {
     return m >= kRowLaneMinTokens && m < kLaneMinTokens<F>;
 }
@@ -134,7 +134,7 @@ size_t value_bytes(int64_t m, int64_t k) {
 template <Format F, int64_t G>
 size_t sums_offset(int64_t m, int64_t k) {
     const int64_t scales = uses_lanes<F>(m) ? lane_groups(m) * (k / G) * 16 : m * (k / G);
-    const int64_t starts = uses_row_lanes<F, G>(m) ? m * (k / G) : 0;
+    const int64_t starts = uses_row_lanes<F>(m) ? m * (k / G) : 0;
     return value_bytes<F>(m, k) + static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(starts) * sizeof(int32_t);
 }
 
@@ -185,9 +185,9 @@ struct TokenWriter {
     TokenWriter(void* packed, int64_t m_, int64_t k_)
         : values(static_cast<uint8_t*>(packed)),
           scales(reinterpret_cast<float*>(values + value_bytes<F>(m_, k_))),
-          starts(uses_row_lanes<F, G>(m_) ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
+          starts(uses_row_lanes<F>(m_) ? reinterpret_cast<int32_t*>(scales + m_ * (k_ / G)) : nullptr),
           sums(has_minimums(F) ? group_sums<F, G>(packed, m_, k_) : nullptr),
-          m(m_), k(k_), lanes(uses_lanes<F>(m_)), row_lanes(uses_row_lanes<F, G>(m_)) {}
+          m(m_), k(k_), lanes(uses_lanes<F>(m_)), row_lanes(uses_row_lanes<F>(m_)) {}
 
     void put(int64_t t, int64_t b, const int8_t* q, float scale) const {
         if constexpr (has_minimums(F)) sums[t * (k / G) + b] = token_group_sum<G>(q, scale);
@@ -1022,7 +1022,7 @@ void row_lane_row_block(const Weights& w, const Segment& seg, int64_t j, int64_t
     using std::integral_constant;
     static_assert(kRowLaneMaxPass == 12 && kLaneMinTokens<F> <= 17, "the switches below list every pass");
     if (m > kRowLaneMaxPass) {
-        if constexpr (uses_row_lanes<F, G>(16)) {
+        if constexpr (uses_row_lanes<F>(16)) {
             switch (m) {
                 case 13:
                     pass(integral_constant<int, 7>{}, integral_constant<int, 13>{}, 0);
@@ -1072,7 +1072,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
     const float* xs = reinterpret_cast<const float*>(values + value_bytes<F>(m, k));
     const int32_t* starts = reinterpret_cast<const int32_t*>(xs + m * (k / G));  // row lanes
     const int rows = uses_lanes<F>(m)       ? lane_rows(m)
-                     : uses_row_lanes<F, G>(m) ? kRowLaneRows
+                     : uses_row_lanes<F>(m) ? kRowLaneRows
                                             : rows_for_tokens(static_cast<int>(m));
     for_each_segment_rows(segments, n_segments, row_begin, row_end, [&](const Segment& seg, int64_t j_lo, int64_t j_hi,
                                                                       int64_t stride) {
@@ -1083,7 +1083,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
                     lane_row_block<F, G, 8>(w, seg, j0, j1, values, xs, m, k, out, ldo);
                 else
                     lane_row_block<F, G, 6>(w, seg, j0, j1, values, xs, m, k, out, ldo);
-            } else if (uses_row_lanes<F, G>(m)) {
+            } else if (uses_row_lanes<F>(m)) {
                 row_lane_row_block<F, G>(w, seg, j0, j1, q, xs, starts, m, k, out, ldo);
             } else {
                 switch (m) {
