@@ -59,7 +59,8 @@
 // lane, so no int16 stage and no sign trick; int8 weights are biased to w + 128 like int4's
 // q + 8, and each token's 128 * sum(x) per group comes with the operand as int4's offsets do.
 // Register block: R rows x T tokens = up to 8 (row, token) pairs (T = 1, 2, 3, 4 tokens;
-// R = 8, 4, 2, 2 rows), one vector each, so each weight vector loaded serves T tokens.
+// R = 8, 4, 2, 2 rows; without AVX-VNNI int4, mxfp4 and int4-affine at group 32 take 3
+// tokens as 2 + 1, token_block_size), one vector each, so each weight vector loaded serves T tokens.
 // Per group the 8 pair vectors reduce (vphaddd tree) to one vector of group totals, lane
 // p = pair p, and the fp32 scale-and-add runs on the 8 pairs at once. Rows are read 8 at
 // a time (a row block), which the hardware prefetchers follow badly: while the first
@@ -106,6 +107,11 @@ constexpr bool kVnni = false;
 // iq4nl without AVX-VNNI: its codes as signed values with the sign trick (the header).
 template <Format F>
 constexpr bool kSignedCodes = F == Format::iq4nl && !kVnni;
+
+// The nibble formats whose pair sums take an int16 stage, widened per group (vpmaddubsw
+// without AVX-VNNI, biased codes); the others sum in int32 from the start.
+template <Format F>
+constexpr bool kInt16Sums = is_nibble_format(F) && !kVnni && !kSignedCodes<F>;
 
 // The tokens' bias terms: where the weights are biased, the other nibble formats always,
 // int8 and iq4nl with AVX-VNNI.
@@ -548,7 +554,7 @@ template <Format F, int R, int T>
 inline void widen_pairs(const __m256i sums[kPairs], __m256i dot[kPairs]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int p = 0; p < kPairs; ++p)
-        dot[p] = p >= R * T ? _mm256_setzero_si256() : kVnni || kSignedCodes<F> ? sums[p] : _mm256_madd_epi16(sums[p], ones);
+        dot[p] = p >= R * T ? _mm256_setzero_si256() : kInt16Sums<F> ? _mm256_madd_epi16(sums[p], ones) : sums[p];
 }
 
 // The offsets of group g for the pairs, lane p = token p % T of the block.
@@ -639,6 +645,20 @@ void run_block(const Rows& rows, ScaleDtype scale_dtype, const TokenBlock& token
     }
 }
 
+// The tokens of the next register block, of `remaining`: up to kTokenBlock, except that
+// the formats with int16 sums at group 32 take 3 as 2 + 1. Their full step ends two
+// groups, so each step pays two epilogues (widening, reduction tree, scale-and-add) for
+// every register block, and the epilogue costs more than loading and unpacking the rows
+// again: as 2 rows x 3 tokens a block leaves 2 of its 8 pair lanes empty and a row block
+// needs 4 blocks, as 4 x 2 and 8 x 1 every lane is full and it needs 3 (docs/kernels.md:
+// 1.1-1.5x faster at three tokens; int8, iq4nl's int32 sums and groups of 64 and 128 gain
+// nothing or lose).
+template <Format F, int64_t G>
+constexpr int64_t token_block_size(int64_t remaining) {
+    if (kInt16Sums<F> && G == 32 && remaining == 3) return 2;
+    return remaining < kTokenBlock ? remaining : kTokenBlock;
+}
+
 template <Format F, int64_t G>
 void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segments, int64_t row_begin,
                      int64_t row_end, const void* packed, int64_t m, int64_t k, float* out, int64_t ldo) {
@@ -661,7 +681,7 @@ void matmul_segments(const Weights& w, const Segment* segments, int64_t n_segmen
             LinePrefetcher pf(rows.w[0] + 2 * kBlockRows * stride * row_bytes, column_bytes<F>(seg.k0),
                               column_bytes<F>(seg.k1), stride * row_bytes);
             for (int64_t t0 = 0; t0 < m;) {
-                const int64_t nt = m - t0 < kTokenBlock ? m - t0 : kTokenBlock;
+                const int64_t nt = token_block_size<F, G>(m - t0);
                 const TokenBlock tokens{operand.values + t0 * k, operand.scales + t0 * (k / G),
                                         operand.offsets ? operand.offsets + t0 : nullptr, k, offsets_stride(m)};
                 LinePrefetcher* first = t0 == 0 ? &pf : nullptr;
