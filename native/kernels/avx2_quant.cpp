@@ -443,6 +443,22 @@ inline void reduce_halves(const __m256i v[kPairs], __m256i* first, __m256i* seco
     *second = _mm256_permute2x128_si256(ab, cd, 0x31);
 }
 
+// reduce_halves of the int16 pair sums of a full step (kInt16Sums formats) widened, with
+// the tree's first level in int16: vphaddw adds two lanes of one pair vector, at most
+// 2 x 12192 < 32767 (mxfp4's largest codes: 12192 = 2 x 2 x 24 x 127), so that 4
+// widenings and 2 vphaddd do what 8 widenings and 6 vphaddd do on the widened sums.
+// Blocks of 4 tokens only: from memory it made 1 and 2 tokens slower (docs/kernels.md).
+inline void reduce_halves_int16(const __m256i s[kPairs], __m256i* first, __m256i* second) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i a = _mm256_madd_epi16(_mm256_hadd_epi16(s[0], s[1]), ones);
+    const __m256i b = _mm256_madd_epi16(_mm256_hadd_epi16(s[2], s[3]), ones);
+    const __m256i c = _mm256_madd_epi16(_mm256_hadd_epi16(s[4], s[5]), ones);
+    const __m256i d = _mm256_madd_epi16(_mm256_hadd_epi16(s[6], s[7]), ones);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
+    *first = _mm256_permute2x128_si256(ab, cd, 0x20);
+    *second = _mm256_permute2x128_si256(ab, cd, 0x31);
+}
+
 // Lane p of the result = the sum of v[p]'s eight lanes.
 inline __m256i reduce_pairs(const __m256i v[kPairs]) {
     __m256i first, second;
@@ -596,9 +612,13 @@ void block_sums(const RowBlock<R>& b, ScaleDtype scale_dtype, const TokenBlock& 
                     // A whole 64-column block holds two groups, one per half of the sums.
                     if (c % 64 == 0 && i + 1 < n && c + 64 <= tokens.k) {
                         nibble_full_step<F, R, T>(b, tokens, c, nibble_sums);
-                        widen_pairs<F, R, T>(nibble_sums, dot);
                         __m256i first, second;
-                        reduce_halves(dot, &first, &second);
+                        if constexpr (kInt16Sums<F> && T == kTokenBlock) {
+                            reduce_halves_int16(nibble_sums, &first, &second);
+                        } else {
+                            widen_pairs<F, R, T>(nibble_sums, dot);
+                            reduce_halves(dot, &first, &second);
+                        }
                         total = add_group<F, T>(total, first, tokens, g0 + i, tile[i]);
                         total = add_group<F, T>(total, second, tokens, g0 + i + 1, tile[i + 1]);
                         i += 2;
