@@ -123,6 +123,36 @@ def test_e8m0_scales_at_the_ends_of_their_range(rng, isa, m):
         assert err < 1e-5, (magnitude, err)
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("m", [3, 4, 8])
+def test_largest_codes_against_the_largest_tokens(rng, isa, m):
+    """Codes +6 and -6 in runs (integer 12 and -12, the codebook's largest) against tokens
+    whose every value is +127 or -127: the largest sums each kernel holds, among them
+    avx2's group-32 sums in int16 (up to 8 x 24 x 127 = 24384 after their first
+    reduction level, in blocks of 4 tokens; 3 tokens as 2 + 1): equal to the float64
+    model and to ref bit for bit."""
+    rows, cols = 16, 4 * GROUP
+    codes = np.full((rows, cols), 7, np.uint8)  # +6
+    codes[rows // 2:] = 15  # -6
+    codes[1, GROUP:2 * GROUP] = rng.integers(0, 16, GROUP)  # one group of random codes
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    scale_bytes = rng.integers(120, 130, (rows, cols // GROUP), dtype=np.uint8)
+    qm = quant.QuantizedMatrix("mxfp4", GROUP, packed, scale_bytes.view(E8M0))
+    x = rng.standard_normal((m, cols)).astype(BF16)
+    x[0], x[1] = 1.0, -1.0  # every value +127, every value -127
+    x[m - 1] = np.where(np.arange(cols) < 2 * GROUP, 1.0, -1.0)
+    segments = np.array([[0, 1, rows, 0, cols]], np.int64)
+    start = rng.standard_normal((rows, m)).astype(np.float32)  # matmul_segments adds to out
+    out = start.copy()
+    kernels.matmul_segments(qm, segments, x, out, isa=isa)
+    expected = start + reference_matmul(dequantized(qm), x, np.arange(rows), 0, cols)
+    err = np.abs(out - expected).max() / np.abs(expected).max()
+    assert err < 1e-5, err
+    ref_out = start.copy()
+    kernels.matmul_segments(qm, segments, x, ref_out, isa="ref")
+    np.testing.assert_array_equal(out, ref_out)
+
+
 def ffn_model(x, experts64, index):
     """float64 FFN of the weights given (w64 of gate, up, down) on the kernels' token rule:
     tokens quantized for gate / up, silu(g) * u in fp32 quantized again for down."""

@@ -268,10 +268,13 @@ def test_int8_weights_at_minus_128(rng, isa):
 
 @pytest.mark.parametrize("isa", kernels.tested_isas("int4"))
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_weights_at_their_extremes(rng, isa, group):
+@pytest.mark.parametrize("m", [7, 17])
+def test_int4_weights_at_their_extremes(rng, isa, group, m):
     """Nibbles at -8 and 7 against tokens at +-127: the largest dots of every kernel's int4
-    unpacking (AMX at groups of 128 multiplies each nibble by 16 and shifts the dots back)."""
-    rows, cols, m = 40, 256, 17
+    unpacking (AMX at groups of 128 multiplies each nibble by 16 and shifts the dots back;
+    avx2 at group 32 sums 4-token blocks' first reduction level in int16, and takes 7 tokens
+    as 4 + 2 + 1)."""
+    rows, cols = 40, 256
     q = np.where(rng.random((rows, cols)) < 0.5, -8, 7).astype(np.int8)
     q[:8] = -8  # rows whose dots reach 8 * 127 * group
     scales = (rng.random((rows, cols // group)) + 0.5).astype(np.float16)
