@@ -60,12 +60,13 @@
 // q + 8, and each token's 128 * sum(x) per group comes with the operand as int4's offsets do.
 // Register block: R rows x T tokens = up to 8 (row, token) pairs (T = 1, 2, 3, 4 tokens;
 // R = 8, 4, 2, 2 rows; without AVX-VNNI int4, mxfp4 and int4-affine at group 32 take 3
-// tokens as 2 + 1, token_block_size), one vector each, so each weight vector loaded serves T tokens.
-// Per group the 8 pair vectors reduce (vphaddd tree) to one vector of group totals, lane
-// p = pair p, and the fp32 scale-and-add runs on the 8 pairs at once. Rows are read 8 at
-// a time (a row block), which the hardware prefetchers follow badly: while the first
-// token block reads a row block, each 64 bytes of a row read request one line of the row
-// block after next, in address order (LinePrefetcher).
+// tokens as 2 + 1, token_block_size), one vector each, so each weight vector loaded
+// serves T tokens. Per group the 8 pair vectors reduce (vphaddd tree; those int16 sums in
+// 4-token blocks take its first level in int16, reduce_halves_int16) to one vector of
+// group totals, lane p = pair p, and the fp32 scale-and-add runs on the 8 pairs at once.
+// Rows are read 8 at a time (a row block), which the hardware prefetchers follow badly:
+// while the first token block reads a row block, each 64 bytes of a row read request one
+// line of the row block after next, in address order (LinePrefetcher).
 #include <immintrin.h>
 
 #include <cmath>
